@@ -1,0 +1,123 @@
+//! Errors that name the file, line, column, key and value.
+
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+/// Where in a configuration file something stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Location {
+    /// The file, as the user named it.
+    pub file: PathBuf,
+    /// 1-based line.
+    pub line: usize,
+    /// 1-based column, counted in characters.
+    pub column: usize,
+}
+
+/// One problem found in a configuration file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Where the offending key or value stands, when known.
+    pub location: Option<Location>,
+    /// The dotted key path, such as `limits[2].window`; empty for a whole-file problem.
+    pub key: String,
+    /// What is wrong, naming the bad value.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(loc) = &self.location {
+            write!(f, "{}:{}:{}: ", loc.file.display(), loc.line, loc.column)?;
+        }
+        if !self.key.is_empty() {
+            write!(f, "{}: ", self.key)?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+/// Every problem found in one configuration file (validation does not stop at the first).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Turns byte offsets of one source text into [`Location`]s.
+#[derive(Debug)]
+pub(crate) struct Source<'a> {
+    file: &'a Path,
+    text: &'a str,
+}
+
+impl<'a> Source<'a> {
+    pub(crate) fn new(file: &'a Path, text: &'a str) -> Self {
+        Self { file, text }
+    }
+
+    pub(crate) fn locate(&self, offset: usize) -> Location {
+        let offset = offset.min(self.text.len());
+        let before = &self.text[..floor_char_boundary(self.text, offset)];
+        let line = before.matches('\n').count() + 1;
+        let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+        let column = before[line_start..].chars().count() + 1;
+        Location {
+            file: self.file.to_path_buf(),
+            line,
+            column,
+        }
+    }
+
+    pub(crate) fn error(
+        &self,
+        span: Option<Range<usize>>,
+        key: impl Into<String>,
+        message: impl Into<String>,
+    ) -> ConfigError {
+        ConfigError {
+            location: span.map(|s| self.locate(s.start)),
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+fn floor_char_boundary(s: &str, mut i: usize) -> usize {
+    while i > 0 && !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locations_are_one_based_lines_and_columns() {
+        let text = "a = 1\n[b]\nwindow = \"x\"\n";
+        let src = Source::new(Path::new("f.toml"), text);
+        let off = text.find("\"x\"").unwrap();
+        let loc = src.locate(off);
+        assert_eq!((loc.line, loc.column), (3, 10));
+        assert_eq!(src.locate(0).line, 1);
+    }
+
+    #[test]
+    fn error_display_names_file_line_column_key_and_message() {
+        let src = Source::new(Path::new("c.toml"), "x = 1\n");
+        let e = src.error(Some(4..5), "x", "bad");
+        assert_eq!(e.to_string(), "c.toml:1:5: x: bad");
+    }
+}

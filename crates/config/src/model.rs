@@ -1,0 +1,219 @@
+//! The validated configuration. Every value here has been checked: a `Config` that exists is
+//! one sluice can run.
+
+use std::net::SocketAddr;
+use std::num::{NonZeroU32, NonZeroUsize};
+use std::time::Duration;
+
+use crate::Cidr;
+
+/// A whole, validated sluice configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// The main listener and its capacity.
+    pub gateway: Gateway,
+    /// The admin listener (`/live`, `/ready`).
+    pub admin: Admin,
+    /// How callers are identified.
+    pub identity: Identity,
+    /// How responses and refusals are written.
+    pub responses: Responses,
+    /// Named upstream services, in file order.
+    pub upstreams: Vec<Upstream>,
+    /// Routes, in file order; matching picks the longest path prefix.
+    pub routes: Vec<Route>,
+    /// Limits, in file order.
+    pub limits: Vec<Limit>,
+}
+
+/// `[gateway]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gateway {
+    /// Address of the main listener.
+    pub listen: SocketAddr,
+    /// Admitted, unfinished requests at which the gateway is full.
+    pub max_in_flight: NonZeroUsize,
+    /// A path on the main listener answered 200 (503 when full or draining), outside every limit.
+    pub health_path: Option<String>,
+    /// Time a client has to finish sending its request head.
+    pub header_timeout: Duration,
+    /// Time in-flight requests get to finish after SIGTERM.
+    pub shutdown_grace: Duration,
+    /// The range a 503's `Retry-After` is drawn from.
+    pub overload_retry_after: RetryRange,
+}
+
+/// A range of whole seconds, `min <= max`, both at least one second.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryRange {
+    /// Shortest wait.
+    pub min: Duration,
+    /// Longest wait.
+    pub max: Duration,
+}
+
+/// `[admin]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admin {
+    /// Address of the admin listener.
+    pub listen: SocketAddr,
+}
+
+/// `[identity]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// Where a caller's API key is read, first found wins.
+    pub api_key: Vec<KeySource>,
+    /// Peers whose `X-Forwarded-For` / `Forwarded` headers are believed.
+    pub trusted_proxies: Vec<Cidr>,
+    /// IPv6 clients are counted per network of this many bits.
+    pub ipv6_prefix: u8,
+}
+
+/// One place an API key can be read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    /// A request header (name lower-cased).
+    Header(String),
+    /// `Authorization: Bearer <key>`.
+    Bearer,
+    /// A query-string parameter.
+    Query(String),
+}
+
+/// `[responses]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Responses {
+    /// Prefix of problem `type` URIs: `problem_base` + `quota-exceeded`.
+    pub problem_base: String,
+    /// Also send `X-RateLimit-Limit`, `-Remaining`, `-Reset`.
+    pub legacy_headers: bool,
+}
+
+/// `[upstreams.<name>]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    /// The table name.
+    pub name: String,
+    /// `http://host:port`, no path.
+    pub url: http::Uri,
+    /// Time allowed to open a TCP connection.
+    pub connect_timeout: Duration,
+    /// Time allowed until the upstream's response head arrives.
+    pub timeout: Duration,
+}
+
+/// `[[routes]]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// Unique name, used by limits and logs.
+    pub name: String,
+    /// Path prefix, matched on segment boundaries.
+    pub path: String,
+    /// Methods matched; `None` matches every method.
+    pub methods: Option<Vec<http::Method>>,
+    /// Host matched (without port, lower case); `None` matches every host.
+    pub host: Option<String>,
+    /// Units of quota a request on this route costs.
+    pub cost: NonZeroU32,
+    /// What the gateway does with a matched request.
+    pub action: RouteAction,
+}
+
+/// What a route does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouteAction {
+    /// Forward to `upstreams[index]`.
+    Upstream(usize),
+    /// Answer directly.
+    Respond(Respond),
+}
+
+/// A fixed answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Respond {
+    /// Status code.
+    pub status: http::StatusCode,
+    /// Body.
+    pub body: String,
+    /// `Content-Type` of the body.
+    pub content_type: String,
+}
+
+/// `[[limits]]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limit {
+    /// Unique name, shown to callers as the policy.
+    pub name: String,
+    /// The parts of the key a caller is counted under.
+    pub by: Vec<KeyPart>,
+    /// How requests are counted.
+    pub algorithm: Algorithm,
+    /// Requests (cost units) per window, or requests in flight for `concurrency`.
+    pub quota: NonZeroU32,
+    /// The window; `None` only for `concurrency`.
+    pub window: Option<Duration>,
+    /// Routes (indices into `Config::routes`) the limit applies to; `None` means all.
+    pub routes: Option<Vec<usize>>,
+    /// Enforce, only report, or hold requests.
+    pub mode: Mode,
+    /// After a refusal, refuse the same key for this long.
+    pub block_for: Option<Duration>,
+}
+
+/// A part of a limit's key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyPart {
+    /// The client IP (IPv6 per `ipv6_prefix` network).
+    Ip,
+    /// The caller's API key.
+    ApiKey,
+    /// The matched route.
+    Route,
+    /// One bucket for everyone.
+    Global,
+    /// A request header's value (name lower-cased).
+    Header(String),
+}
+
+/// A counting algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    /// GCRA with a bucket of `burst` (default: `quota`).
+    TokenBucket {
+        /// Bucket size.
+        burst: NonZeroU32,
+    },
+    /// A counter per window aligned to the Unix epoch.
+    FixedWindow,
+    /// The two-counter sliding-window estimate.
+    SlidingWindow,
+    /// Requests in flight.
+    Concurrency,
+}
+
+impl Algorithm {
+    /// The name used in the TOML.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket { .. } => "token_bucket",
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::SlidingWindow => "sliding_window",
+            Algorithm::Concurrency => "concurrency",
+        }
+    }
+}
+
+/// What a limit does when it would refuse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Refuse.
+    Enforce,
+    /// Never refuse; log and report what would have happened.
+    DryRun,
+    /// Hold the request up to `max_delay` until it would pass; refuse only beyond that.
+    Delay {
+        /// The longest a request is held.
+        max_delay: Duration,
+    },
+}

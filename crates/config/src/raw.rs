@@ -1,0 +1,128 @@
+//! The TOML as written: serde structs whose leaves keep their spans so that validation can
+//! point at the offending value. Nothing here is checked beyond its TOML type.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+pub(crate) type S<T> = Spanned<T>;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawConfig {
+    #[serde(default)]
+    pub gateway: RawGateway,
+    #[serde(default)]
+    pub admin: RawAdmin,
+    #[serde(default)]
+    pub identity: RawIdentity,
+    #[serde(default)]
+    pub responses: RawResponses,
+    #[serde(default)]
+    pub upstreams: BTreeMap<S<String>, RawUpstream>,
+    #[serde(default)]
+    pub routes: Vec<RawRoute>,
+    #[serde(default)]
+    pub limits: Vec<RawLimit>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawGateway {
+    pub listen: Option<S<String>>,
+    pub max_in_flight: Option<S<i64>>,
+    pub health_path: Option<S<String>>,
+    pub header_timeout: Option<S<String>>,
+    pub shutdown_grace: Option<S<String>>,
+    pub overload_retry_after: Option<S<RawRange>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawRange {
+    pub min: S<String>,
+    pub max: S<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawAdmin {
+    pub listen: Option<S<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawIdentity {
+    pub api_key: Option<Vec<S<String>>>,
+    pub trusted_proxies: Option<Vec<S<String>>>,
+    pub ipv6_prefix: Option<S<i64>>,
+    pub allow_trust_all: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawResponses {
+    pub problem_base: Option<S<String>>,
+    pub legacy_headers: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawUpstream {
+    pub url: S<String>,
+    pub connect_timeout: Option<S<String>>,
+    pub timeout: Option<S<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawRoute {
+    pub name: S<String>,
+    pub path: S<String>,
+    pub methods: Option<Vec<S<String>>>,
+    pub host: Option<S<String>>,
+    pub upstream: Option<S<String>>,
+    pub respond: Option<S<RawRespond>>,
+    pub cost: Option<S<i64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawRespond {
+    pub status: S<i64>,
+    #[serde(default)]
+    pub body: String,
+    pub content_type: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawLimit {
+    pub name: S<String>,
+    pub by: S<OneOrMany>,
+    pub algorithm: Option<S<String>>,
+    pub quota: S<i64>,
+    pub window: Option<S<String>>,
+    pub burst: Option<S<i64>>,
+    pub routes: Option<Vec<S<String>>>,
+    pub mode: Option<S<String>>,
+    pub max_delay: Option<S<String>>,
+    pub block_for: Option<S<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    pub(crate) fn items(&self) -> Vec<&str> {
+        match self {
+            OneOrMany::One(s) => vec![s.as_str()],
+            OneOrMany::Many(v) => v.iter().map(String::as_str).collect(),
+        }
+    }
+}

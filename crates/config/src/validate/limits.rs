@@ -1,0 +1,247 @@
+//! `[[limits]]`, and the checks that join limits to routes.
+
+use std::num::NonZeroU32;
+
+use super::routes::list_or_none;
+use super::sections::is_header_name;
+use super::Validator;
+use crate::model::{Algorithm, KeyPart, Limit, Mode, Route};
+use crate::raw::{RawLimit, RawRoute, S};
+
+impl Validator<'_> {
+    pub(super) fn limits(
+        &mut self,
+        raw: &[RawLimit],
+        raw_routes: &[RawRoute],
+        routes: &[Route],
+    ) -> Vec<Limit> {
+        self.unique_names("limits", raw.iter().map(|l| &l.name));
+        let limits: Vec<Limit> = raw
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| self.limit(i, l, raw_routes))
+            .collect();
+        // Only when every route and limit is valid do indices line up; otherwise the errors
+        // already reported are what the user must fix first.
+        if limits.len() == raw.len() && routes.len() == raw_routes.len() {
+            self.costs_fit(&limits, routes, raw_routes);
+        }
+        limits
+    }
+
+    fn limit(&mut self, i: usize, l: &RawLimit, raw_routes: &[RawRoute]) -> Option<Limit> {
+        let key = |field: &str| format!("limits[{i}].{field}");
+        let by = self.key_parts(&l.by, &key("by"));
+        let quota = self.positive_u32(&l.quota, &key("quota"));
+        let algorithm = self.algorithm(l, &key("algorithm"), &key("burst"));
+        let window = match (&l.window, algorithm) {
+            (Some(w), Some(Algorithm::Concurrency)) => {
+                self.err(Some(w.span()), &key("window"), format!("\"{}\" is not used: a concurrency limit counts requests in flight, not per window", w.get_ref()));
+                None
+            }
+            (Some(w), _) => self.required_duration(w, &key("window")),
+            (None, Some(Algorithm::Concurrency)) | (None, None) => None,
+            (None, Some(a)) => {
+                self.err(
+                    Some(l.name.span()),
+                    &key("window"),
+                    format!("a {} limit needs a window (e.g. window = \"1m\")", a.name()),
+                );
+                None
+            }
+        };
+        let routes = l.routes.as_ref().map(|names| {
+            names
+                .iter()
+                .enumerate()
+                .filter_map(|(j, n)| {
+                    let found = raw_routes
+                        .iter()
+                        .position(|r| r.name.get_ref() == n.get_ref());
+                    if found.is_none() {
+                        let known: Vec<&str> = raw_routes
+                            .iter()
+                            .map(|r| r.name.get_ref().as_str())
+                            .collect();
+                        self.err(
+                            Some(n.span()),
+                            &format!("limits[{i}].routes[{j}]"),
+                            format!(
+                                "\"{}\" is not a route (known: {})",
+                                n.get_ref(),
+                                list_or_none(&known)
+                            ),
+                        );
+                    }
+                    found
+                })
+                .collect::<Vec<_>>()
+        });
+        let mode = self.mode(l, &key("mode"), &key("max_delay"), algorithm);
+        let block_for = l
+            .block_for
+            .as_ref()
+            .and_then(|b| self.required_duration(b, &key("block_for")));
+        if l.block_for.is_some() && block_for.is_none() {
+            return None;
+        }
+        let algorithm = algorithm?;
+        if algorithm != Algorithm::Concurrency && window.is_none() {
+            return None;
+        }
+        Some(Limit {
+            name: l.name.get_ref().clone(),
+            by: by?,
+            algorithm,
+            quota: quota?,
+            window,
+            routes,
+            mode: mode?,
+            block_for,
+        })
+    }
+
+    fn key_parts(&mut self, by: &S<crate::raw::OneOrMany>, key: &str) -> Option<Vec<KeyPart>> {
+        let items = by.get_ref().items();
+        if items.is_empty() {
+            self.err(Some(by.span()), key, "an empty list counts nobody; name at least one of \"ip\", \"api_key\", \"route\", \"global\", \"header:<name>\"");
+            return None;
+        }
+        let mut parts = Vec::with_capacity(items.len());
+        for item in items {
+            let part = match item {
+                "ip" => KeyPart::Ip,
+                "api_key" => KeyPart::ApiKey,
+                "route" => KeyPart::Route,
+                "global" => KeyPart::Global,
+                _ => match item.strip_prefix("header:") {
+                    Some(name) if is_header_name(name) => {
+                        KeyPart::Header(name.to_ascii_lowercase())
+                    }
+                    _ => {
+                        self.err(Some(by.span()), key, format!("\"{item}\" is not a key part (write \"ip\", \"api_key\", \"route\", \"global\" or \"header:<name>\")"));
+                        return None;
+                    }
+                },
+            };
+            if parts.contains(&part) {
+                self.err(Some(by.span()), key, format!("\"{item}\" is named twice"));
+                return None;
+            }
+            parts.push(part);
+        }
+        Some(parts)
+    }
+
+    fn algorithm(&mut self, l: &RawLimit, key: &str, burst_key: &str) -> Option<Algorithm> {
+        let name = l
+            .algorithm
+            .as_ref()
+            .map_or("token_bucket", |a| a.get_ref().as_str());
+        let algorithm = match name {
+            "token_bucket" => {
+                let burst = match &l.burst {
+                    Some(b) => self.positive_u32(b, burst_key)?,
+                    None => u32::try_from(*l.quota.get_ref())
+                        .ok()
+                        .and_then(NonZeroU32::new)?,
+                };
+                Algorithm::TokenBucket { burst }
+            }
+            "fixed_window" => Algorithm::FixedWindow,
+            "sliding_window" => Algorithm::SlidingWindow,
+            "concurrency" => Algorithm::Concurrency,
+            other => {
+                let span = l.algorithm.as_ref().map(|a| a.span());
+                self.err(span, key, format!("\"{other}\" is not an algorithm (write \"token_bucket\", \"fixed_window\", \"sliding_window\" or \"concurrency\")"));
+                return None;
+            }
+        };
+        if let (Some(b), false) = (&l.burst, matches!(algorithm, Algorithm::TokenBucket { .. })) {
+            self.err(
+                Some(b.span()),
+                burst_key,
+                format!(
+                    "{} is not used: burst applies to token_bucket limits only, not {name}",
+                    b.get_ref()
+                ),
+            );
+            return None;
+        }
+        Some(algorithm)
+    }
+
+    fn mode(
+        &mut self,
+        l: &RawLimit,
+        key: &str,
+        delay_key: &str,
+        algorithm: Option<Algorithm>,
+    ) -> Option<Mode> {
+        let name = l.mode.as_ref().map_or("enforce", |m| m.get_ref().as_str());
+        let max_delay = l
+            .max_delay
+            .as_ref()
+            .and_then(|d| self.required_duration(d, delay_key));
+        match (name, &l.max_delay) {
+            ("delay", None) => {
+                let span = l.mode.as_ref().map(|m| m.span());
+                self.err(span, key, "\"delay\" needs max_delay, the longest a request may be held (e.g. max_delay = \"500ms\")");
+                None
+            }
+            ("delay", Some(_)) if algorithm == Some(Algorithm::Concurrency) => {
+                let span = l.mode.as_ref().map(|m| m.span());
+                self.err(span, key, "\"delay\" is not supported for concurrency limits (use \"enforce\" or \"dry_run\")");
+                None
+            }
+            ("delay", Some(_)) => max_delay.map(|max_delay| Mode::Delay { max_delay }),
+            ("enforce" | "dry_run", Some(d)) => {
+                self.err(
+                    Some(d.span()),
+                    delay_key,
+                    format!(
+                        "\"{}\" is not used: max_delay applies only with mode = \"delay\"",
+                        d.get_ref()
+                    ),
+                );
+                None
+            }
+            ("enforce", None) => Some(Mode::Enforce),
+            ("dry_run", None) => Some(Mode::DryRun),
+            (other, _) => {
+                let span = l.mode.as_ref().map(|m| m.span());
+                self.err(
+                    span,
+                    key,
+                    format!(
+                        "\"{other}\" is not a mode (write \"enforce\", \"dry_run\" or \"delay\")"
+                    ),
+                );
+                None
+            }
+        }
+    }
+
+    /// A route whose cost exceeds the most a limit can ever hold would be refused forever.
+    fn costs_fit(&mut self, limits: &[Limit], routes: &[Route], raw_routes: &[RawRoute]) {
+        for (ri, route) in routes.iter().enumerate() {
+            for limit in limits {
+                let applies = limit.routes.as_ref().is_none_or(|rs| rs.contains(&ri));
+                let capacity = match limit.algorithm {
+                    Algorithm::TokenBucket { burst } => burst,
+                    Algorithm::FixedWindow | Algorithm::SlidingWindow => limit.quota,
+                    Algorithm::Concurrency => continue,
+                };
+                if applies && route.cost > capacity {
+                    let what = if matches!(limit.algorithm, Algorithm::TokenBucket { .. }) {
+                        "burst"
+                    } else {
+                        "quota"
+                    };
+                    let span = raw_routes[ri].cost.as_ref().map(|c| c.span());
+                    self.err(span, &format!("routes[{ri}].cost"), format!("{} is larger than the {what} of limit \"{}\" ({capacity}): no request on route \"{}\" could ever pass", route.cost, limit.name, route.name));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Raw TOML -> validated [`Config`]. Every problem is collected, not just the first.
+
+mod limits;
+mod routes;
+mod sections;
+
+use std::num::NonZeroU32;
+use std::ops::Range;
+use std::path::Path;
+use std::time::Duration;
+
+use crate::duration::parse_duration;
+use crate::error::{ConfigError, Source};
+use crate::model::Config;
+use crate::raw::{RawConfig, S};
+
+/// Collects errors while turning raw values into typed ones.
+pub(crate) struct Validator<'a> {
+    src: Source<'a>,
+    errors: Vec<ConfigError>,
+}
+
+impl<'a> Validator<'a> {
+    pub(crate) fn new(file: &'a Path, text: &'a str) -> Self {
+        Self {
+            src: Source::new(file, text),
+            errors: Vec::new(),
+        }
+    }
+
+    pub(crate) fn config(mut self, raw: &RawConfig) -> Result<Config, Vec<ConfigError>> {
+        let gateway = self.gateway(&raw.gateway);
+        let admin = self.admin(&raw.admin, &gateway);
+        let identity = self.identity(&raw.identity);
+        let responses = self.responses(&raw.responses);
+        let upstreams = self.upstreams(&raw.upstreams);
+        let routes = self.routes(&raw.routes, &upstreams);
+        let limits = self.limits(&raw.limits, &raw.routes, &routes);
+        if self.errors.is_empty() {
+            Ok(Config {
+                gateway,
+                admin,
+                identity,
+                responses,
+                upstreams,
+                routes,
+                limits,
+            })
+        } else {
+            Err(self.errors)
+        }
+    }
+
+    pub(crate) fn err(
+        &mut self,
+        span: Option<Range<usize>>,
+        key: &str,
+        message: impl Into<String>,
+    ) {
+        let e = self.src.error(span, key, message);
+        self.errors.push(e);
+    }
+
+    /// A duration value, or `default` when absent. On error the default is returned too, so
+    /// validation goes on and reports everything at once.
+    pub(crate) fn duration(
+        &mut self,
+        v: &Option<S<String>>,
+        key: &str,
+        default: Duration,
+    ) -> Duration {
+        match v {
+            None => default,
+            Some(v) => self.required_duration(v, key).unwrap_or(default),
+        }
+    }
+
+    pub(crate) fn required_duration(&mut self, v: &S<String>, key: &str) -> Option<Duration> {
+        match parse_duration(v.get_ref()) {
+            Ok(d) if d.is_zero() => {
+                self.err(
+                    Some(v.span()),
+                    key,
+                    format!("\"{}\" must be longer than zero", v.get_ref()),
+                );
+                None
+            }
+            Ok(d) => Some(d),
+            Err(msg) => {
+                self.err(Some(v.span()), key, msg);
+                None
+            }
+        }
+    }
+
+    /// An integer in `1..=u32::MAX`.
+    pub(crate) fn positive_u32(&mut self, v: &S<i64>, key: &str) -> Option<NonZeroU32> {
+        let n = *v.get_ref();
+        match u32::try_from(n).ok().and_then(NonZeroU32::new) {
+            Some(n) => Some(n),
+            None => {
+                self.err(
+                    Some(v.span()),
+                    key,
+                    format!("{n} is not allowed: it must be between 1 and {}", u32::MAX),
+                );
+                None
+            }
+        }
+    }
+
+    /// Reports names used twice within one list.
+    pub(crate) fn unique_names<'n>(
+        &mut self,
+        section: &str,
+        names: impl Iterator<Item = &'n S<String>>,
+    ) {
+        let mut seen: Vec<&str> = Vec::new();
+        for (i, name) in names.enumerate() {
+            let n = name.get_ref().as_str();
+            if seen.contains(&n) {
+                self.err(
+                    Some(name.span()),
+                    &format!("{section}[{i}].name"),
+                    format!("\"{n}\" is already the name of another entry in [[{section}]]"),
+                );
+            }
+            seen.push(n);
+            if n.is_empty() {
+                self.err(
+                    Some(name.span()),
+                    &format!("{section}[{i}].name"),
+                    "a name must not be empty",
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! `[[routes]]`.
+
+use std::num::NonZeroU32;
+
+use super::Validator;
+use crate::model::{Respond, Route, RouteAction, Upstream};
+use crate::raw::{RawRespond, RawRoute, S};
+
+impl Validator<'_> {
+    pub(super) fn routes(&mut self, raw: &[RawRoute], upstreams: &[Upstream]) -> Vec<Route> {
+        self.unique_names("routes", raw.iter().map(|r| &r.name));
+        raw.iter()
+            .enumerate()
+            .filter_map(|(i, r)| self.route(i, r, upstreams))
+            .collect()
+    }
+
+    fn route(&mut self, i: usize, r: &RawRoute, upstreams: &[Upstream]) -> Option<Route> {
+        let key = |field: &str| format!("routes[{i}].{field}");
+        self.path(&r.path, &key("path"));
+        let methods = r.methods.as_ref().map(|ms| {
+            ms.iter()
+                .filter_map(|m| {
+                    let v = m.get_ref();
+                    let ok = !v.is_empty() && v.bytes().all(|b| b.is_ascii_uppercase());
+                    match http::Method::from_bytes(v.as_bytes()) {
+                        Ok(method) if ok => Some(method),
+                        _ => {
+                            self.err(Some(m.span()), &key("methods"), format!("\"{v}\" is not an HTTP method (write it in capitals, e.g. \"GET\")"));
+                            None
+                        }
+                    }
+                })
+                .collect()
+        });
+        let host = r.host.as_ref().map(|h| {
+            let v = h.get_ref();
+            if v.is_empty() || v.parse::<http::uri::Authority>().is_err() || v.contains(['@', '/'])
+            {
+                self.err(
+                    Some(h.span()),
+                    &key("host"),
+                    format!("\"{v}\" is not a host name"),
+                );
+            }
+            v.to_ascii_lowercase()
+        });
+        let cost = match &r.cost {
+            None => Some(NonZeroU32::MIN),
+            Some(c) => self.positive_u32(c, &key("cost")),
+        };
+        let action = match (&r.upstream, &r.respond) {
+            (Some(u), None) => self.upstream_ref(u, &key("upstream"), upstreams),
+            (None, Some(resp)) => self.respond(resp, &key("respond")),
+            (Some(u), Some(_)) => {
+                self.err(
+                    Some(u.span()),
+                    &key("upstream"),
+                    "a route has either upstream or respond, not both",
+                );
+                None
+            }
+            (None, None) => {
+                self.err(
+                    Some(r.name.span()),
+                    &key("name"),
+                    format!(
+                        "route \"{}\" needs upstream = \"<name>\" or respond = {{ status = 200 }}",
+                        r.name.get_ref()
+                    ),
+                );
+                None
+            }
+        };
+        Some(Route {
+            name: r.name.get_ref().clone(),
+            path: r.path.get_ref().clone(),
+            methods,
+            host,
+            cost: cost?,
+            action: action?,
+        })
+    }
+
+    fn upstream_ref(
+        &mut self,
+        u: &S<String>,
+        key: &str,
+        upstreams: &[Upstream],
+    ) -> Option<RouteAction> {
+        let found = upstreams.iter().position(|x| &x.name == u.get_ref());
+        if found.is_none() {
+            let known: Vec<&str> = upstreams.iter().map(|x| x.name.as_str()).collect();
+            self.err(
+                Some(u.span()),
+                key,
+                format!(
+                    "\"{}\" is not an upstream (known: {})",
+                    u.get_ref(),
+                    list_or_none(&known)
+                ),
+            );
+        }
+        found.map(RouteAction::Upstream)
+    }
+
+    fn respond(&mut self, r: &S<RawRespond>, key: &str) -> Option<RouteAction> {
+        let raw = r.get_ref();
+        let status = u16::try_from(*raw.status.get_ref())
+            .ok()
+            .filter(|s| (200..=599).contains(s))
+            .and_then(|s| http::StatusCode::from_u16(s).ok());
+        if status.is_none() {
+            self.err(
+                Some(raw.status.span()),
+                &format!("{key}.status"),
+                format!(
+                    "{} is not a status code between 200 and 599",
+                    raw.status.get_ref()
+                ),
+            );
+        }
+        let content_type = raw
+            .content_type
+            .clone()
+            .unwrap_or_else(|| "text/plain; charset=utf-8".to_owned());
+        if http::HeaderValue::from_str(&content_type).is_err() {
+            self.err(
+                Some(r.span()),
+                &format!("{key}.content_type"),
+                format!("\"{content_type}\" is not a valid header value"),
+            );
+            return None;
+        }
+        Some(RouteAction::Respond(Respond {
+            status: status?,
+            body: raw.body.clone(),
+            content_type,
+        }))
+    }
+}
+
+pub(super) fn list_or_none(names: &[&str]) -> String {
+    if names.is_empty() {
+        "none".to_owned()
+    } else {
+        names
+            .iter()
+            .map(|n| format!("\"{n}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}

@@ -1,0 +1,257 @@
+//! `[gateway]`, `[admin]`, `[identity]`, `[responses]` and `[upstreams.*]`.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+use super::Validator;
+use crate::model::{Admin, Gateway, Identity, KeySource, Responses, RetryRange, Upstream};
+use crate::raw::{RawAdmin, RawGateway, RawIdentity, RawResponses, RawUpstream, S};
+use crate::Cidr;
+
+const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9901";
+
+impl Validator<'_> {
+    fn socket_addr(&mut self, v: &Option<S<String>>, key: &str, default: &str) -> SocketAddr {
+        let fallback = default.parse().expect("default listen addresses parse");
+        let Some(v) = v else { return fallback };
+        v.get_ref().parse().unwrap_or_else(|_| {
+            let msg = format!("\"{}\" is not an address and port (write e.g. \"127.0.0.1:8080\" or \"[::1]:8080\")", v.get_ref());
+            self.err(Some(v.span()), key, msg);
+            fallback
+        })
+    }
+
+    pub(super) fn gateway(&mut self, raw: &RawGateway) -> Gateway {
+        let listen = self.socket_addr(&raw.listen, "gateway.listen", DEFAULT_LISTEN);
+        let max_in_flight = match &raw.max_in_flight {
+            None => NonZeroUsize::new(256),
+            Some(v) => self
+                .positive_u32(v, "gateway.max_in_flight")
+                .and_then(|n| NonZeroUsize::new(n.get() as usize)),
+        }
+        .unwrap_or(NonZeroUsize::MIN);
+        let health_path = raw.health_path.as_ref().map(|p| {
+            self.path(p, "gateway.health_path");
+            p.get_ref().clone()
+        });
+        let header_timeout = self.duration(
+            &raw.header_timeout,
+            "gateway.header_timeout",
+            Duration::from_secs(10),
+        );
+        let shutdown_grace = self.duration(
+            &raw.shutdown_grace,
+            "gateway.shutdown_grace",
+            Duration::from_secs(30),
+        );
+        let overload_retry_after = self.retry_range(raw);
+        Gateway {
+            listen,
+            max_in_flight,
+            health_path,
+            header_timeout,
+            shutdown_grace,
+            overload_retry_after,
+        }
+    }
+
+    fn retry_range(&mut self, raw: &RawGateway) -> RetryRange {
+        let default = RetryRange {
+            min: Duration::from_secs(2),
+            max: Duration::from_secs(5),
+        };
+        let Some(r) = &raw.overload_retry_after else {
+            return default;
+        };
+        let key = "gateway.overload_retry_after";
+        let min = self.required_duration(&r.get_ref().min, &format!("{key}.min"));
+        let max = self.required_duration(&r.get_ref().max, &format!("{key}.max"));
+        let (Some(min), Some(max)) = (min, max) else {
+            return default;
+        };
+        for (d, v, k) in [
+            (min, &r.get_ref().min, "min"),
+            (max, &r.get_ref().max, "max"),
+        ] {
+            if d.subsec_nanos() != 0 {
+                self.err(
+                    Some(v.span()),
+                    &format!("{key}.{k}"),
+                    format!(
+                        "\"{}\" is not a whole number of seconds (Retry-After is sent in seconds)",
+                        v.get_ref()
+                    ),
+                );
+            }
+        }
+        if min > max {
+            self.err(
+                Some(r.span()),
+                key,
+                format!(
+                    "min \"{}\" is longer than max \"{}\"",
+                    r.get_ref().min.get_ref(),
+                    r.get_ref().max.get_ref()
+                ),
+            );
+        }
+        RetryRange { min, max }
+    }
+
+    pub(super) fn path(&mut self, p: &S<String>, key: &str) {
+        let v = p.get_ref();
+        if !v.starts_with('/')
+            || v.contains(['?', '#'])
+            || v.chars().any(|c| c.is_whitespace() || c.is_control())
+        {
+            self.err(Some(p.span()), key, format!("\"{v}\" is not a path (it must start with \"/\" and hold no query, fragment or spaces)"));
+        }
+    }
+
+    pub(super) fn admin(&mut self, raw: &RawAdmin, gateway: &Gateway) -> Admin {
+        let listen = self.socket_addr(&raw.listen, "admin.listen", DEFAULT_ADMIN_LISTEN);
+        if listen == gateway.listen && listen.port() != 0 {
+            let span = raw.listen.as_ref().map(|l| l.span());
+            self.err(span, "admin.listen", format!("\"{listen}\" is also gateway.listen: the admin endpoints need their own address"));
+        }
+        Admin { listen }
+    }
+
+    pub(super) fn identity(&mut self, raw: &RawIdentity) -> Identity {
+        let api_key = match &raw.api_key {
+            None => vec![KeySource::Header("x-api-key".into()), KeySource::Bearer],
+            Some(list) => list
+                .iter()
+                .enumerate()
+                .filter_map(|(i, s)| self.key_source(s, &format!("identity.api_key[{i}]")))
+                .collect(),
+        };
+        let mut trusted_proxies = Vec::new();
+        for (i, s) in raw.trusted_proxies.iter().flatten().enumerate() {
+            let key = format!("identity.trusted_proxies[{i}]");
+            match s.get_ref().parse::<Cidr>() {
+                Ok(c) if c.is_everything() && raw.allow_trust_all != Some(true) => self.err(
+                    Some(s.span()),
+                    &key,
+                    format!("\"{c}\" trusts every peer, which lets any caller choose its own client IP; set identity.allow_trust_all = true if that is really meant"),
+                ),
+                Ok(c) => trusted_proxies.push(c),
+                Err(msg) => self.err(Some(s.span()), &key, msg),
+            }
+        }
+        let ipv6_prefix = match &raw.ipv6_prefix {
+            None => 64,
+            Some(v) => match u8::try_from(*v.get_ref())
+                .ok()
+                .filter(|p| (1..=128).contains(p))
+            {
+                Some(p) => p,
+                None => {
+                    self.err(
+                        Some(v.span()),
+                        "identity.ipv6_prefix",
+                        format!("{} is not a prefix length between 1 and 128", v.get_ref()),
+                    );
+                    64
+                }
+            },
+        };
+        Identity {
+            api_key,
+            trusted_proxies,
+            ipv6_prefix,
+        }
+    }
+
+    fn key_source(&mut self, s: &S<String>, key: &str) -> Option<KeySource> {
+        let v = s.get_ref();
+        let parsed = match v.split_once(':') {
+            None if v == "bearer" => Some(KeySource::Bearer),
+            Some(("header", name)) if is_header_name(name) => {
+                Some(KeySource::Header(name.to_ascii_lowercase()))
+            }
+            Some(("query", name)) if !name.is_empty() && !name.contains(['&', '=', '#']) => {
+                Some(KeySource::Query(name.to_owned()))
+            }
+            _ => None,
+        };
+        if parsed.is_none() {
+            self.err(Some(s.span()), key, format!("\"{v}\" is not a key source (write \"header:<name>\", \"bearer\" or \"query:<name>\")"));
+        }
+        parsed
+    }
+
+    pub(super) fn responses(&mut self, raw: &RawResponses) -> Responses {
+        let problem_base = match &raw.problem_base {
+            None => "urn:sluice:problem:".to_owned(),
+            Some(v) => {
+                let s = v.get_ref();
+                let scheme_ok = s.split_once(':').is_some_and(|(scheme, _)| {
+                    !scheme.is_empty()
+                        && scheme
+                            .chars()
+                            .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+                });
+                if !scheme_ok || s.chars().any(|c| c.is_whitespace() || c == '"') {
+                    self.err(Some(v.span()), "responses.problem_base", format!("\"{s}\" is not an absolute URI (write e.g. \"https://api.example.com/problems/\")"));
+                }
+                s.clone()
+            }
+        };
+        Responses {
+            problem_base,
+            legacy_headers: raw.legacy_headers.unwrap_or(false),
+        }
+    }
+
+    pub(super) fn upstreams(&mut self, raw: &BTreeMap<S<String>, RawUpstream>) -> Vec<Upstream> {
+        let mut out = Vec::with_capacity(raw.len());
+        for (name, u) in raw {
+            let key = format!("upstreams.{}", name.get_ref());
+            let url = self.upstream_url(&u.url, &format!("{key}.url"));
+            let connect_timeout = self.duration(
+                &u.connect_timeout,
+                &format!("{key}.connect_timeout"),
+                Duration::from_secs(2),
+            );
+            let timeout = self.duration(
+                &u.timeout,
+                &format!("{key}.timeout"),
+                Duration::from_secs(30),
+            );
+            if let Some(url) = url {
+                out.push(Upstream {
+                    name: name.get_ref().clone(),
+                    url,
+                    connect_timeout,
+                    timeout,
+                });
+            }
+        }
+        out
+    }
+
+    fn upstream_url(&mut self, v: &S<String>, key: &str) -> Option<http::Uri> {
+        let s = v.get_ref();
+        let uri: Option<http::Uri> = s.parse().ok();
+        let problem = match &uri {
+            None => "is not a URL (write e.g. \"http://127.0.0.1:3000\")",
+            Some(u) if u.scheme_str() != Some("http") => "is not supported: upstreams are reached over plain http:// (TLS to upstreams is not built yet)",
+            Some(u) if u.host().is_none_or(str::is_empty) => "has no host",
+            Some(u) if !matches!(u.path(), "" | "/") || u.query().is_some() => "has a path or query; an upstream URL is scheme, host and port only",
+            Some(_) => return uri,
+        };
+        self.err(Some(v.span()), key, format!("\"{s}\" {problem}"));
+        None
+    }
+}
+
+/// An HTTP field name: a non-empty RFC 9110 token.
+pub(crate) fn is_header_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}

@@ -1,0 +1,234 @@
+//! The configuration parser against the shipped file and against bad files, with the exact
+//! error text a user sees.
+
+use std::path::Path;
+use std::time::Duration;
+
+use sluice_config::{parse, Algorithm, KeyPart, Mode, RouteAction};
+
+const SHIPPED: &str = include_str!("../../../config/sluice.toml");
+
+fn errors(text: &str) -> Vec<String> {
+    match parse(text, Path::new("c.toml")) {
+        Ok(_) => panic!("config was accepted:\n{text}"),
+        Err(e) => e.0.iter().map(ToString::to_string).collect(),
+    }
+}
+
+/// The shipped file with `from` replaced by `to` (which must occur).
+fn shipped_with(from: &str, to: &str) -> String {
+    assert!(SHIPPED.contains(from), "shipped config lacks {from:?}");
+    SHIPPED.replacen(from, to, 1)
+}
+
+#[test]
+fn shipped_config_is_accepted_as_written() {
+    let c = parse(SHIPPED, Path::new("config/sluice.toml")).expect("shipped config is valid");
+    assert_eq!(c.gateway.max_in_flight.get(), 256);
+    assert_eq!(c.gateway.health_path.as_deref(), Some("/health"));
+    assert_eq!(c.gateway.overload_retry_after.max, Duration::from_secs(5));
+    assert_eq!(c.routes.len(), 3);
+    assert_eq!(c.routes[1].cost.get(), 5);
+    assert!(matches!(c.routes[0].action, RouteAction::Respond(_)));
+    assert_eq!(c.routes[2].action, RouteAction::Upstream(0));
+    assert_eq!(c.limits.len(), 5);
+    assert_eq!(
+        c.limits[0].algorithm,
+        Algorithm::TokenBucket {
+            burst: 40.try_into().unwrap()
+        }
+    );
+    assert_eq!(c.limits[2].by, vec![KeyPart::ApiKey, KeyPart::Route]);
+    assert_eq!(c.limits[2].routes, Some(vec![1]));
+    assert_eq!(c.limits[3].algorithm, Algorithm::Concurrency);
+    assert_eq!(c.limits[4].mode, Mode::DryRun);
+    assert_eq!(c.limits[4].block_for, Some(Duration::from_secs(600)));
+    assert_eq!(c.identity.trusted_proxies.len(), 2);
+}
+
+#[test]
+fn empty_file_takes_every_default() {
+    let c = parse("", Path::new("e.toml")).unwrap();
+    assert_eq!(c.gateway.listen.to_string(), "127.0.0.1:8080");
+    assert_eq!(c.admin.listen.to_string(), "127.0.0.1:9901");
+    assert_eq!(c.gateway.header_timeout, Duration::from_secs(10));
+    assert_eq!(c.identity.ipv6_prefix, 64);
+    assert!(c.routes.is_empty());
+}
+
+#[test]
+fn bad_duration_names_file_line_column_key_and_value() {
+    let text = shipped_with(
+        "quota = 1000\nwindow = \"1h\"",
+        "quota = 1000\nwindow = \"1 minute\"",
+    );
+    let line = text.lines().position(|l| l.contains("1 minute")).unwrap() + 1;
+    assert_eq!(
+        errors(&text),
+        vec![format!(
+            "c.toml:{line}:10: limits[1].window: \"1 minute\" is not a duration (try \"60s\")"
+        )]
+    );
+}
+
+#[test]
+fn unknown_keys_are_errors_with_their_path() {
+    let e = errors("[gateway]\nlisten = \"127.0.0.1:1\"\nlisten_port = 3\n");
+    assert_eq!(e.len(), 1);
+    assert!(e[0].starts_with("c.toml:3:1: gateway"), "{}", e[0]);
+    assert!(e[0].contains("unknown field `listen_port`"), "{}", e[0]);
+}
+
+#[test]
+fn wrong_types_are_errors_with_their_path() {
+    let e = errors("[[limits]]\nname = \"x\"\nby = \"ip\"\nquota = \"ten\"\nwindow = \"1s\"\n");
+    assert_eq!(e.len(), 1);
+    assert!(
+        e[0].starts_with("c.toml:4:9: limits[0].quota: invalid type: string \"ten\""),
+        "{}",
+        e[0]
+    );
+}
+
+#[test]
+fn every_problem_is_reported_at_once() {
+    let text = r#"
+[upstreams.app]
+url = "http://127.0.0.1:3000"
+
+[[routes]]
+name = "a"
+path = "/a"
+upstream = "nope"
+cost = 9
+
+[[routes]]
+name = "a"
+path = "b"
+respond = { status = 200 }
+
+[[limits]]
+name = "l"
+by = "ip"
+algorithm = "fixed_window"
+quota = 0
+window = "1s"
+burst = 3
+
+[[limits]]
+name = "l"
+by = ["ip", "cookie"]
+quota = 1
+window = "1s"
+mode = "delay"
+routes = ["zzz"]
+"#;
+    let e = errors(text);
+    let expected = [
+        "c.toml:12:8: routes[1].name: \"a\" is already the name of another entry in [[routes]]",
+        "c.toml:8:12: routes[0].upstream: \"nope\" is not an upstream (known: \"app\")",
+        "c.toml:13:8: routes[1].path: \"b\" is not a path (it must start with \"/\" and hold no query, fragment or spaces)",
+        "c.toml:25:8: limits[1].name: \"l\" is already the name of another entry in [[limits]]",
+        "c.toml:20:9: limits[0].quota: 0 is not allowed: it must be between 1 and 4294967295",
+        "c.toml:22:9: limits[0].burst: 3 is not used: burst applies to token_bucket limits only, not fixed_window",
+        "c.toml:26:6: limits[1].by: \"cookie\" is not a key part (write \"ip\", \"api_key\", \"route\", \"global\" or \"header:<name>\")",
+        "c.toml:30:11: limits[1].routes[0]: \"zzz\" is not a route (known: \"a\", \"a\")",
+        "c.toml:29:8: limits[1].mode: \"delay\" needs max_delay, the longest a request may be held (e.g. max_delay = \"500ms\")",
+    ];
+    assert_eq!(e, expected);
+}
+
+#[test]
+fn cost_larger_than_burst_is_refused() {
+    let text = shipped_with("cost = 5", "cost = 6");
+    let e = errors(&text);
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert!(e[0].ends_with("routes[1].cost: 6 is larger than the burst of limit \"search-per-ip\" (5): no request on route \"search\" could ever pass"), "{}", e[0]);
+}
+
+#[test]
+fn trusting_everyone_needs_an_explicit_yes() {
+    let text = shipped_with("\"127.0.0.1/32\", \"10.0.0.0/8\"", "\"0.0.0.0/0\"");
+    let e = errors(&text);
+    assert!(
+        e[0].contains("identity.trusted_proxies[0]: \"0.0.0.0/0\" trusts every peer"),
+        "{}",
+        e[0]
+    );
+    let allowed = text.replace(
+        "ipv6_prefix = 64",
+        "ipv6_prefix = 64\nallow_trust_all = true",
+    );
+    assert!(parse(&allowed, Path::new("c.toml")).is_ok());
+}
+
+#[test]
+fn bad_values_in_other_sections_are_named() {
+    let cases = [
+        (
+            "listen = \"127.0.0.1:8080\"",
+            "listen = \"localhost\"",
+            "gateway.listen: \"localhost\" is not an address and port",
+        ),
+        (
+            "\"10.0.0.0/8\"",
+            "\"10.0.0.0/33\"",
+            "identity.trusted_proxies[1]: \"10.0.0.0/33\" is not an IP network",
+        ),
+        (
+            "ipv6_prefix = 64",
+            "ipv6_prefix = 129",
+            "identity.ipv6_prefix: 129 is not a prefix length between 1 and 128",
+        ),
+        (
+            "\"bearer\"]",
+            "\"cookie:x\"]",
+            "identity.api_key[1]: \"cookie:x\" is not a key source",
+        ),
+        (
+            "url = \"http://127.0.0.1:3000\"",
+            "url = \"https://x:1\"",
+            "upstreams.app.url: \"https://x:1\" is not supported",
+        ),
+        (
+            "methods = [\"GET\"]",
+            "methods = [\"get\"]",
+            "routes[1].methods: \"get\" is not an HTTP method",
+        ),
+        (
+            "max = \"5s\"",
+            "max = \"1s\"",
+            "gateway.overload_retry_after: min \"2s\" is longer than max \"1s\"",
+        ),
+        (
+            "algorithm = \"concurrency\"",
+            "algorithm = \"leaky\"",
+            "limits[3].algorithm: \"leaky\" is not an algorithm",
+        ),
+        (
+            "mode = \"dry_run\"",
+            "mode = \"dry_run\"\nmax_delay = \"1s\"",
+            "limits[4].max_delay: \"1s\" is not used",
+        ),
+        (
+            "status = 200,",
+            "status = 700,",
+            "routes[0].respond.status: 700 is not a status code",
+        ),
+    ];
+    for (from, to, expected) in cases {
+        let e = errors(&shipped_with(from, to));
+        assert!(
+            e.iter().any(|m| m.contains(expected)),
+            "{to}: expected {expected:?} in {e:?}"
+        );
+    }
+}
+
+#[test]
+fn concurrency_limit_with_a_window_is_refused() {
+    let text = shipped_with("quota = 10\n", "quota = 10\nwindow = \"1s\"\n");
+    assert!(errors(&text)[0].contains(
+        "limits[3].window: \"1s\" is not used: a concurrency limit counts requests in flight"
+    ));
+}
