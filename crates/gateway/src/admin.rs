@@ -1,0 +1,34 @@
+//! The admin listener: `GET /live` and `GET /ready`. Never limited, never forwarded, never
+//! counted as in-flight work.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use http::{Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+
+use crate::body::Body;
+use crate::handle::{plain, readiness, Shared};
+use crate::problem::Problem;
+
+/// hyper's service function for the admin listener.
+pub(crate) async fn handle(
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    let get = matches!(*req.method(), Method::GET | Method::HEAD);
+    Ok(match (get, req.uri().path()) {
+        // Live while the process serves: overload must never restart the container.
+        (true, "/live") => plain(StatusCode::OK, "live\n"),
+        (true, "/ready") => readiness(&shared.capacity),
+        (false, "/live" | "/ready") => {
+            let mut res = plain(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
+            res.headers_mut().insert(
+                http::header::ALLOW,
+                http::HeaderValue::from_static("GET, HEAD"),
+            );
+            res
+        }
+        _ => Problem::not_found().into_response(&shared.problem_base),
+    })
+}

@@ -1,0 +1,112 @@
+//! The response body: either bytes the gateway wrote or the upstream's body streamed through.
+//! It carries the request's in-flight slot and access-log record, so both end exactly when the
+//! body does, or when the client goes away and hyper drops it.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use hyper::body::Incoming;
+use pin_project_lite::pin_project;
+
+use crate::access_log::AccessLog;
+use crate::capacity::InFlight;
+
+pin_project! {
+    /// A response body.
+    #[derive(Debug)]
+    pub struct Body {
+        #[pin]
+        kind: Kind,
+        slot: Option<InFlight>,
+        log: Option<AccessLog>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    #[derive(Debug)]
+    enum Kind {
+        Full { data: Option<Bytes> },
+        Upstream { #[pin] body: Incoming },
+    }
+}
+
+impl Body {
+    pub(crate) fn full(data: impl Into<Bytes>) -> Self {
+        let data: Bytes = data.into();
+        let data = (!data.is_empty()).then_some(data);
+        Self {
+            kind: Kind::Full { data },
+            slot: None,
+            log: None,
+        }
+    }
+
+    pub(crate) fn upstream(body: Incoming) -> Self {
+        Self {
+            kind: Kind::Upstream { body },
+            slot: None,
+            log: None,
+        }
+    }
+
+    /// Keeps the in-flight slot until the body ends or is dropped.
+    pub(crate) fn hold(&mut self, slot: InFlight) {
+        self.slot = Some(slot);
+    }
+
+    /// Writes the access-log line when the body ends or is dropped.
+    pub(crate) fn log_on_end(&mut self, log: AccessLog) {
+        self.log = Some(log);
+    }
+}
+
+impl http_body::Body for Body {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.project();
+        let polled = match this.kind.project() {
+            KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            KindProj::Upstream { body } => body.poll_frame(cx),
+        };
+        if let Poll::Ready(frame) = &polled {
+            match frame {
+                Some(Ok(f)) => {
+                    if let (Some(log), Some(data)) = (this.log.as_mut(), f.data_ref()) {
+                        log.add_bytes(data.len());
+                    }
+                }
+                Some(Err(_)) => {
+                    if let Some(log) = this.log.as_mut() {
+                        log.upstream_body_failed();
+                    }
+                }
+                None => {}
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Kind::Full { data } => data.is_none(),
+            Kind::Upstream { body } => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            Kind::Full { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            Kind::Upstream { body } => body.size_hint(),
+        }
+    }
+}

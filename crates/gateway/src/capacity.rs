@@ -1,0 +1,111 @@
+//! The capacity step: how much admitted work is unfinished, and whether the gateway is full
+//! or draining. Readiness reads the same numbers, so it fails exactly when admissions would.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Counts in-flight requests against `max_in_flight`.
+#[derive(Debug)]
+pub(crate) struct Capacity {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    in_flight: AtomicUsize,
+    max: usize,
+    draining: AtomicBool,
+}
+
+/// One admitted request's slot; released when dropped (response body finished, client gone).
+#[derive(Debug)]
+pub(crate) struct InFlight {
+    inner: Arc<Inner>,
+}
+
+impl Capacity {
+    pub(crate) fn new(max: usize) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                in_flight: AtomicUsize::new(0),
+                max,
+                draining: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// Takes a slot, or `None` when the gateway is full.
+    pub(crate) fn try_acquire(&self) -> Option<InFlight> {
+        let inner = &self.inner;
+        let mut current = inner.in_flight.load(Ordering::Relaxed);
+        loop {
+            if current >= inner.max {
+                return None;
+            }
+            match inner.in_flight.compare_exchange_weak(
+                current,
+                current + 1,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => {
+                    return Some(InFlight {
+                        inner: inner.clone(),
+                    })
+                }
+                Err(seen) => current = seen,
+            }
+        }
+    }
+
+    /// Ready means: not draining and not full. Nothing else fails readiness.
+    pub(crate) fn is_ready(&self) -> bool {
+        !self.is_draining() && self.in_flight() < self.inner.max
+    }
+
+    pub(crate) fn in_flight(&self) -> usize {
+        self.inner.in_flight.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn start_draining(&self) {
+        self.inner.draining.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn is_draining(&self) -> bool {
+        self.inner.draining.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.inner.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_gateway_refuses_and_turns_unready_until_a_slot_is_released() {
+        let cap = Capacity::new(2);
+        let a = cap.try_acquire().unwrap();
+        assert!(cap.is_ready());
+        let _b = cap.try_acquire().unwrap();
+        assert!(!cap.is_ready());
+        assert!(cap.try_acquire().is_none());
+        drop(a);
+        assert!(cap.is_ready());
+        assert!(cap.try_acquire().is_some());
+    }
+
+    #[test]
+    fn draining_fails_readiness_without_refusing_in_flight_work() {
+        let cap = Capacity::new(2);
+        let slot = cap.try_acquire().unwrap();
+        cap.start_draining();
+        assert!(!cap.is_ready());
+        drop(slot);
+        assert_eq!(cap.in_flight(), 0);
+    }
+}

@@ -1,0 +1,135 @@
+//! `sluice check`: what the configuration means, in words; and `--upstream` overrides.
+
+use std::fmt::Write;
+use std::path::Path;
+
+use sluice_config::{
+    format_duration, Algorithm, Config, ConfigError, ConfigErrors, KeyPart, Mode, RouteAction,
+};
+
+/// A summary of the routes and limits `config` defines.
+pub(crate) fn describe(file: &Path, config: &Config) -> String {
+    let mut out = String::new();
+    let g = &config.gateway;
+    let _ = writeln!(out, "{}: ok", file.display());
+    let _ = writeln!(
+        out,
+        "listen {} (admin {}), max_in_flight {}",
+        g.listen, config.admin.listen, g.max_in_flight
+    );
+    let _ = writeln!(out, "routes:");
+    for r in &config.routes {
+        let methods = r.methods.as_ref().map_or("*".to_owned(), |m| {
+            m.iter().map(|m| m.as_str()).collect::<Vec<_>>().join(",")
+        });
+        let target = match &r.action {
+            RouteAction::Upstream(i) => format!(
+                "-> {} ({})",
+                config.upstreams[*i].name, config.upstreams[*i].url
+            ),
+            RouteAction::Respond(resp) => format!("-> respond {}", resp.status.as_u16()),
+        };
+        let host = r
+            .host
+            .as_deref()
+            .map(|h| format!(" host {h}"))
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "  {:<16} {methods} {}{host} cost {} {target}",
+            r.name, r.path, r.cost
+        );
+    }
+    let _ = writeln!(out, "limits:");
+    for l in &config.limits {
+        let by: Vec<String> = l.by.iter().map(key_part).collect();
+        let rate = match (l.algorithm, l.window) {
+            (Algorithm::Concurrency, _) => format!("{} in flight", l.quota),
+            (Algorithm::TokenBucket { burst }, Some(w)) => {
+                format!("{} per {} burst {burst}", l.quota, format_duration(w))
+            }
+            (_, Some(w)) => format!("{} per {}", l.quota, format_duration(w)),
+            (_, None) => l.quota.to_string(),
+        };
+        let routes = match &l.routes {
+            None => "all routes".to_owned(),
+            Some(rs) => rs
+                .iter()
+                .map(|i| config.routes[*i].name.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+        };
+        let mode = match l.mode {
+            Mode::Enforce => "enforce".to_owned(),
+            Mode::DryRun => "dry_run".to_owned(),
+            Mode::Delay { max_delay } => format!("delay up to {}", format_duration(max_delay)),
+        };
+        let block = l
+            .block_for
+            .map(|b| format!(", block {}", format_duration(b)))
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "  {:<16} {} by {} {rate} on {routes}, {mode}{block}",
+            l.name,
+            l.algorithm.name(),
+            by.join("+")
+        );
+    }
+    out
+}
+
+fn key_part(p: &KeyPart) -> String {
+    match p {
+        KeyPart::Ip => "ip".into(),
+        KeyPart::ApiKey => "api_key".into(),
+        KeyPart::Route => "route".into(),
+        KeyPart::Global => "global".into(),
+        KeyPart::Header(h) => format!("header:{h}"),
+    }
+}
+
+/// Applies `--upstream NAME=URL` by re-validating the file with the URL replaced, so an
+/// override is checked exactly like the file.
+pub(crate) fn override_upstreams(
+    config: Config,
+    file: &Path,
+    overrides: &[String],
+) -> Result<Config, ConfigErrors> {
+    if overrides.is_empty() {
+        return Ok(config);
+    }
+    let mut config = config;
+    let mut errors = Vec::new();
+    for o in overrides {
+        let err = |message: String| ConfigError {
+            location: None,
+            key: format!("--upstream {o}"),
+            message,
+        };
+        let Some((name, url)) = o.split_once('=') else {
+            errors.push(err("write NAME=URL, e.g. app=http://127.0.0.1:8000".into()));
+            continue;
+        };
+        let Some(up) = config.upstreams.iter_mut().find(|u| u.name == name) else {
+            errors.push(err(format!(
+                "\"{name}\" is not an upstream in {}",
+                file.display()
+            )));
+            continue;
+        };
+        let probe = format!(
+            "[upstreams.x]\nurl = \"{}\"\n",
+            url.replace(['"', '\\'], "")
+        );
+        match sluice_config::parse(&probe, Path::new("--upstream")) {
+            Ok(c) => up.url = c.upstreams[0].url.clone(),
+            Err(e) => errors.push(err(e.0[0].message.clone())),
+        }
+    }
+    if errors.is_empty() {
+        Ok(config)
+    } else {
+        Err(ConfigErrors(errors))
+    }
+}

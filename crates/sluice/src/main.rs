@@ -1,0 +1,117 @@
+//! The `sluice` command: `run` serves, `check` validates a configuration.
+
+#![forbid(unsafe_code)]
+
+mod check;
+mod logging;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use sluice_config::{Config, ConfigErrors};
+use sluice_gateway::Gateway;
+
+/// sluice: a throttling reverse proxy.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    /// Log format (level from the SLUICE_LOG variable, e.g. `info` or `sluice=debug`).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve with the given configuration until SIGTERM or SIGINT.
+    Run {
+        /// The TOML configuration file.
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Point an upstream elsewhere without editing the file: `--upstream app=http://127.0.0.1:8000`.
+        #[arg(long, value_name = "NAME=URL")]
+        upstream: Vec<String>,
+    },
+    /// Validate a configuration and print the routes and limits it defines. Exit 2 if invalid.
+    Check {
+        /// The TOML configuration file.
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Check { config } => match sluice_config::load(&config) {
+            Ok(c) => {
+                print!("{}", check::describe(&config, &c));
+                ExitCode::SUCCESS
+            }
+            Err(errors) => invalid(&errors),
+        },
+        Command::Run { config, upstream } => {
+            logging::init(cli.log_format);
+            let loaded = match sluice_config::load(&config)
+                .and_then(|c| check::override_upstreams(c, &config, &upstream))
+            {
+                Ok(c) => c,
+                Err(errors) => return invalid(&errors),
+            };
+            match run(loaded) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!("{e:#}");
+                    eprintln!("sluice: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+    }
+}
+
+fn invalid(errors: &ConfigErrors) -> ExitCode {
+    eprintln!("{errors}");
+    let n = errors.0.len();
+    eprintln!(
+        "sluice: the configuration is invalid ({n} problem{})",
+        if n == 1 { "" } else { "s" }
+    );
+    ExitCode::from(2)
+}
+
+/// Serves until a signal, then drains. A drain cut short by `shutdown_grace` still ends
+/// normally (the orchestrator asked us to stop); the log says so.
+fn run(config: Config) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    runtime.block_on(async {
+        let gateway = Gateway::bind(&config).await?;
+        tracing::info!(main = %gateway.main_addr(), admin = %gateway.admin_addr(), routes = config.routes.len(), limits = config.limits.len(), "listening");
+        let finished = gateway.run(signal()).await;
+        tracing::info!(every_request_finished = finished, "stopped");
+        Ok(())
+    })
+}
+
+async fn signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("installing a SIGINT handler");
+    let name = tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    };
+    tracing::info!(signal = name, "shutting down");
+}
