@@ -1,0 +1,135 @@
+//! A plain HTTP/1.1 client for the tests: one fresh connection per request, nothing hidden.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Body;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+/// What came back.
+#[derive(Debug)]
+pub struct Reply {
+    /// Status code.
+    pub status: StatusCode,
+    /// Response headers.
+    pub headers: HeaderMap,
+    /// The body, whole (tests that stream large bodies use [`send_counting`]).
+    pub body: Bytes,
+}
+
+impl Reply {
+    /// The body as UTF-8 text.
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// The body parsed as JSON.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", self.text()))
+    }
+
+    /// A header as text, or "" when absent.
+    pub fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    }
+}
+
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `GET path` with the given extra headers.
+pub async fn get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Reply {
+    let mut b = Request::get(path).header("host", addr.to_string());
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    send(addr, b.body(Empty::<Bytes>::new()).unwrap()).await
+}
+
+async fn connect<B>(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<B>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let stream = TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("HTTP/1.1 handshake");
+    tokio::spawn(conn);
+    sender
+}
+
+/// Sends `req` on a new connection and reads the whole response.
+pub async fn send<B>(addr: SocketAddr, req: Request<B>) -> Reply
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let fut = async {
+        let mut sender = connect(addr).await;
+        let res = sender.send_request(req).await.expect("response head");
+        let (parts, body) = res.into_parts();
+        let body = body.collect().await.expect("response body").to_bytes();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    };
+    tokio::time::timeout(REQUEST_TIMEOUT, fut)
+        .await
+        .expect("request finished in time")
+}
+
+/// Sends `req` and counts the response body's bytes without keeping them.
+pub async fn send_counting<B>(addr: SocketAddr, req: Request<B>) -> (StatusCode, u64)
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let fut = async {
+        let mut sender = connect(addr).await;
+        let res = sender.send_request(req).await.expect("response head");
+        let status = res.status();
+        let mut body = res.into_body();
+        let mut n = 0u64;
+        while let Some(frame) = body.frame().await {
+            if let Ok(d) = frame.expect("body frame").into_data() {
+                n += d.len() as u64;
+            }
+        }
+        (status, n)
+    };
+    tokio::time::timeout(REQUEST_TIMEOUT, fut)
+        .await
+        .expect("request finished in time")
+}
+
+/// `GET path`, returning an error instead of panicking when the connection fails.
+pub async fn try_get(addr: SocketAddr, path: &str) -> Result<StatusCode, String> {
+    let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let req = Request::get(path)
+        .header("host", addr.to_string())
+        .body(Empty::<Bytes>::new())
+        .unwrap();
+    let res = sender.send_request(req).await.map_err(|e| e.to_string())?;
+    let status = res.status();
+    res.into_body().collect().await.map_err(|e| e.to_string())?;
+    Ok(status)
+}

@@ -1,0 +1,19 @@
+//! Support for sluice's end-to-end tests: a mock upstream, a handle on a running `sluice`
+//! process on free loopback ports, and a small HTTP client. Everything talks to 127.0.0.1.
+
+#![forbid(unsafe_code)]
+
+pub mod client;
+pub mod process;
+pub mod upstream;
+
+pub use client::{get, send, Reply};
+pub use process::Sluice;
+pub use upstream::MockUpstream;
+
+/// A loopback port that was free a moment ago (bound, then released): for an upstream that
+/// must refuse connections.
+pub fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a probe port");
+    l.local_addr().expect("probe port address").port()
+}

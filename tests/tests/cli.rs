@@ -1,0 +1,89 @@
+//! `sluice check` on good and bad files, with the exact text a user sees.
+
+use sluice_tests::process::{run_cli, TempFile};
+
+const SHIPPED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/sluice.toml");
+
+#[test]
+fn check_accepts_the_shipped_config_and_lists_routes_and_limits() {
+    let (code, out, err) = run_cli(&["check", "--config", SHIPPED]);
+    assert_eq!(code, 0, "stderr: {err}");
+    assert!(out.contains("sluice.toml: ok"), "{out}");
+    for expected in [
+        "status           * /status cost 1 -> respond 200",
+        "search           GET /v1/search cost 5 -> app (http://127.0.0.1:3000/)",
+        "per-ip           token_bucket by ip 20 per 1s burst 40 on all routes, enforce",
+        "search-per-key   sliding_window by api_key+route 100 per 1m on search, enforce",
+        "key-concurrency  concurrency by api_key 10 in flight on all routes, enforce",
+        "search-per-ip    token_bucket by ip 5 per 1m burst 5 on search, dry_run, block 10m",
+    ] {
+        assert!(out.contains(expected), "missing {expected:?} in:\n{out}");
+    }
+}
+
+#[test]
+fn check_names_file_line_column_key_and_value_and_exits_2() {
+    let text = std::fs::read_to_string(SHIPPED)
+        .unwrap()
+        .replace("window = \"1h\"", "window = \"1 minute\"");
+    let file = TempFile::new("toml", &text);
+    let line = text.lines().position(|l| l.contains("1 minute")).unwrap() + 1;
+    let (code, out, err) = run_cli(&["check", "--config", file.0.to_str().unwrap()]);
+    assert_eq!(code, 2);
+    assert_eq!(out, "");
+    assert_eq!(
+        err,
+        format!(
+            "{}:{line}:10: limits[1].window: \"1 minute\" is not a duration (try \"60s\")\nsluice: the configuration is invalid (1 problem)\n",
+            file.0.display()
+        )
+    );
+}
+
+#[test]
+fn check_reports_every_problem_and_a_missing_file() {
+    let file = TempFile::new(
+        "toml",
+        "[gateway]\nmax_in_flight = 0\nheader_timeout = \"soon\"\n",
+    );
+    let (code, _, err) = run_cli(&["check", "--config", file.0.to_str().unwrap()]);
+    assert_eq!(code, 2);
+    let name = file.0.display();
+    assert_eq!(
+        err,
+        format!(
+            "{name}:2:17: gateway.max_in_flight: 0 is not allowed: it must be between 1 and 4294967295\n\
+             {name}:3:18: gateway.header_timeout: \"soon\" is not a duration (write an integer and a unit: 500ms, 2s, 10m, 1h, 1d)\n\
+             sluice: the configuration is invalid (2 problems)\n"
+        )
+    );
+    let (code, _, err) = run_cli(&["check", "--config", "/nonexistent/sluice.toml"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.starts_with("cannot read /nonexistent/sluice.toml: No such file"),
+        "{err}"
+    );
+}
+
+#[test]
+fn run_refuses_an_invalid_config_and_a_bad_upstream_override() {
+    let file = TempFile::new("toml", "[gateway]\nlisten = \"nowhere\"\n");
+    let (code, _, err) = run_cli(&["run", "--config", file.0.to_str().unwrap()]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("gateway.listen: \"nowhere\" is not an address and port"),
+        "{err}"
+    );
+    let (code, _, err) = run_cli(&[
+        "run",
+        "--config",
+        SHIPPED,
+        "--upstream",
+        "nope=http://127.0.0.1:1",
+    ]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("--upstream nope=http://127.0.0.1:1: \"nope\" is not an upstream"),
+        "{err}"
+    );
+}

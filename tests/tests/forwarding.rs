@@ -1,0 +1,305 @@
+//! The forwarding proxy over real sockets: methods, headers, streamed bodies, hop-by-hop
+//! stripping, X-Forwarded-For, and the errors it answers itself (404, 431, 502, 504).
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
+use sluice_tests::client::send_counting;
+use sluice_tests::upstream::Repeat;
+use sluice_tests::{closed_port, get, send, MockUpstream, Sluice};
+
+fn config(upstream: &str, timeout: &str) -> String {
+    format!(
+        r#"
+[gateway]
+listen = "127.0.0.1:0"
+max_in_flight = 64
+health_path = "/health"
+
+[admin]
+listen = "127.0.0.1:0"
+
+[responses]
+problem_base = "https://api.example.com/problems/"
+
+[upstreams.app]
+url = "{upstream}"
+connect_timeout = "1s"
+timeout = "{timeout}"
+
+[[routes]]
+name = "status"
+path = "/status"
+respond = {{ status = 200, body = "ok\n", content_type = "text/plain" }}
+
+[[routes]]
+name = "api"
+path = "/api"
+upstream = "app"
+"#
+    )
+}
+
+#[tokio::test]
+async fn methods_headers_and_bodies_reach_the_upstream() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    for method in ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"] {
+        let req = Request::builder()
+            .method(method)
+            .uri("/api/echo/x?q=1&r=two")
+            .header("host", "api.example.com")
+            .header("x-custom", "kept")
+            .body(Full::new(Bytes::from_static(b"hello body")))
+            .unwrap();
+        let reply = send(gw.main, req).await;
+        assert_eq!(reply.status, 200, "{method}: {}", reply.text());
+        let seen = reply.json();
+        assert_eq!(seen["method"], method);
+        assert_eq!(seen["uri"], "/api/echo/x?q=1&r=two");
+        assert_eq!(
+            seen["headers"]["host"], "api.example.com",
+            "Host is preserved"
+        );
+        assert_eq!(seen["headers"]["x-custom"], "kept");
+        assert_eq!(seen["headers"]["x-forwarded-for"], "127.0.0.1");
+        assert_eq!(seen["headers"]["x-forwarded-proto"], "http");
+        assert_eq!(seen["body_bytes"], 10);
+        let id = seen["headers"]["x-request-id"]
+            .as_str()
+            .expect("a request id is added");
+        assert_eq!(
+            reply.header("x-request-id"),
+            id,
+            "the same id is echoed to the caller"
+        );
+    }
+}
+
+#[tokio::test]
+async fn caller_request_id_and_forwarded_for_are_kept_and_extended() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let reply = get(
+        gw.main,
+        "/api/echo",
+        &[
+            ("x-request-id", "abc-123"),
+            ("x-forwarded-for", "203.0.113.7"),
+        ],
+    )
+    .await;
+    let seen = reply.json();
+    assert_eq!(seen["headers"]["x-request-id"], "abc-123");
+    assert_eq!(seen["headers"]["x-forwarded-for"], "203.0.113.7, 127.0.0.1");
+    assert_eq!(reply.header("x-request-id"), "abc-123");
+}
+
+#[tokio::test]
+async fn hop_by_hop_headers_are_stripped_both_ways() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let seen = get(
+        gw.main,
+        "/api/echo",
+        &[
+            ("connection", "x-hop"),
+            ("x-hop", "1"),
+            ("te", "trailers"),
+            ("proxy-authorization", "Basic eA=="),
+        ],
+    )
+    .await
+    .json();
+    for gone in ["x-hop", "te", "proxy-authorization"] {
+        assert!(
+            seen["headers"].get(gone).is_none(),
+            "{gone} reached the upstream: {seen}"
+        );
+    }
+    let reply = get(gw.main, "/api/hop", &[]).await;
+    assert_eq!(reply.header("x-public"), "yes");
+    assert_eq!(
+        reply.header("x-internal"),
+        "",
+        "a header named in the upstream's Connection leaked"
+    );
+    assert_eq!(reply.header("keep-alive"), "");
+}
+
+#[tokio::test]
+async fn large_bodies_stream_both_ways_with_flat_memory() {
+    const SIZE: u64 = 200 * 1024 * 1024;
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "30s"));
+    let before = gw.peak_rss();
+
+    let upload = Request::post("/api/upload")
+        .header("host", "x")
+        .body(Repeat::new(SIZE))
+        .unwrap();
+    let reply = send(gw.main, upload).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.json()["body_bytes"], SIZE);
+
+    let download = Request::get(format!("/api/download?bytes={SIZE}"))
+        .header("host", "x")
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    let (status, received) = send_counting(gw.main, download).await;
+    assert_eq!((status.as_u16(), received), (200, SIZE));
+
+    // Buffering either body whole would need 200 MiB; streaming needs a few buffers.
+    let grown = gw.peak_rss().saturating_sub(before);
+    assert!(
+        grown < 32 * 1024 * 1024,
+        "peak RSS grew by {} MiB while streaming 2 x 200 MiB",
+        grown / 1024 / 1024
+    );
+}
+
+#[tokio::test]
+async fn unmatched_path_is_a_404_problem() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let reply = get(gw.main, "/nothing-here", &[]).await;
+    assert_eq!(reply.status, 404);
+    assert_eq!(reply.header("content-type"), "application/problem+json");
+    let body = reply.json();
+    assert_eq!(body["type"], "https://api.example.com/problems/not-found");
+    assert_eq!(body["status"], 404);
+    assert_eq!(up.requests(), 0);
+    // "/apix" is not under "/api": segment boundaries.
+    assert_eq!(get(gw.main, "/apix", &[]).await.status, 404);
+}
+
+#[tokio::test]
+async fn refused_and_reset_upstreams_are_502_and_slow_ones_504() {
+    let dead = format!("http://127.0.0.1:{}", closed_port());
+    let gw = Sluice::start(&config(&dead, "5s"));
+    let reply = get(gw.main, "/api/echo", &[]).await;
+    assert_eq!(reply.status, 502);
+    assert_eq!(
+        reply.json()["type"],
+        "https://api.example.com/problems/upstream-unavailable"
+    );
+    assert!(
+        !reply.text().contains("127.0.0.1"),
+        "the body leaks the upstream address: {}",
+        reply.text()
+    );
+    drop(gw);
+
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "300ms"));
+    assert_eq!(get(gw.main, "/api/reset", &[]).await.status, 502);
+    let reply = get(gw.main, "/api/hold", &[]).await;
+    assert_eq!(reply.status, 504);
+    assert_eq!(
+        reply.json()["type"],
+        "https://api.example.com/problems/upstream-timeout"
+    );
+    up.release(1);
+}
+
+#[tokio::test]
+async fn request_head_over_64_kib_is_431() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let big = "a".repeat(70 * 1024);
+    let reply = get(gw.main, "/api/echo", &[("x-big", &big)]).await;
+    assert_eq!(reply.status, 431);
+    assert_eq!(up.requests(), 0);
+    let fits = "a".repeat(32 * 1024);
+    assert_eq!(
+        get(gw.main, "/api/echo", &[("x-big", &fits)]).await.status,
+        200
+    );
+}
+
+#[tokio::test]
+async fn respond_routes_answer_without_an_upstream() {
+    let gw = Sluice::start(&config(
+        &format!("http://127.0.0.1:{}", closed_port()),
+        "5s",
+    ));
+    let reply = get(gw.main, "/status", &[]).await;
+    assert_eq!(
+        (reply.status.as_u16(), reply.text().as_str()),
+        (200, "ok\n")
+    );
+    assert_eq!(reply.header("content-type"), "text/plain");
+}
+
+#[tokio::test]
+async fn http2_prior_knowledge_is_served() {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let stream = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let req = Request::get("http://h2.example.com/api/echo")
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    let res = sender.send_request(req).await.unwrap();
+    assert_eq!(res.status(), 200);
+    use http_body_util::BodyExt;
+    let body: serde_json::Value =
+        serde_json::from_slice(&res.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(
+        body["headers"]["host"], "h2.example.com",
+        "h2 :authority becomes Host upstream"
+    );
+    assert_eq!(body["version"], "HTTP/1.1");
+}
+
+#[tokio::test]
+async fn every_request_gets_one_access_log_line() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    get(
+        gw.main,
+        "/api/echo?key=secret",
+        &[("x-request-id", "log-me")],
+    )
+    .await;
+    let line = gw
+        .wait_log("for log-me", |v| v["request_id"] == "log-me")
+        .await;
+    assert_eq!(line["target"], "access");
+    assert_eq!(line["method"], "GET");
+    assert_eq!(
+        line["path"], "/api/echo",
+        "the query (which may hold a key) is not logged"
+    );
+    assert_eq!(line["route"], "api");
+    assert_eq!(line["status"], 200);
+    assert_eq!(line["client"], "127.0.0.1");
+    assert!(
+        line["upstream_ms"].as_f64().is_some() && line["total_ms"].as_f64().is_some(),
+        "{line}"
+    );
+    assert_eq!(
+        gw.access_logs()
+            .iter()
+            .filter(|v| v["request_id"] == "log-me")
+            .count(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn upstream_override_points_an_upstream_elsewhere() {
+    let up = MockUpstream::start().await;
+    let dead = format!("http://127.0.0.1:{}", closed_port());
+    let gw = Sluice::start_with_args(
+        &config(&dead, "5s"),
+        &["--upstream", &format!("app={}", up.url())],
+    );
+    assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
+    assert_eq!(up.requests(), 1);
+}

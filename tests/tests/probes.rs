@@ -1,0 +1,171 @@
+//! Probes, timeouts and shutdown over real sockets: `/live`, `/ready` and `health_path`
+//! follow capacity and draining only; slow clients are cut off; SIGTERM drains.
+
+use std::time::Duration;
+
+use sluice_tests::{get, MockUpstream, Sluice};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+fn config(upstream: &str, max_in_flight: u32, header_timeout: &str, grace: &str) -> String {
+    format!(
+        r#"
+[gateway]
+listen = "127.0.0.1:0"
+max_in_flight = {max_in_flight}
+health_path = "/health"
+header_timeout = "{header_timeout}"
+shutdown_grace = "{grace}"
+overload_retry_after = {{ min = "2s", max = "5s" }}
+
+[admin]
+listen = "127.0.0.1:0"
+
+[upstreams.app]
+url = "{upstream}"
+
+[[routes]]
+name = "api"
+path = "/"
+upstream = "app"
+"#
+    )
+}
+
+/// Reads until the peer closes; returns how long that took, or None after `limit`.
+async fn time_until_closed(stream: &mut TcpStream, limit: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    let mut buf = [0u8; 1024];
+    loop {
+        match tokio::time::timeout_at(start + limit, stream.read(&mut buf)).await {
+            Err(_) => return None,
+            Ok(Ok(0) | Err(_)) => return Some(start.elapsed()),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+#[tokio::test]
+async fn client_sending_half_a_head_is_disconnected_after_header_timeout() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), 8, "500ms", "5s"));
+
+    let mut half = TcpStream::connect(gw.main).await.unwrap();
+    half.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        .await
+        .unwrap();
+    let closed = time_until_closed(&mut half, Duration::from_secs(5)).await;
+    let closed = closed.expect("a half-sent head was still open after 5 s");
+    assert!(
+        closed >= Duration::from_millis(400),
+        "closed too early: {closed:?}"
+    );
+
+    let mut silent = TcpStream::connect(gw.main).await.unwrap();
+    let closed = time_until_closed(&mut silent, Duration::from_secs(5)).await;
+    assert!(
+        closed.is_some(),
+        "a silent connection was still open after 5 s"
+    );
+    assert_eq!(up.requests(), 0);
+}
+
+#[tokio::test]
+async fn live_is_always_200_and_ready_follows_capacity() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), 2, "10s", "5s"));
+    assert_eq!(get(gw.admin, "/live", &[]).await.status, 200);
+    assert_eq!(get(gw.admin, "/ready", &[]).await.status, 200);
+    assert_eq!(get(gw.main, "/health", &[]).await.status, 200);
+
+    let main = gw.main;
+    let held: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(async move { get(main, "/hold", &[]).await }))
+        .collect();
+    up.wait_holding(2).await;
+
+    assert_eq!(
+        get(gw.admin, "/ready", &[]).await.status,
+        503,
+        "full gateway must fail readiness"
+    );
+    assert_eq!(get(gw.main, "/health", &[]).await.status, 503);
+    assert_eq!(
+        get(gw.admin, "/live", &[]).await.status,
+        200,
+        "overload must never fail liveness"
+    );
+    let refused = get(gw.main, "/echo", &[]).await;
+    assert_eq!(refused.status, 503);
+    let retry: u64 = refused
+        .header("retry-after")
+        .parse()
+        .expect("Retry-After in seconds");
+    assert!((2..=5).contains(&retry), "Retry-After {retry} outside 2..5");
+    assert_eq!(refused.json()["policy"], "server-capacity");
+
+    up.release(2);
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    // The slot is released when the response body ends; the probe may race the release.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while get(gw.admin, "/ready", &[]).await.status != 200 {
+        assert!(Instant::now() < deadline, "readiness did not return to 200");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(get(gw.main, "/health", &[]).await.status, 200);
+}
+
+#[tokio::test]
+async fn sigterm_fails_readiness_stops_accepting_and_finishes_in_flight_work() {
+    let up = MockUpstream::start().await;
+    let mut gw = Sluice::start(&config(&up.url(), 8, "10s", "20s"));
+    let main = gw.main;
+    let in_flight = tokio::spawn(async move { get(main, "/hold", &[]).await });
+    up.wait_holding(1).await;
+
+    gw.terminate();
+    gw.wait_log("draining", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("draining"))
+    })
+    .await;
+    assert_eq!(
+        get(gw.admin, "/ready", &[]).await.status,
+        503,
+        "draining must fail readiness"
+    );
+    assert!(
+        TcpStream::connect(gw.main).await.is_err(),
+        "the main listener still accepts while draining"
+    );
+
+    up.release(1);
+    let reply = in_flight.await.unwrap();
+    assert_eq!(
+        (reply.status.as_u16(), reply.text().as_str()),
+        (200, "released\n")
+    );
+    let status = gw.wait_exit(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(0));
+}
+
+#[tokio::test]
+async fn shutdown_grace_bounds_the_drain() {
+    let up = MockUpstream::start().await;
+    let mut gw = Sluice::start(&config(&up.url(), 8, "10s", "500ms"));
+    let main = gw.main;
+    let stuck = tokio::spawn(async move { sluice_tests::client::try_get(main, "/hold").await });
+    up.wait_holding(1).await;
+    gw.terminate();
+    let status = gw.wait_exit(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(0));
+    assert!(
+        stuck.await.unwrap().is_err(),
+        "the stuck request cannot have completed"
+    );
+    up.release(1);
+}
