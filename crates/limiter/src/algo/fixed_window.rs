@@ -1,0 +1,132 @@
+//! Fixed window: one counter per window, windows aligned to multiples of the window length since
+//! the Unix epoch. State: window index in the high 64 bits, count in the low 64.
+
+use super::{Algo, Step};
+
+/// `quota` per aligned window of `window` nanoseconds.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FixedWindow {
+    quota: u32,
+    window: u64,
+}
+
+fn unpack(state: u128) -> (u64, u64) {
+    ((state >> 64) as u64, state as u64)
+}
+
+fn pack(index: u64, count: u64) -> u128 {
+    (u128::from(index) << 64) | u128::from(count)
+}
+
+impl FixedWindow {
+    pub(crate) fn new(quota: u32, window: u64) -> Self {
+        FixedWindow { quota, window }
+    }
+
+    /// The count charged to the window containing `now`.
+    #[inline]
+    fn count_at(&self, state: u128, now: u64) -> u64 {
+        let (index, count) = unpack(state);
+        if index == now / self.window {
+            count
+        } else {
+            0
+        }
+    }
+
+    /// Nanoseconds from `now` to the end of its window.
+    fn until_window_end(&self, now: u64) -> u64 {
+        self.window - now % self.window
+    }
+}
+
+impl Algo for FixedWindow {
+    #[inline]
+    fn eval(&self, state: u128, cost: u32, now: u64) -> Step {
+        let count = self.count_at(state, now) + u64::from(cost);
+        if count <= u64::from(self.quota) {
+            let index = now / self.window;
+            Step::Admit {
+                state: pack(index, count),
+                tag: index,
+            }
+        } else {
+            Step::Refuse {
+                wait: self.wait(state, cost, now),
+            }
+        }
+    }
+
+    fn undo(&self, state: u128, cost: u32, tag: u64) -> u128 {
+        let (index, count) = unpack(state);
+        if index == tag {
+            pack(index, count.saturating_sub(u64::from(cost)))
+        } else {
+            state // the charged window has ended: nothing left to take back
+        }
+    }
+
+    fn expiry(&self, state: u128) -> u64 {
+        let (index, count) = unpack(state);
+        if count == 0 {
+            0
+        } else {
+            index.saturating_add(1).saturating_mul(self.window)
+        }
+    }
+
+    fn remaining(&self, state: u128, now: u64) -> u32 {
+        let left = u64::from(self.quota).saturating_sub(self.count_at(state, now));
+        u32::try_from(left).unwrap_or(u32::MAX)
+    }
+
+    fn wait(&self, state: u128, cost: u32, now: u64) -> Option<u64> {
+        if self.count_at(state, now) + u64::from(cost) <= u64::from(self.quota) {
+            Some(0)
+        } else {
+            Some(self.until_window_end(now))
+        }
+    }
+
+    fn quota(&self) -> u32 {
+        self.quota
+    }
+
+    fn window(&self) -> Option<u64> {
+        Some(self.window)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEC: u64 = 1_000_000_000;
+
+    #[test]
+    fn windows_align_to_the_unix_epoch_and_reset_exactly() {
+        let fw = FixedWindow::new(2, 60 * SEC);
+        let now = 600 * SEC + 45 * SEC; // 45 s into an epoch-aligned minute
+        let Step::Admit { state, .. } = fw.eval(0, 2, now) else {
+            panic!()
+        };
+        assert_eq!(
+            fw.eval(state, 1, now),
+            Step::Refuse {
+                wait: Some(15 * SEC)
+            }
+        );
+        assert!(matches!(fw.eval(state, 1, 660 * SEC), Step::Admit { .. }));
+        assert_eq!(fw.expiry(state), 660 * SEC);
+    }
+
+    #[test]
+    fn undo_in_a_later_window_changes_nothing() {
+        let fw = FixedWindow::new(5, SEC);
+        let Step::Admit { state, tag } = fw.eval(0, 3, 10 * SEC) else {
+            panic!()
+        };
+        assert_eq!(fw.remaining(fw.undo(state, 3, tag), 10 * SEC), 5);
+        assert_eq!(fw.undo(state, 3, tag + 1), state);
+    }
+}

@@ -1,0 +1,165 @@
+//! GCRA: the token bucket as one theoretical arrival time (TAT) per key.
+//!
+//! Time is kept in units of `1/scale` ns where `scale = quota / gcd(window, quota)`, so the
+//! emission interval `window / quota` is a whole number of units and no rounding ever drifts
+//! (governor rounds it to whole nanoseconds). The TAT fits in 128 bits for any quota and window.
+
+use super::{ceil_div_u64, Algo, Step};
+
+/// A token bucket of `burst` tokens refilled at `quota` per `window`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Gcra {
+    /// Units per nanosecond.
+    scale: u128,
+    /// Emission interval (time to earn one token), in units.
+    interval: u128,
+    /// Bucket size times the interval: the most debt a key may hold, in units.
+    tolerance: u128,
+    burst: u32,
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+impl Gcra {
+    pub(crate) fn new(quota: u32, window_ns: u64, burst: u32) -> Self {
+        let g = gcd(window_ns, u64::from(quota));
+        let interval = u128::from(window_ns / g);
+        Gcra {
+            scale: u128::from(u64::from(quota) / g),
+            interval,
+            tolerance: interval * u128::from(burst),
+            burst,
+        }
+    }
+
+    /// Debt at `now` in units: how far the TAT is ahead of now.
+    #[inline]
+    fn debt(&self, tat: u128, now: u64) -> u128 {
+        tat.saturating_sub(u128::from(now) * self.scale)
+    }
+}
+
+impl Algo for Gcra {
+    #[inline]
+    fn eval(&self, tat: u128, cost: u32, now: u64) -> Step {
+        let now_units = u128::from(now) * self.scale;
+        let increment = u128::from(cost) * self.interval;
+        let new_tat = tat.max(now_units) + increment;
+        if new_tat - now_units <= self.tolerance {
+            Step::Admit {
+                state: new_tat,
+                tag: 0,
+            }
+        } else {
+            Step::Refuse {
+                wait: self.wait(tat, cost, now),
+            }
+        }
+    }
+
+    fn undo(&self, tat: u128, cost: u32, _tag: u64) -> u128 {
+        // Subtraction commutes with other keys' charges made since, so the refund is exact;
+        // a TAT pulled below `now` is equivalent to `now` (the bucket is full either way).
+        tat.saturating_sub(u128::from(cost) * self.interval)
+    }
+
+    fn expiry(&self, tat: u128) -> u64 {
+        ceil_div_u64(tat, self.scale)
+    }
+
+    fn remaining(&self, tat: u128, now: u64) -> u32 {
+        let room = self.tolerance.saturating_sub(self.debt(tat, now));
+        u32::try_from(room / self.interval).unwrap_or(u32::MAX)
+    }
+
+    fn wait(&self, tat: u128, cost: u32, now: u64) -> Option<u64> {
+        let needed = self.debt(tat, now) + u128::from(cost) * self.interval;
+        Some(ceil_div_u64(
+            needed.saturating_sub(self.tolerance),
+            self.scale,
+        ))
+    }
+
+    fn quota(&self) -> u32 {
+        self.burst
+    }
+
+    fn window(&self) -> Option<u64> {
+        Some(ceil_div_u64(self.tolerance, self.scale))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEC: u64 = 1_000_000_000;
+
+    fn run(g: &Gcra, tat: &mut u128, cost: u32, now: u64) -> bool {
+        match g.eval(*tat, cost, now) {
+            Step::Admit { state, .. } => {
+                *tat = state;
+                true
+            }
+            Step::Refuse { .. } => false,
+        }
+    }
+
+    #[test]
+    fn a_third_of_a_second_interval_does_not_drift() {
+        // 3 per second: tokens accrue every 333_333_333.3 ns. Rounding the interval to whole
+        // nanoseconds (as governor does) would admit the ninth token 3 ns early.
+        let g = Gcra::new(3, SEC, 3);
+        let t0 = 100 * SEC;
+        let mut tat = 0;
+        assert!(run(&g, &mut tat, 3, t0));
+        for k in 1..=9u64 {
+            let due = t0 + (k * SEC).div_ceil(3);
+            assert!(
+                !run(&g, &mut tat, 1, due - 1),
+                "token {k} is not due 1 ns early"
+            );
+            assert!(run(&g, &mut tat, 1, due), "token {k} is due at {due}");
+        }
+    }
+
+    #[test]
+    fn refusal_waits_exactly_for_the_missing_tokens() {
+        let g = Gcra::new(10, SEC, 10);
+        let mut tat = 0;
+        let now = 50 * SEC;
+        assert!(run(&g, &mut tat, 10, now));
+        assert_eq!(
+            g.eval(tat, 3, now),
+            Step::Refuse {
+                wait: Some(3 * SEC / 10)
+            }
+        );
+        assert!(!run(&g, &mut tat, 3, now + 3 * SEC / 10 - 1));
+        assert!(run(&g, &mut tat, 3, now + 3 * SEC / 10));
+    }
+
+    #[test]
+    fn figures_name_burst_and_refill_time() {
+        let g = Gcra::new(10, SEC, 5);
+        assert_eq!(g.quota(), 5);
+        assert_eq!(g.window(), Some(SEC / 2));
+        assert_eq!(g.remaining(0, SEC), 5);
+    }
+
+    #[test]
+    fn undo_restores_the_bucket() {
+        let g = Gcra::new(10, SEC, 5);
+        let now = 9 * SEC;
+        let Step::Admit { state, .. } = g.eval(0, 2, now) else {
+            panic!()
+        };
+        assert_eq!(g.remaining(state, now), 3);
+        assert_eq!(g.remaining(g.undo(state, 2, 0), now), 5);
+    }
+}

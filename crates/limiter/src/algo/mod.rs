@@ -1,0 +1,130 @@
+//! The four algorithms as pure functions over one 128-bit state word per key.
+//!
+//! A state of zero is the fresh state of every algorithm, so a missing table entry and a zero
+//! entry mean the same thing. Times are integer nanoseconds since the Unix epoch.
+
+mod concurrency;
+mod fixed_window;
+mod gcra;
+mod sliding_window;
+
+pub(crate) use concurrency::Concurrency;
+pub(crate) use fixed_window::FixedWindow;
+pub(crate) use gcra::Gcra;
+pub(crate) use sliding_window::SlidingWindow;
+
+use crate::clock::duration_to_nanos;
+use crate::limit::{Algorithm, Limit};
+
+/// What one algorithm decides for one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Admit, storing `state`; `tag` identifies the charge for a later refund (window index).
+    Admit { state: u128, tag: u64 },
+    /// Refuse; `wait` until the same cost would pass (`None`: not a matter of time).
+    Refuse { wait: Option<u64> },
+}
+
+/// The operations every algorithm provides over its state word.
+pub(crate) trait Algo {
+    /// Decides `cost` at `now` against `state`, without side effects.
+    fn eval(&self, state: u128, cost: u32, now: u64) -> Step;
+    /// The state with an earlier admission (`cost`, `tag`) taken back.
+    fn undo(&self, state: u128, cost: u32, tag: u64) -> u128;
+    /// When `state` becomes equivalent to fresh (`u64::MAX`: not by the passing of time).
+    fn expiry(&self, state: u128) -> u64;
+    /// Quota left at `now`.
+    fn remaining(&self, state: u128, now: u64) -> u32;
+    /// Nanoseconds until `cost` would pass (0: now; `None`: not a matter of time).
+    fn wait(&self, state: u128, cost: u32, now: u64) -> Option<u64>;
+    /// The quota advertised in headers (`q`).
+    fn quota(&self) -> u32;
+    /// The window advertised in headers (`w`), in nanoseconds.
+    fn window(&self) -> Option<u64>;
+}
+
+/// One limit's algorithm with its parameters, ready to evaluate.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Rule {
+    Gcra(Gcra),
+    Fixed(FixedWindow),
+    Sliding(SlidingWindow),
+    Concurrency(Concurrency),
+}
+
+macro_rules! dispatch {
+    ($self:ident, $a:ident => $e:expr) => {
+        match $self {
+            Rule::Gcra($a) => $e,
+            Rule::Fixed($a) => $e,
+            Rule::Sliding($a) => $e,
+            Rule::Concurrency($a) => $e,
+        }
+    };
+}
+
+impl Rule {
+    /// The rule for `limit`.
+    pub(crate) fn new(limit: &Limit) -> Rule {
+        let quota = limit.quota().get();
+        let window = duration_to_nanos(limit.window());
+        match limit.algorithm() {
+            Algorithm::TokenBucket { burst } => Rule::Gcra(Gcra::new(quota, window, burst.get())),
+            Algorithm::FixedWindow => Rule::Fixed(FixedWindow::new(quota, window)),
+            Algorithm::SlidingWindow => Rule::Sliding(SlidingWindow::new(quota, window)),
+            Algorithm::Concurrency => Rule::Concurrency(Concurrency::new(quota)),
+        }
+    }
+
+    /// Whether every request uses one unit whatever its cost (concurrency slots).
+    pub(crate) fn counts_requests(&self) -> bool {
+        matches!(self, Rule::Concurrency(_))
+    }
+
+    /// `(remaining, reset)` after an admission that left `state` at `now`: reset is the time
+    /// until the remaining quota grows by one (zero when full).
+    pub(crate) fn after_admission(&self, state: u128, now: u64) -> (u32, Option<u64>) {
+        let remaining = self.remaining(state, now);
+        let reset = if remaining >= self.quota() {
+            Some(0)
+        } else {
+            self.wait(state, remaining + 1, now)
+        };
+        (remaining, reset)
+    }
+
+    /// `(remaining, wait)` for a request of `cost` not charged against `state`.
+    pub(crate) fn pending(&self, state: u128, cost: u32, now: u64) -> (u32, Option<u64>) {
+        (self.remaining(state, now), self.wait(state, cost, now))
+    }
+}
+
+impl Algo for Rule {
+    #[inline]
+    fn eval(&self, state: u128, cost: u32, now: u64) -> Step {
+        dispatch!(self, a => a.eval(state, cost, now))
+    }
+    fn undo(&self, state: u128, cost: u32, tag: u64) -> u128 {
+        dispatch!(self, a => a.undo(state, cost, tag))
+    }
+    fn expiry(&self, state: u128) -> u64 {
+        dispatch!(self, a => a.expiry(state))
+    }
+    fn remaining(&self, state: u128, now: u64) -> u32 {
+        dispatch!(self, a => a.remaining(state, now))
+    }
+    fn wait(&self, state: u128, cost: u32, now: u64) -> Option<u64> {
+        dispatch!(self, a => a.wait(state, cost, now))
+    }
+    fn quota(&self) -> u32 {
+        dispatch!(self, a => a.quota())
+    }
+    fn window(&self) -> Option<u64> {
+        dispatch!(self, a => a.window())
+    }
+}
+
+/// `ceil(a / b)` saturated into u64 nanoseconds.
+pub(crate) fn ceil_div_u64(a: u128, b: u128) -> u64 {
+    u64::try_from(a.div_ceil(b)).unwrap_or(u64::MAX)
+}

@@ -1,0 +1,240 @@
+//! What a decision returns: an admission (with its guards), a refusal, or a cost that can never
+//! fit; and, for each limit involved, the figures for response headers.
+
+use smallvec::SmallVec;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::algo::Algo;
+use crate::clock::Nanos;
+use crate::table::Table;
+use crate::{Key, Limiter};
+
+/// Layers held inline; a request against more limits spills to the heap.
+pub(crate) const INLINE_LAYERS: usize = 4;
+
+/// A limit's index within its [`Limiter`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LimitId(pub(crate) u32);
+
+impl LimitId {
+    /// The position of the limit in the list given to [`Limiter::new`].
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// One limit's figures after a decision, as the `RateLimit` header's `q`, `w`, `r`, `t`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Report {
+    /// The limit.
+    pub limit: LimitId,
+    /// `q`: the quota (a token bucket's burst; a concurrency limit's slots).
+    pub quota: u32,
+    /// `w`: the window; for a token bucket, the time to refill a full bucket. `None` for
+    /// concurrency, which has no window.
+    pub window: Option<Duration>,
+    /// `r`: quota remaining after this request (0 while blocked).
+    pub remaining: u32,
+    /// `t`: after an admission, the time until the remaining quota grows (zero when full); after
+    /// a refusal, the time until this request would pass. `None` for concurrency: slots free
+    /// when requests end, not with time.
+    pub reset: Option<Duration>,
+}
+
+/// One limit's part in a decision: enough to report on it and to take its charge back.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Layer {
+    pub(crate) key: Key,
+    /// The state after this request's charge (admitted) or as seen (not admitted), as two
+    /// words: a `u128` would align the layer to 16 bytes and grow every decision.
+    state: [u64; 2],
+    /// Admitted: the charge's window, for refunds. Not admitted: when a block on this key
+    /// ends, or 0 if it is not blocked.
+    aux: u64,
+    pub(crate) limit: LimitId,
+}
+
+impl Layer {
+    pub(crate) fn admitted(limit: LimitId, key: Key, state: u128, tag: u64) -> Self {
+        Layer {
+            key,
+            state: [state as u64, (state >> 64) as u64],
+            aux: tag,
+            limit,
+        }
+    }
+
+    pub(crate) fn pending(limit: LimitId, key: Key, state: u128, blocked: Option<u64>) -> Self {
+        let state = [state as u64, (state >> 64) as u64];
+        Layer {
+            key,
+            state,
+            aux: blocked.unwrap_or(0),
+            limit,
+        }
+    }
+
+    pub(crate) fn state(&self) -> u128 {
+        u128::from(self.state[0]) | (u128::from(self.state[1]) << 64)
+    }
+
+    pub(crate) fn set_state(&mut self, state: u128) {
+        self.state = [state as u64, (state >> 64) as u64];
+    }
+
+    pub(crate) fn tag(&self) -> u64 {
+        self.aux
+    }
+
+    pub(crate) fn blocked_until(&self) -> Option<u64> {
+        (self.aux != 0).then_some(self.aux)
+    }
+
+    pub(crate) fn block(&mut self, until: u64) {
+        self.aux = until;
+    }
+}
+
+pub(crate) type Layers = SmallVec<[Layer; INLINE_LAYERS]>;
+
+/// A concurrency slot, released when dropped.
+#[derive(Debug)]
+pub(crate) struct SlotGuard {
+    pub(crate) table: Arc<Table>,
+    pub(crate) key: Key,
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.table.existing(self.key, |state| {
+            // Not a plain decrement: a zero count must not wrap.
+            let _ = state.fetch_update(
+                std::sync::atomic::Ordering::AcqRel,
+                std::sync::atomic::Ordering::Acquire,
+                |n| n.checked_sub(1),
+            );
+        });
+    }
+}
+
+/// The outcome of [`Limiter::decide`] (or [`Limiter::check`]).
+#[derive(Debug)]
+#[must_use = "an admission holds concurrency slots until dropped"]
+pub enum Decision {
+    /// Every limit admitted the request and was charged.
+    Admitted(Admission),
+    /// A limit refused the request; no limit was charged.
+    Refused(Refusal),
+    /// The cost exceeds a limit's capacity: the request can never pass, however long it waits.
+    CostTooLarge(CostTooLarge),
+}
+
+/// An admitted request. Dropping it releases its concurrency slots (quota charges stay);
+/// [`Limiter::refund`] takes every charge back.
+#[derive(Debug)]
+pub struct Admission {
+    pub(crate) limiter: u64,
+    pub(crate) cost: u32,
+    pub(crate) now: u64,
+    /// False for [`Limiter::check`]'s answer, which charged nothing.
+    pub(crate) charged: bool,
+    pub(crate) layers: Layers,
+    pub(crate) slots: SmallVec<[SlotGuard; 1]>,
+}
+
+/// Why a limit refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusalReason {
+    /// The limit's quota is used up for now (this refusal may have started a block).
+    Exhausted,
+    /// An earlier refusal blocked the key until `until`, whatever the counters say.
+    Blocked {
+        /// When the block ends.
+        until: Nanos,
+    },
+}
+
+/// A refused request: nothing was charged.
+#[derive(Debug, Clone)]
+pub struct Refusal {
+    pub(crate) limit: LimitId,
+    pub(crate) wait: Option<Duration>,
+    pub(crate) reason: RefusalReason,
+    pub(crate) cost: u32,
+    pub(crate) now: u64,
+    pub(crate) layers: Layers,
+}
+
+impl Refusal {
+    /// The refusing limit with the longest wait.
+    pub fn limit(&self) -> LimitId {
+        self.limit
+    }
+
+    /// How long until the request would pass every refusing limit, exact to the nanosecond;
+    /// `None` when only concurrency limits refused (slots free when requests end).
+    pub fn wait(&self) -> Option<Duration> {
+        self.wait
+    }
+
+    /// Why [`Refusal::limit`] refused.
+    pub fn reason(&self) -> RefusalReason {
+        self.reason
+    }
+}
+
+/// A request whose cost exceeds a limit's capacity (a token bucket's burst, a window's quota).
+#[derive(Debug, Clone)]
+pub struct CostTooLarge {
+    pub(crate) limit: LimitId,
+    pub(crate) capacity: u32,
+    pub(crate) cost: u32,
+    pub(crate) now: u64,
+    pub(crate) layers: Layers,
+}
+
+impl CostTooLarge {
+    /// The first limit whose capacity is below the cost.
+    pub fn limit(&self) -> LimitId {
+        self.limit
+    }
+
+    /// That limit's capacity.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+}
+
+impl Decision {
+    /// Whether the request was admitted.
+    pub fn is_admitted(&self) -> bool {
+        matches!(self, Decision::Admitted(_))
+    }
+
+    /// One [`Report`] per limit of the decision, in the order they were given.
+    pub fn reports<'a>(&'a self, limiter: &'a Limiter) -> impl Iterator<Item = Report> + 'a {
+        let (layers, cost, now, admitted) = match self {
+            Decision::Admitted(a) => (&a.layers, a.cost, a.now, true),
+            Decision::Refused(r) => (&r.layers, r.cost, r.now, false),
+            Decision::CostTooLarge(c) => (&c.layers, c.cost, c.now, false),
+        };
+        layers.iter().map(move |layer| {
+            let rule = limiter.rule(layer.limit);
+            let (remaining, reset) = if admitted {
+                rule.after_admission(layer.state(), now)
+            } else if let Some(until) = layer.blocked_until() {
+                (0, Some(until.saturating_sub(now)))
+            } else {
+                rule.pending(layer.state(), cost, now)
+            };
+            Report {
+                limit: layer.limit,
+                quota: rule.quota(),
+                window: rule.window().map(Duration::from_nanos),
+                remaining,
+                reset: reset.map(Duration::from_nanos),
+            }
+        })
+    }
+}

@@ -1,0 +1,258 @@
+//! A keyed table: sharded, bounded, swept.
+//!
+//! Why not dashmap: a `DashMap<Key, AtomicU128>` stores the same 32-byte entries plus a control
+//! byte in power-of-two tables at 7/8 load, so at 1,000,000 keys it sits just past a doubling
+//! (917,504 = 7/8 of 2^20) and holds 2^21 buckets: 69 bytes per key, against 36.6 here. It also
+//! cannot sample random entries for eviction. See `examples/bytes_per_key.rs` for both figures.
+//!
+//! Requests take a shard's read lock and update their key's state by compare-and-swap; only a
+//! new key, an eviction or a sweep takes the shard's write lock.
+
+mod slots;
+
+use portable_atomic::AtomicU128;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::RwLock;
+
+use crate::algo::{Algo, Rule};
+use crate::Key;
+use slots::{slots_for, Slots};
+
+/// Shards per table (fewer for tiny caps, so each shard may hold at least one key).
+const MAX_SHARDS: usize = 64;
+
+/// What a table's states mean, to tell when an entry is fresh again.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Expiry {
+    /// States of this rule's algorithm.
+    Rule(Rule),
+    /// The state is itself the time it expires at (a block's end).
+    Deadline,
+}
+
+impl Expiry {
+    fn at(&self, state: u128) -> u64 {
+        match self {
+            Expiry::Rule(rule) => rule.expiry(state),
+            Expiry::Deadline => u64::try_from(state).unwrap_or(u64::MAX),
+        }
+    }
+}
+
+/// Counters describing a table, for metrics and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TableStats {
+    /// Keys held now.
+    pub keys: usize,
+    /// Keys evicted to make room for new ones since the table was made.
+    pub evictions: u64,
+    /// Full walks of the table by [`crate::Limiter::sweep`].
+    pub walks: u64,
+    /// Keys removed by sweeps because they had returned to the fresh state.
+    pub swept: u64,
+    /// Bytes held by the slot arrays.
+    pub bytes: usize,
+}
+
+#[derive(Debug)]
+#[repr(align(64))] // one cache line per shard lock: no false sharing between shards
+struct Shard {
+    slots: RwLock<Slots>,
+    cap: usize,
+}
+
+/// A bounded map from [`Key`] to one 128-bit state.
+#[derive(Debug)]
+pub(crate) struct Table {
+    shards: Box<[Shard]>,
+    expiry: Expiry,
+    sweep_interval: u64,
+    next_walk: AtomicU64,
+    walks: AtomicU64,
+    swept: AtomicU64,
+    evictions: AtomicU64,
+}
+
+impl Table {
+    /// A table of at most `max_keys` keys (split exactly across shards), walked by sweeps at
+    /// most once per `sweep_interval` nanoseconds.
+    pub(crate) fn new(max_keys: usize, expiry: Expiry, sweep_interval: u64) -> Self {
+        let count = MAX_SHARDS.min(max_keys.next_power_of_two() / 2).max(1);
+        let shards = (0..count)
+            .map(|i| Shard {
+                slots: RwLock::new(Slots::new(0x5eed ^ ((i as u64) << 32))),
+                cap: max_keys / count + usize::from(i < max_keys % count),
+            })
+            .collect();
+        Table {
+            shards,
+            expiry,
+            sweep_interval: sweep_interval.max(1),
+            next_walk: AtomicU64::new(0),
+            walks: AtomicU64::new(0),
+            swept: AtomicU64::new(0),
+            evictions: AtomicU64::new(0),
+        }
+    }
+
+    #[inline]
+    fn shard(&self, key: Key) -> &Shard {
+        let i = (u128::from(key.0[1]) * self.shards.len() as u128) >> 64;
+        &self.shards[i as usize]
+    }
+
+    /// Runs `f` on `key`'s state, creating the entry (fresh) if absent; when the shard is full,
+    /// an approximately least recently used entry makes room.
+    #[inline]
+    pub(crate) fn update<R>(&self, key: Key, f: impl FnOnce(&AtomicU128) -> R) -> R {
+        let shard = self.shard(key);
+        {
+            let slots = shard.slots.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = slots.find(key.0) {
+                return f(&slots.slot(i).state);
+            }
+        }
+        let mut slots = shard.slots.write().unwrap_or_else(|e| e.into_inner());
+        let i = match slots.find(key.0) {
+            Some(i) => i,
+            None => {
+                if slots.len() >= shard.cap {
+                    if let Some(victim) = slots.pick_victim(|s| self.expiry.at(s)) {
+                        slots.remove_at(victim);
+                        self.evictions.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                slots.insert(key.0, slots_for(shard.cap))
+            }
+        };
+        f(&slots.slot(i).state)
+    }
+
+    /// Runs `f` on `key`'s state if the key is present.
+    #[inline]
+    pub(crate) fn existing<R>(&self, key: Key, f: impl FnOnce(&AtomicU128) -> R) -> Option<R> {
+        let slots = self
+            .shard(key)
+            .slots
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        slots.find(key.0).map(|i| f(&slots.slot(i).state))
+    }
+
+    /// `key`'s state, fresh (zero) if absent.
+    #[inline]
+    pub(crate) fn load(&self, key: Key) -> u128 {
+        self.existing(key, |s| s.load(Ordering::Acquire))
+            .unwrap_or(0)
+    }
+
+    /// Removes entries that are fresh at `now`, walking the whole table, unless a walk already
+    /// happened within the sweep interval. Returns whether it walked.
+    pub(crate) fn sweep(&self, now: u64) -> bool {
+        let due = self.next_walk.load(Ordering::Acquire);
+        let next = now.saturating_add(self.sweep_interval);
+        if now < due
+            || self
+                .next_walk
+                .compare_exchange(due, next, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+        {
+            return false;
+        }
+        let mut removed = 0;
+        for shard in self.shards.iter() {
+            let mut slots = shard.slots.write().unwrap_or_else(|e| e.into_inner());
+            removed += slots.retain(|s| self.expiry.at(s) > now);
+        }
+        self.swept.fetch_add(removed as u64, Ordering::Relaxed);
+        self.walks.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// The table's counters.
+    pub(crate) fn stats(&self) -> TableStats {
+        let (mut keys, mut slots_total) = (0, 0);
+        for shard in self.shards.iter() {
+            let slots = shard.slots.read().unwrap_or_else(|e| e.into_inner());
+            keys += slots.len();
+            slots_total += slots.capacity();
+        }
+        TableStats {
+            keys,
+            evictions: self.evictions.load(Ordering::Relaxed),
+            walks: self.walks.load(Ordering::Relaxed),
+            swept: self.swept.load(Ordering::Relaxed),
+            bytes: slots_total * std::mem::size_of::<slots::Slot>()
+                + self.shards.len() * std::mem::size_of::<Shard>(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::KeyHasher;
+
+    fn keys(n: u64) -> impl Iterator<Item = Key> {
+        let h = KeyHasher::with_secret(b"table");
+        (0..n).map(move |i| h.key(&[&i.to_le_bytes()]))
+    }
+
+    #[test]
+    fn full_table_evicts_instead_of_growing() {
+        let t = Table::new(1_000, Expiry::Deadline, 1);
+        for (i, k) in keys(5_000).enumerate() {
+            t.update(k, |s| s.store(i as u128 + 1, Ordering::Relaxed));
+        }
+        let stats = t.stats();
+        assert_eq!(stats.keys, 1_000);
+        assert_eq!(stats.evictions, 4_000);
+    }
+
+    #[test]
+    fn eviction_prefers_entries_that_expire_soonest() {
+        let t = Table::new(6_400, Expiry::Deadline, 1);
+        let all: Vec<Key> = keys(6_400).collect();
+        for (i, k) in all.iter().enumerate() {
+            // Half expired long ago, half recent.
+            let deadline = if i % 2 == 0 { 1 } else { 1_000_000 };
+            t.update(*k, |s| s.store(deadline, Ordering::Relaxed));
+        }
+        for k in keys(7_040).skip(6_400) {
+            t.update(k, |s| s.store(1_000_000, Ordering::Relaxed));
+        }
+        let recent = all.iter().skip(1).step_by(2);
+        let recent_kept = recent.filter(|k| t.load(**k) != 0).count();
+        // Five samples all recent: about 1 eviction in 20 takes a recent entry.
+        assert!(
+            recent_kept >= 3_100,
+            "kept {recent_kept} of 3200 recent entries"
+        );
+    }
+
+    #[test]
+    fn sweep_walks_at_most_once_per_interval_and_removes_fresh_entries() {
+        let t = Table::new(1_000, Expiry::Deadline, 100);
+        let ks: Vec<Key> = keys(10).collect();
+        for (i, k) in ks.iter().enumerate() {
+            t.update(*k, |s| {
+                s.store(if i < 4 { 50 } else { 500 }, Ordering::Relaxed)
+            });
+        }
+        assert!(t.sweep(60));
+        assert!(!t.sweep(159));
+        assert!(t.sweep(160));
+        let stats = t.stats();
+        assert_eq!((stats.walks, stats.swept, stats.keys), (2, 4, 6));
+    }
+
+    #[test]
+    fn tiny_caps_are_split_exactly() {
+        for cap in [1, 2, 3, 7, 64, 65, 1000] {
+            let t = Table::new(cap, Expiry::Deadline, 1);
+            let total: usize = t.shards.iter().map(|s| s.cap).sum();
+            assert_eq!(total, cap);
+            assert!(t.shards.iter().all(|s| s.cap >= 1));
+        }
+    }
+}

@@ -1,0 +1,289 @@
+//! One shard's open-addressing table: linear probing over 32-byte slots (16-byte key, 16-byte
+//! state), no per-entry heap node and no control bytes: a zero key marks a free slot.
+//!
+//! Keys are already uniform keyed hashes, so a key's first word picks its home slot directly
+//! (multiply-shift onto any table size, no power-of-two rounding). Capacity grows by doubling
+//! but is clamped to what the shard's cap needs at 7/8 load, so a full table costs
+//! `32 * 8/7 = 36.6` bytes per key instead of a hash map's doubled worst case.
+
+use portable_atomic::AtomicU128;
+use std::sync::atomic::Ordering;
+
+/// The free-slot marker: [`crate::Key`] is never zero.
+const FREE: [u64; 2] = [0, 0];
+/// Slots in a shard's first allocation.
+const MIN_SLOTS: usize = 16;
+/// Entries looked at to choose an eviction victim (as Redis's approximate LRU does).
+const SAMPLES: usize = 5;
+
+/// One entry: the key and its algorithm state.
+#[derive(Debug, Default)]
+pub(crate) struct Slot {
+    key: [u64; 2],
+    pub(crate) state: AtomicU128,
+}
+
+/// The slots of one shard.
+#[derive(Debug)]
+pub(crate) struct Slots {
+    slots: Box<[Slot]>,
+    len: usize,
+    rng: u64,
+}
+
+/// Slots needed to hold `entries` at no more than 7/8 load, with one slot always free.
+pub(crate) fn slots_for(entries: usize) -> usize {
+    (entries.saturating_mul(8) / 7 + 1).max(entries + 1)
+}
+
+impl Slots {
+    pub(crate) fn new(seed: u64) -> Self {
+        Slots {
+            slots: Box::default(),
+            len: 0,
+            rng: seed | 1,
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    #[inline]
+    fn home(&self, key: [u64; 2]) -> usize {
+        ((u128::from(key[0]) * self.slots.len() as u128) >> 64) as usize
+    }
+
+    #[inline]
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.slots.len() {
+            0
+        } else {
+            i + 1
+        }
+    }
+
+    /// The slot holding `key`. Terminates: there is always a free slot.
+    #[inline]
+    pub(crate) fn find(&self, key: [u64; 2]) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mut i = self.home(key);
+        loop {
+            let slot = &self.slots[i];
+            if slot.key == key {
+                return Some(i);
+            }
+            if slot.key == FREE {
+                return None;
+            }
+            i = self.next(i);
+        }
+    }
+
+    pub(crate) fn slot(&self, i: usize) -> &Slot {
+        &self.slots[i]
+    }
+
+    /// Inserts absent `key` with the fresh state, growing towards `max_slots` if needed.
+    pub(crate) fn insert(&mut self, key: [u64; 2], max_slots: usize) -> usize {
+        if slots_for(self.len + 1) > self.slots.len() {
+            let doubled = (self.slots.len() * 2).max(MIN_SLOTS);
+            // Past the clamp only when every entry is pinned (requests in flight).
+            let target = doubled.min(max_slots).max(slots_for(self.len + 1));
+            self.rebuild(target, |_| true);
+        }
+        let mut i = self.home(key);
+        while self.slots[i].key != FREE {
+            i = self.next(i);
+        }
+        self.slots[i].key = key;
+        *self.slots[i].state.get_mut() = 0;
+        self.len += 1;
+        i
+    }
+
+    /// Removes the entry at `i`, shifting later entries of its probe run back (no tombstones).
+    pub(crate) fn remove_at(&mut self, mut i: usize) {
+        let mut j = i;
+        loop {
+            j = self.next(j);
+            let key = self.slots[j].key;
+            if key == FREE {
+                break;
+            }
+            let home = self.home(key);
+            // Move j into the hole at i unless its home lies cyclically in (i, j].
+            let stays = if i <= j {
+                i < home && home <= j
+            } else {
+                i < home || home <= j
+            };
+            if !stays {
+                let state = *self.slots[j].state.get_mut();
+                self.slots[i].key = key;
+                *self.slots[i].state.get_mut() = state;
+                i = j;
+            }
+        }
+        self.slots[i].key = FREE;
+        *self.slots[i].state.get_mut() = 0;
+        self.len -= 1;
+    }
+
+    fn random(&mut self) -> u64 {
+        // xorshift64*: sampling needs speed, not secrecy.
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Of a few sampled entries, the one whose state becomes fresh soonest (the least recently
+    /// charged, approximately). Entries that never expire by time are skipped; if the sample
+    /// holds only those, every entry is considered. `None` if all are pinned.
+    pub(crate) fn pick_victim(&mut self, expiry: impl Fn(u128) -> u64) -> Option<usize> {
+        let n = self.slots.len();
+        let mut best: Option<(u64, usize)> = None;
+        for _ in 0..SAMPLES.min(self.len) {
+            let mut i = ((u128::from(self.random()) * n as u128) >> 64) as usize;
+            while self.slots[i].key == FREE {
+                i = self.next(i);
+            }
+            let e = expiry(*self.slots[i].state.get_mut());
+            if e != u64::MAX && !matches!(best, Some((b, _)) if b <= e) {
+                best = Some((e, i));
+            }
+        }
+        if best.is_none() {
+            for i in 0..n {
+                let e = expiry(*self.slots[i].state.get_mut());
+                if self.slots[i].key != FREE
+                    && e != u64::MAX
+                    && !matches!(best, Some((b, _)) if b <= e)
+                {
+                    best = Some((e, i));
+                }
+            }
+        }
+        best.map(|(_, i)| i)
+    }
+
+    /// Drops entries for which `keep` is false, returning how many; shrinks the allocation to
+    /// what the survivors need.
+    pub(crate) fn retain(&mut self, keep: impl Fn(u128) -> bool) -> usize {
+        let survivors = self
+            .slots
+            .iter()
+            .filter(|s| s.key != FREE && keep(s.state.load(Ordering::Relaxed)))
+            .count();
+        let removed = self.len - survivors;
+        if removed > 0 {
+            let target = if survivors == 0 {
+                0
+            } else {
+                slots_for(survivors).max(MIN_SLOTS)
+            };
+            self.rebuild(target, keep);
+        }
+        removed
+    }
+
+    /// Moves the kept entries into a fresh array of `size` slots.
+    fn rebuild(&mut self, size: usize, keep: impl Fn(u128) -> bool) {
+        let fresh: Box<[Slot]> = (0..size).map(|_| Slot::default()).collect();
+        let old = std::mem::replace(&mut self.slots, fresh);
+        self.len = 0;
+        for mut slot in old.into_vec() {
+            let state = *slot.state.get_mut();
+            if slot.key != FREE && keep(state) {
+                let i = self.insert_unchecked(slot.key);
+                *self.slots[i].state.get_mut() = state;
+            }
+        }
+    }
+
+    fn insert_unchecked(&mut self, key: [u64; 2]) -> usize {
+        let mut i = self.home(key);
+        while self.slots[i].key != FREE {
+            i = self.next(i);
+        }
+        self.slots[i].key = key;
+        self.len += 1;
+        i
+    }
+
+    #[cfg(test)]
+    fn state(&self, i: usize) -> u128 {
+        self.slots[i].state.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u64) -> [u64; 2] {
+        // Spread like a hash, but crowd homes to exercise wrap-around and shifting.
+        [i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1, i + 1]
+    }
+
+    #[test]
+    fn removal_keeps_every_other_key_findable() {
+        let mut s = Slots::new(7);
+        for i in 0..1000 {
+            s.insert(key(i), usize::MAX);
+        }
+        for i in (0..1000).step_by(3) {
+            let at = s.find(key(i)).unwrap();
+            s.remove_at(at);
+        }
+        for i in 0..1000 {
+            assert_eq!(s.find(key(i)).is_some(), i % 3 != 0, "key {i}");
+        }
+        assert_eq!(s.len(), 1000 - 334);
+    }
+
+    #[test]
+    fn growth_is_clamped_to_the_cap_at_seven_eighths_load() {
+        let mut s = Slots::new(7);
+        let max = slots_for(100);
+        for i in 0..100 {
+            s.insert(key(i), max);
+        }
+        assert_eq!(s.capacity(), max);
+        assert!(s.capacity() * 7 >= s.len() * 8);
+    }
+
+    #[test]
+    fn retain_shrinks_and_keeps_survivors() {
+        let mut s = Slots::new(7);
+        for i in 0..500 {
+            let at = s.insert(key(i), usize::MAX);
+            s.slot(at).state.store(u128::from(i), Ordering::Relaxed);
+        }
+        assert_eq!(s.retain(|state| state >= 490), 490);
+        assert_eq!(s.len(), 10);
+        assert_eq!(s.capacity(), MIN_SLOTS);
+        assert_eq!(s.state(s.find(key(495)).unwrap()), 495);
+        assert!(s.find(key(3)).is_none());
+    }
+
+    #[test]
+    fn victim_is_never_a_pinned_entry() {
+        let mut s = Slots::new(7);
+        for i in 0..50 {
+            let at = s.insert(key(i), usize::MAX);
+            let pinned = if i == 42 { 0 } else { u128::MAX };
+            s.slot(at).state.store(pinned, Ordering::Relaxed);
+        }
+        let expiry = |state: u128| if state == u128::MAX { u64::MAX } else { 1 };
+        let victim = s.pick_victim(expiry).unwrap();
+        assert_eq!(s.find(key(42)), Some(victim));
+    }
+}

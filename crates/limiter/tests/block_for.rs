@@ -1,0 +1,75 @@
+//! `block_for`: after a refusal, the key stays refused until the block ends.
+
+mod common;
+
+use common::*;
+use sluice_limiter::{Decision, Limiter, Nanos, RefusalReason};
+use std::time::Duration;
+
+fn blocked_limiter(block_for: Duration) -> Limiter {
+    let limit = fixed("login", 2, Duration::from_secs(1))
+        .with_block_for(block_for)
+        .unwrap();
+    Limiter::new([limit]).unwrap()
+}
+
+#[test]
+fn refused_key_stays_refused_until_the_block_ends_whatever_the_counters_say() {
+    let limiter = blocked_limiter(Duration::from_secs(10));
+    let layers = all_layers(&limiter, &["login"]);
+    assert!(limiter.decide(&layers, 2, at(0)).is_admitted());
+    let Decision::Refused(first) = limiter.decide(&layers, 1, at(0)) else {
+        panic!()
+    };
+    assert_eq!(first.reason(), RefusalReason::Exhausted);
+    assert_eq!(first.wait(), Some(Duration::from_secs(10)));
+
+    // Two windows later the counter is fresh, but the block holds: wait = rest of the block.
+    let Decision::Refused(later) = limiter.decide(&layers, 1, at(2 * SEC + 5)) else {
+        panic!("blocked");
+    };
+    let until = Nanos(T0.0 + 10 * SEC);
+    assert_eq!(later.reason(), RefusalReason::Blocked { until });
+    assert_eq!(later.wait(), Some(Duration::from_nanos(8 * SEC - 5)));
+    assert!(!limiter.decide(&layers, 1, at(10 * SEC - 1)).is_admitted());
+    assert!(limiter.decide(&layers, 1, at(10 * SEC)).is_admitted());
+}
+
+#[test]
+fn short_block_still_covers_the_counters_wait() {
+    // A block shorter than the window would send the client back too early: it is stretched.
+    let limiter = blocked_limiter(Duration::from_millis(100));
+    let layers = all_layers(&limiter, &["login"]);
+    assert!(limiter.decide(&layers, 2, at(SEC / 4)).is_admitted());
+    let Decision::Refused(r) = limiter.decide(&layers, 1, at(SEC / 4)) else {
+        panic!()
+    };
+    assert_eq!(r.wait(), Some(Duration::from_millis(750)));
+    assert!(limiter.decide(&layers, 1, at(SEC)).is_admitted());
+}
+
+#[test]
+fn block_on_one_layer_charges_no_other() {
+    let blocked = fixed("login", 1, Duration::from_secs(1))
+        .with_block_for(Duration::from_secs(60))
+        .unwrap();
+    let limiter = Limiter::new([fixed("ip", 100, Duration::from_secs(60)), blocked]).unwrap();
+    let layers = all_layers(&limiter, &["ip", "login"]);
+    assert!(limiter.decide(&layers, 1, at(0)).is_admitted());
+    for s in 0..10 {
+        assert!(!limiter.decide(&layers, 1, at(s * SEC)).is_admitted());
+    }
+    assert_eq!(observe(&limiter, &layers, at(10 * SEC))[0].remaining, 99);
+}
+
+#[test]
+fn check_does_not_start_a_block() {
+    let limiter = blocked_limiter(Duration::from_secs(10));
+    let layers = all_layers(&limiter, &["login"]);
+    assert!(limiter.decide(&layers, 2, at(0)).is_admitted());
+    assert!(!limiter.check(&layers, 1, at(0)).is_admitted());
+    assert!(
+        limiter.decide(&layers, 1, at(SEC)).is_admitted(),
+        "no block was started"
+    );
+}

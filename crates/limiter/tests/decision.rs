@@ -1,0 +1,172 @@
+//! The layered decision: all or nothing, longest wait, refunds, reports.
+
+mod common;
+
+use common::*;
+use sluice_limiter::{Decision, Limiter, RefusalReason};
+use std::time::Duration;
+
+#[test]
+fn refused_request_charges_no_layer() {
+    let limiter = Limiter::new([
+        fixed("roomy", 10, Duration::from_secs(60)),
+        bucket("tight", 1, Duration::from_secs(1), 1),
+    ])
+    .unwrap();
+    let layers = all_layers(&limiter, &["roomy", "tight"]);
+    assert!(limiter.decide(&layers, 1, T0).is_admitted());
+    let before = observe(&limiter, &layers, T0);
+    for _ in 0..5 {
+        assert!(!limiter.decide(&layers, 1, T0).is_admitted());
+    }
+    assert_eq!(observe(&limiter, &layers, T0), before);
+    assert_eq!(
+        before[0].remaining, 9,
+        "only the admitted request charged `roomy`"
+    );
+}
+
+#[test]
+fn refusal_names_the_limit_with_the_longest_wait() {
+    let limiter = Limiter::new([
+        fixed("second", 1, Duration::from_secs(1)),
+        fixed("minute", 1, Duration::from_secs(60)),
+        fixed("open", 100, Duration::from_secs(1)),
+    ])
+    .unwrap();
+    let layers = all_layers(&limiter, &["second", "minute", "open"]);
+    assert!(limiter.decide(&layers, 1, at(10 * SEC)).is_admitted());
+    let Decision::Refused(r) = limiter.decide(&layers, 1, at(10 * SEC)) else {
+        panic!("both windows are used up");
+    };
+    assert_eq!(r.limit(), limiter.id("minute").unwrap());
+    assert_eq!(
+        r.wait(),
+        Some(Duration::from_secs(50)),
+        "T0 is on a whole minute"
+    );
+    assert_eq!(r.reason(), RefusalReason::Exhausted);
+}
+
+#[test]
+fn cost_above_burst_is_its_own_outcome_and_charges_nothing() {
+    let limiter = Limiter::new([
+        fixed("window", 100, Duration::from_secs(1)),
+        bucket("bucket", 100, Duration::from_secs(1), 5),
+    ])
+    .unwrap();
+    let layers = all_layers(&limiter, &["window", "bucket"]);
+    let Decision::CostTooLarge(c) = limiter.decide(&layers, 6, T0) else {
+        panic!("6 can never fit a bucket of 5");
+    };
+    assert_eq!(
+        (c.limit(), c.capacity()),
+        (limiter.id("bucket").unwrap(), 5)
+    );
+    assert_eq!(observe(&limiter, &layers, T0)[0].remaining, 100);
+    assert!(limiter.decide(&layers, 5, T0).is_admitted());
+}
+
+#[test]
+fn refund_restores_every_algorithm_exactly() {
+    let limiter = Limiter::new([
+        bucket("bucket", 7, Duration::from_secs(3), 7),
+        fixed("fixed", 7, Duration::from_secs(3)),
+        sliding("sliding", 7, Duration::from_secs(3)),
+        concurrency("slots", 2),
+    ])
+    .unwrap();
+    let layers = all_layers(&limiter, &["bucket", "fixed", "sliding", "slots"]);
+    let now = at(SEC + 123);
+    let _held = limiter.decide(&layers, 2, now);
+    let before = observe(&limiter, &layers, now);
+    let Decision::Admitted(a) = limiter.decide(&layers, 3, now) else {
+        panic!()
+    };
+    assert_ne!(observe(&limiter, &layers, now), before);
+    limiter.refund(a);
+    assert_eq!(observe(&limiter, &layers, now), before);
+}
+
+#[test]
+fn refund_after_later_admissions_keeps_theirs() {
+    let limiter = Limiter::new([bucket("b", 10, Duration::from_secs(1), 10)]).unwrap();
+    let layers = all_layers(&limiter, &["b"]);
+    let Decision::Admitted(first) = limiter.decide(&layers, 4, T0) else {
+        panic!()
+    };
+    let _second = limiter.decide(&layers, 3, T0);
+    limiter.refund(first);
+    assert_eq!(observe(&limiter, &layers, T0)[0].remaining, 7);
+}
+
+#[test]
+fn concurrency_slot_is_released_when_the_admission_drops() {
+    let limiter = Limiter::new([concurrency("slots", 2)]).unwrap();
+    let layers = all_layers(&limiter, &["slots"]);
+    let a = limiter.decide(&layers, 1, T0);
+    let b = limiter.decide(&layers, 1, T0);
+    let Decision::Refused(r) = limiter.decide(&layers, 1, T0) else {
+        panic!()
+    };
+    assert_eq!(
+        r.wait(),
+        None,
+        "a slot frees when a request ends, not after a time"
+    );
+    drop(a);
+    assert!(limiter.decide(&layers, 1, T0).is_admitted());
+    drop(b);
+}
+
+#[test]
+fn check_decides_without_charging() {
+    let limiter = Limiter::new([fixed("f", 2, Duration::from_secs(1))]).unwrap();
+    let layers = all_layers(&limiter, &["f"]);
+    for _ in 0..10 {
+        assert!(limiter.check(&layers, 2, T0).is_admitted());
+    }
+    assert!(limiter.decide(&layers, 2, T0).is_admitted());
+    assert!(!limiter.check(&layers, 1, T0).is_admitted());
+}
+
+#[test]
+fn bucket_reports_burst_as_quota_and_refill_time_as_window() {
+    let limiter = Limiter::new([bucket("b", 10, Duration::from_secs(1), 5)]).unwrap();
+    let layers = all_layers(&limiter, &["b"]);
+    let d = limiter.decide(&layers, 1, T0);
+    let r = reports(&limiter, &d)[0];
+    assert_eq!((r.quota, r.window), (5, Some(Duration::from_millis(500))));
+    assert_eq!(
+        (r.remaining, r.reset),
+        (4, Some(Duration::from_millis(100)))
+    );
+}
+
+#[test]
+fn refused_report_gives_the_exact_wait_and_no_remaining() {
+    let limiter = Limiter::new([fixed("f", 3, Duration::from_secs(10))]).unwrap();
+    let layers = all_layers(&limiter, &["f"]);
+    assert!(limiter.decide(&layers, 3, at(SEC)).is_admitted());
+    let d = limiter.decide(&layers, 1, at(4 * SEC + 1));
+    let r = reports(&limiter, &d)[0];
+    assert_eq!((r.quota, r.remaining), (3, 0));
+    assert_eq!(r.reset, Some(Duration::from_nanos(6 * SEC - 1)));
+}
+
+#[test]
+fn sweep_removes_only_keys_back_to_fresh() {
+    let limiter = Limiter::new([fixed("f", 5, Duration::from_secs(1))]).unwrap();
+    let id = limiter.id("f").unwrap();
+    let old = limiter.decide(&[(id, key("old"))], 1, at(0));
+    let new = limiter.decide(&[(id, key("new"))], 1, at(SEC));
+    assert_eq!(limiter.sweep(at(SEC + 1)), 1);
+    assert_eq!((limiter.stats(id).keys, limiter.stats(id).swept), (1, 1));
+    drop((old, new));
+}
+
+#[test]
+fn duplicate_limit_names_are_rejected() {
+    let err = Limiter::new([fixed("x", 1, Duration::from_secs(1)), concurrency("x", 1)]);
+    assert!(err.is_err());
+}

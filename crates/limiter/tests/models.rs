@@ -1,0 +1,154 @@
+//! Property tests: each algorithm admits exactly what an obvious reference model admits, and a
+//! refusal's wait is exact (the request passes at `now + wait`, not one nanosecond earlier).
+
+mod common;
+
+use common::*;
+use proptest::prelude::*;
+use proptest::test_runner::FileFailurePersistence;
+use sluice_limiter::{Decision, Limit, Limiter, Nanos};
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// A model decides an arrival of `cost` at `t` (non-decreasing) and remembers it if admitted.
+trait Model: Clone {
+    fn offer(&mut self, t: u64, cost: u32) -> bool;
+}
+
+/// Token bucket in exact rational arithmetic: tokens are counted in units of `1 / window`.
+#[derive(Clone)]
+struct RationalBucket {
+    quota: u128,
+    window: u128,
+    burst: u128,
+    tokens: u128,
+    last: Option<u64>,
+}
+
+impl Model for RationalBucket {
+    fn offer(&mut self, t: u64, cost: u32) -> bool {
+        let full = self.burst * self.window;
+        let tokens = match self.last {
+            None => full,
+            Some(last) => full.min(self.tokens + u128::from(t - last) * self.quota),
+        };
+        self.last = Some(t);
+        let need = u128::from(cost) * self.window;
+        let admit = tokens >= need;
+        self.tokens = if admit { tokens - need } else { tokens };
+        admit
+    }
+}
+
+/// Every window's count, kept forever.
+#[derive(Clone)]
+struct Windows {
+    quota: u128,
+    window: u64,
+    sliding: bool,
+    counts: HashMap<u64, u128>,
+}
+
+impl Model for Windows {
+    fn offer(&mut self, t: u64, cost: u32) -> bool {
+        let (i, w) = (t / self.window, u128::from(self.window));
+        let current = self.counts.get(&i).copied().unwrap_or(0);
+        let admit = if self.sliding {
+            let previous = self.counts.get(&i.wrapping_sub(1)).copied().unwrap_or(0);
+            let elapsed = u128::from(t % self.window);
+            // previous * (1 - elapsed / w) + current + cost <= quota, times w.
+            previous * (w - elapsed) + (current + u128::from(cost)) * w <= self.quota * w
+        } else {
+            current + u128::from(cost) <= self.quota
+        };
+        if admit {
+            *self.counts.entry(i).or_default() += u128::from(cost);
+        }
+        admit
+    }
+}
+
+fn config() -> ProptestConfig {
+    ProptestConfig {
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(
+            "proptest-regressions/models.txt",
+        ))),
+        ..ProptestConfig::default()
+    }
+}
+
+/// Replays `arrivals` (gap, cost) against the limiter and the model; on each refusal, checks
+/// that the wait is exact on a copy of the model.
+fn agree<M: Model>(limit: Limit, mut model: M, start: u64, arrivals: &[(u64, u32)]) {
+    let capacity = limit.capacity().unwrap();
+    let name = limit.name().to_owned();
+    let limiter = Limiter::new([limit]).unwrap();
+    let layers = all_layers(&limiter, &[&name]);
+    let mut t = start;
+    for (step, &(gap, cost)) in arrivals.iter().enumerate() {
+        t += gap;
+        match limiter.decide(&layers, cost, Nanos(t)) {
+            Decision::CostTooLarge(_) => assert!(cost > capacity),
+            Decision::Admitted(_) => assert!(model.offer(t, cost), "step {step}: admitted"),
+            Decision::Refused(r) => {
+                assert!(!model.clone().offer(t, cost), "step {step}: refused");
+                let wait = r.wait().unwrap().as_nanos() as u64;
+                assert!(wait > 0);
+                assert!(
+                    model.clone().offer(t + wait, cost),
+                    "step {step}: passes after {wait}"
+                );
+                assert!(
+                    !model.clone().offer(t + wait - 1, cost),
+                    "step {step}: 1 ns early"
+                );
+            }
+        }
+    }
+}
+
+fn arrivals(max_gap: u64, max_cost: u32) -> impl Strategy<Value = Vec<(u64, u32)>> {
+    prop::collection::vec((0..=max_gap, 0..=max_cost), 1..150)
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn gcra_admits_what_a_rational_token_bucket_admits(
+        (quota, window, burst) in (1u32..40, 1_000u64..3_000_000, 1u32..20),
+        start in 0u64..u64::MAX / 4,
+        arrivals in arrivals(400_000, 22),
+    ) {
+        let limit = bucket("b", quota, Duration::from_nanos(window), burst);
+        let model = RationalBucket {
+            quota: u128::from(quota), window: u128::from(window), burst: u128::from(burst),
+            tokens: 0, last: None,
+        };
+        agree(limit, model, start, &arrivals);
+    }
+
+    #[test]
+    fn fixed_window_admits_what_per_window_counts_admit(
+        (quota, window) in (1u32..40, 1_000u64..3_000_000),
+        start in 0u64..u64::MAX / 4,
+        arrivals in arrivals(400_000, 42),
+    ) {
+        let model = Windows {
+            quota: u128::from(quota), window, sliding: false, counts: HashMap::new(),
+        };
+        agree(fixed("f", quota, Duration::from_nanos(window)), model, start, &arrivals);
+    }
+
+    #[test]
+    fn sliding_window_admits_what_the_two_counter_estimate_admits(
+        (quota, window) in (1u32..40, 1_000u64..3_000_000),
+        start in 0u64..u64::MAX / 4,
+        arrivals in arrivals(400_000, 42),
+    ) {
+        let model = Windows {
+            quota: u128::from(quota), window, sliding: true, counts: HashMap::new(),
+        };
+        agree(sliding("s", quota, Duration::from_nanos(window)), model, start, &arrivals);
+    }
+}
