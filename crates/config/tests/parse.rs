@@ -232,3 +232,20 @@ fn concurrency_limit_with_a_window_is_refused() {
         "limits[3].window: \"1s\" is not used: a concurrency limit counts requests in flight"
     ));
 }
+
+#[test]
+fn names_must_be_header_safe_and_block_for_needs_a_window_limit() {
+    let e = errors(&shipped_with("name = \"per-ip\"", "name = \"per ip\""));
+    assert!(
+        e[0].contains("limits[0].name: \"per ip\" is not a usable name"),
+        "{e:?}"
+    );
+    let e = errors(&shipped_with(
+        "quota = 10\n",
+        "quota = 10\nblock_for = \"1m\"\n",
+    ));
+    assert!(
+        e[0].contains("limits[3].block_for: \"1m\" is not used: a concurrency slot frees"),
+        "{e:?}"
+    );
+}

@@ -82,6 +82,11 @@ impl Validator<'_> {
             .block_for
             .as_ref()
             .and_then(|b| self.required_duration(b, &key("block_for")));
+        if let (Some(b), Some(Algorithm::Concurrency)) = (&l.block_for, algorithm) {
+            let msg = format!("\"{}\" is not used: a concurrency slot frees when a request ends, so there is nothing to block", b.get_ref());
+            self.err(Some(b.span()), &key("block_for"), msg);
+            return None;
+        }
         if l.block_for.is_some() && block_for.is_none() {
             return None;
         }

@@ -126,12 +126,13 @@ impl<'a> Validator<'a> {
                 );
             }
             seen.push(n);
-            if n.is_empty() {
-                self.err(
-                    Some(name.span()),
-                    &format!("{section}[{i}].name"),
-                    "a name must not be empty",
+            let safe = |c: char| c.is_ascii_alphanumeric() || "-_.".contains(c);
+            if n.is_empty() || n.len() > 64 || !n.chars().all(safe) {
+                // Names travel in response headers (RateLimit-Policy), logs and store keys.
+                let msg = format!(
+                    "\"{n}\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')"
                 );
+                self.err(Some(name.span()), &format!("{section}[{i}].name"), msg);
             }
         }
     }
