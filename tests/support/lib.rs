@@ -4,10 +4,12 @@
 #![forbid(unsafe_code)]
 
 pub mod client;
+pub mod inproc;
 pub mod process;
 pub mod upstream;
 
 pub use client::{get, send, Reply};
+pub use inproc::InProcess;
 pub use process::Sluice;
 pub use upstream::MockUpstream;
 

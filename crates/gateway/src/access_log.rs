@@ -7,6 +7,8 @@ use std::sync::Arc;
 use http::{HeaderValue, Method, StatusCode, Uri};
 use tokio::time::Instant;
 
+use crate::quota::{Outcome, Quota};
+
 /// What the access-log line will say about one request. Logged on drop.
 #[derive(Debug)]
 pub(crate) struct AccessLog {
@@ -16,6 +18,9 @@ pub(crate) struct AccessLog {
     client: IpAddr,
     request_id: HeaderValue,
     route: Option<Arc<str>>,
+    key: Option<String>,
+    decision: Option<&'static str>,
+    policy: Option<Arc<str>>,
     status: Option<StatusCode>,
     start: Instant,
     upstream_ms: Option<f64>,
@@ -31,6 +36,9 @@ impl AccessLog {
             client,
             request_id,
             route: None,
+            key: None,
+            decision: None,
+            policy: None,
             status: None,
             start: Instant::now(),
             upstream_ms: None,
@@ -41,6 +49,33 @@ impl AccessLog {
 
     pub(crate) fn route(&mut self, name: Arc<str>) {
         self.route = Some(name);
+    }
+
+    /// The client as identified (behind trusted proxies, not the TCP peer).
+    pub(crate) fn client(&mut self, ip: IpAddr) {
+        self.client = ip;
+    }
+
+    /// A fingerprint of the API key: raw keys never reach logs.
+    pub(crate) fn key(&mut self, fingerprint: String) {
+        self.key = Some(fingerprint);
+    }
+
+    /// The limiter's verdict, nginx-style, with the policy it concerns.
+    pub(crate) fn outcome(&mut self, outcome: Outcome, quota: &Quota) {
+        let (word, policy) = match outcome {
+            Outcome::Passed => ("PASSED", None),
+            Outcome::Delayed => ("DELAYED", None),
+            Outcome::Rejected(id) => ("REJECTED", Some(id)),
+            Outcome::RejectedDryRun(id) => ("REJECTED_DRY_RUN", Some(id)),
+            Outcome::Overloaded => ("OVERLOADED", None),
+        };
+        self.decision = Some(word);
+        self.policy = match (outcome, policy) {
+            (Outcome::Overloaded, _) => Some(Arc::from("server-capacity")),
+            (_, Some(id)) => Some(quota.info(id).name.clone()),
+            _ => None,
+        };
     }
 
     pub(crate) fn status(&mut self, status: StatusCode) {
@@ -74,6 +109,9 @@ impl Drop for AccessLog {
             method = %self.method,
             path = self.uri.path(),
             route = self.route.as_deref().unwrap_or("-"),
+            key = self.key.as_deref(),
+            decision = self.decision,
+            policy = self.policy.as_deref(),
             status,
             client = %self.client,
             request_id = self.request_id.to_str().unwrap_or("-"),

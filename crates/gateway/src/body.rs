@@ -12,6 +12,7 @@ use pin_project_lite::pin_project;
 
 use crate::access_log::AccessLog;
 use crate::capacity::InFlight;
+use crate::quota::Held;
 
 pin_project! {
     /// A response body.
@@ -19,7 +20,7 @@ pin_project! {
     pub struct Body {
         #[pin]
         kind: Kind,
-        slot: Option<InFlight>,
+        slot: Option<(InFlight, Held)>,
         log: Option<AccessLog>,
     }
 }
@@ -52,9 +53,10 @@ impl Body {
         }
     }
 
-    /// Keeps the in-flight slot until the body ends or is dropped.
-    pub(crate) fn hold(&mut self, slot: InFlight) {
-        self.slot = Some(slot);
+    /// Keeps the in-flight slot and the quota admission (with its concurrency slots) until
+    /// the body ends or is dropped.
+    pub(crate) fn hold(&mut self, slot: InFlight, held: Held) {
+        self.slot = Some((slot, held));
     }
 
     /// Writes the access-log line when the body ends or is dropped.
@@ -88,7 +90,9 @@ impl http_body::Body for Body {
                         log.upstream_body_failed();
                     }
                 }
-                None => {}
+                // The exchange is over: free the in-flight slot and concurrency slots now,
+                // not whenever hyper drops the body.
+                None => drop(this.slot.take()),
             }
         }
         polled

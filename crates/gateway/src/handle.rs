@@ -1,5 +1,5 @@
 //! One request's walk through the gateway, in order:
-//! health -> match route -> (identify, quota: next issues) -> capacity -> forward or respond.
+//! health -> match route -> identify -> quota -> capacity -> forward or respond -> headers.
 //! Every step that answers early returns a response; nothing jumps back.
 
 use std::convert::Infallible;
@@ -11,13 +11,19 @@ use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use rand::Rng;
-use sluice_config::{Cidr, Config, Respond, RetryRange, RouteAction};
+use sluice_config::{Config, Respond, RetryRange, RouteAction};
+use sluice_limiter::{Clock, Report};
+use smallvec::SmallVec;
 
 use crate::access_log::AccessLog;
+use crate::advertise;
 use crate::body::Body;
 use crate::capacity::Capacity;
 use crate::forward::{prepare_request, strip_hop_by_hop, UpstreamClient};
+use crate::identify::{Identify, KeyTooLong, MAX_KEY_BYTES};
 use crate::problem::Problem;
+use crate::quota::{Caller, Outcome, Quota, Reports, Stop};
+use crate::refusal::quota_exceeded;
 use crate::request_id::{RequestIds, X_REQUEST_ID};
 use crate::route::Router;
 
@@ -27,16 +33,18 @@ pub(crate) struct Shared {
     router: Router,
     route_names: Vec<Arc<str>>,
     upstreams: Vec<UpstreamClient>,
+    identify: Identify,
+    pub(crate) quota: Quota,
     pub(crate) capacity: Capacity,
     health_path: Option<String>,
     pub(crate) problem_base: String,
+    legacy_headers: bool,
     overload_retry_after: RetryRange,
-    trusted_proxies: Vec<Cidr>,
     ids: RequestIds,
 }
 
 impl Shared {
-    pub(crate) fn new(config: &Config) -> Self {
+    pub(crate) fn new(config: &Config, clock: Arc<dyn Clock>) -> Self {
         Self {
             router: Router::new(&config.routes),
             route_names: config
@@ -45,11 +53,13 @@ impl Shared {
                 .map(|r| Arc::from(r.name.as_str()))
                 .collect(),
             upstreams: config.upstreams.iter().map(UpstreamClient::new).collect(),
+            identify: Identify::new(&config.identity),
+            quota: Quota::new(config, clock),
             capacity: Capacity::new(config.gateway.max_in_flight.get()),
             health_path: config.gateway.health_path.clone(),
             problem_base: config.responses.problem_base.clone(),
+            legacy_headers: config.responses.legacy_headers,
             overload_retry_after: config.gateway.overload_retry_after,
-            trusted_proxies: config.identity.trusted_proxies.clone(),
             ids: RequestIds::new(),
         }
     }
@@ -90,16 +100,41 @@ async fn walk(
     };
     log.route(shared.route_names[index].clone());
 
-    let Some(slot) = shared.capacity.try_acquire() else {
-        return Problem::overloaded(overload_retry_after(shared.overload_retry_after))
-            .into_response(&shared.problem_base);
+    // Identify.
+    let client = shared.identify.client_ip(peer, req.headers());
+    log.client(client);
+    let api_key = match shared.identify.api_key(req.headers(), req.uri()) {
+        Ok(key) => key,
+        Err(KeyTooLong) => {
+            let detail = format!("The API key is longer than {MAX_KEY_BYTES} bytes.");
+            return Problem::bad_request(detail).into_response(&shared.problem_base);
+        }
     };
+    if let Some(k) = &api_key {
+        log.key(shared.quota.fingerprint(k));
+    }
+    let caller = Caller {
+        ip: shared.identify.ip_bucket(client),
+        api_key: api_key.as_deref(),
+        route: index,
+        headers: req.headers(),
+    };
+    let layers = shared.quota.layers(&caller);
+    drop(api_key);
 
+    // Quota, then capacity.
+    let cost = route.cost.get();
+    let pass = match shared.quota.admit(&layers, cost, &shared.capacity).await {
+        Ok(pass) => pass,
+        Err(stop) => return stopped(shared, stop, cost, log),
+    };
+    log.outcome(pass.outcome, &shared.quota);
+
+    // Forward or respond.
     let mut res = match &route.action {
         RouteAction::Respond(r) => respond(r),
         RouteAction::Upstream(u) => {
-            let trusted = shared.trusted_proxies.iter().any(|c| c.contains(peer));
-            prepare_request(&mut req, peer, trusted);
+            prepare_request(&mut req, peer, shared.identify.is_trusted(peer));
             let sent = shared.upstreams[*u].send(req).await;
             log.upstream_done();
             match sent {
@@ -112,8 +147,56 @@ async fn walk(
             }
         }
     };
-    res.body_mut().hold(slot);
+    advertise(shared, res.headers_mut(), &pass.reports, cost);
+    res.body_mut().hold(pass.slot, pass.held);
     res
+}
+
+/// The answer to a request that was not admitted: 429, 503 (or 500 for an impossible cost).
+fn stopped(shared: &Shared, stop: Stop, cost: u32, log: &mut AccessLog) -> Response<Body> {
+    match stop {
+        Stop::Quota(refused) => {
+            let (refusal, reports) = *refused;
+            log.outcome(Outcome::Rejected(refusal.limit()), &shared.quota);
+            let info = shared.quota.info(refusal.limit());
+            let report = reports
+                .iter()
+                .find(|(id, _)| *id == refusal.limit())
+                .map(|(_, r)| r);
+            let mut res =
+                quota_exceeded(info, &refusal, report, cost).into_response(&shared.problem_base);
+            advertise(shared, res.headers_mut(), &reports, cost);
+            res
+        }
+        Stop::Overloaded => {
+            log.outcome(Outcome::Overloaded, &shared.quota);
+            Problem::overloaded(overload_retry_after(shared.overload_retry_after))
+                .into_response(&shared.problem_base)
+        }
+        Stop::CostTooLarge(id) => {
+            tracing::error!(
+                policy = &*shared.quota.info(id).name,
+                cost,
+                "route cost exceeds the limit's capacity"
+            );
+            Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "misconfigured",
+                "The gateway is misconfigured",
+                "This route costs more than one of its limits can ever allow.",
+            )
+            .into_response(&shared.problem_base)
+        }
+    }
+}
+
+/// RateLimit fields for the limits that applied (dry-run limits stay invisible to callers).
+fn advertise(shared: &Shared, headers: &mut http::HeaderMap, reports: &Reports, cost: u32) {
+    let items: SmallVec<[(&str, Report); 8]> = reports
+        .iter()
+        .map(|(id, r)| (&*shared.quota.info(*id).name, *r))
+        .collect();
+    advertise::write(headers, &items, cost, shared.legacy_headers);
 }
 
 /// Whole seconds drawn uniformly from the configured range, so refused callers spread out.

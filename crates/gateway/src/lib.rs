@@ -1,6 +1,7 @@
 //! sluice's gateway: the proxy that sits in front of an API.
 //!
-//! A request walks one way (see `handle`): health -> route -> capacity -> forward -> log.
+//! A request walks one way (see `handle`): health -> route -> identify -> quota -> capacity
+//! -> forward -> headers -> log.
 //! [`Gateway::bind`] opens the listeners; [`Gateway::run`] serves until told to stop, then
 //! drains.
 
@@ -9,11 +10,15 @@
 
 mod access_log;
 mod admin;
+mod advertise;
 mod body;
 mod capacity;
 mod forward;
 mod handle;
+mod identify;
 mod problem;
+mod quota;
+mod refusal;
 mod request_id;
 mod route;
 mod server;
@@ -26,6 +31,7 @@ use std::time::Duration;
 
 use hyper_util::server::graceful::GracefulShutdown;
 use sluice_config::Config;
+use sluice_limiter::{Clock, SystemClock};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -63,6 +69,15 @@ impl Gateway {
     /// Opens the main and admin listeners. Port 0 picks a free port; see
     /// [`main_addr`](Gateway::main_addr).
     pub async fn bind(config: &Config) -> Result<Self, GatewayError> {
+        Self::bind_with_clock(config, Arc::new(SystemClock::new())).await
+    }
+
+    /// Like [`bind`](Gateway::bind), with the limits reading time from `clock` (tests pass a
+    /// manual clock).
+    pub async fn bind_with_clock(
+        config: &Config,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, GatewayError> {
         let bind = |what, addr| async move {
             TcpListener::bind(addr)
                 .await
@@ -71,7 +86,7 @@ impl Gateway {
         let main = bind("gateway.listen", config.gateway.listen).await?;
         let admin = bind("admin.listen", config.admin.listen).await?;
         Ok(Self {
-            shared: Arc::new(Shared::new(config)),
+            shared: Arc::new(Shared::new(config, clock)),
             main,
             admin,
             header_timeout: config.gateway.header_timeout,
@@ -125,6 +140,7 @@ impl Gateway {
             })
         };
 
+        let sweeper = tokio::spawn(sweep(shared.clone()));
         let graceful = GracefulShutdown::new();
         let drain = {
             let shared = shared.clone();
@@ -156,8 +172,21 @@ impl Gateway {
                 "shutdown grace ran out; closing remaining connections"
             );
         }
+        sweeper.abort();
         let _ = stop_admin.send(true);
         let _ = admin_task.await;
         finished
+    }
+}
+
+/// Every second, on the blocking pool, removes keys that returned to their fresh state. The
+/// limiter walks each table at most once per its window, never on the request path.
+async fn sweep(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let shared = shared.clone();
+        let _ = tokio::task::spawn_blocking(move || shared.quota.sweep()).await;
     }
 }

@@ -5,7 +5,7 @@ use smallvec::SmallVec;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::algo::Algo;
+use crate::algo::{Algo, Step};
 use crate::clock::Nanos;
 use crate::table::Table;
 use crate::{Key, Limiter};
@@ -219,22 +219,68 @@ impl Decision {
             Decision::Refused(r) => (&r.layers, r.cost, r.now, false),
             Decision::CostTooLarge(c) => (&c.layers, c.cost, c.now, false),
         };
-        layers.iter().map(move |layer| {
-            let rule = limiter.rule(layer.limit);
-            let (remaining, reset) = if admitted {
-                rule.after_admission(layer.state(), now)
-            } else if let Some(until) = layer.blocked_until() {
-                (0, Some(until.saturating_sub(now)))
-            } else {
-                rule.pending(layer.state(), cost, now)
+        reports(layers, cost, now, admitted, limiter)
+    }
+}
+
+impl Admission {
+    /// One [`Report`] per limit, in the order they were given: the figures after this charge.
+    pub fn reports<'a>(&'a self, limiter: &'a Limiter) -> impl Iterator<Item = Report> + 'a {
+        reports(&self.layers, self.cost, self.now, true, limiter)
+    }
+}
+
+impl Refusal {
+    /// One [`Report`] per limit, in the order they were given: the figures as seen, nothing
+    /// charged.
+    pub fn reports<'a>(&'a self, limiter: &'a Limiter) -> impl Iterator<Item = Report> + 'a {
+        reports(&self.layers, self.cost, self.now, false, limiter)
+    }
+
+    /// Every limit that refused, with its own wait (the rest of a block; `None` for a full
+    /// concurrency limit). [`Refusal::limit`] is the one with the longest wait.
+    pub fn refusing<'a>(
+        &'a self,
+        limiter: &'a Limiter,
+    ) -> impl Iterator<Item = (LimitId, Option<Duration>)> + 'a {
+        self.layers.iter().filter_map(move |layer| {
+            let wait = match layer.blocked_until() {
+                Some(until) => Some(until.saturating_sub(self.now)),
+                None => match limiter
+                    .rule(layer.limit)
+                    .eval(layer.state(), self.cost, self.now)
+                {
+                    Step::Admit { .. } => return None,
+                    Step::Refuse { wait } => wait,
+                },
             };
-            Report {
-                limit: layer.limit,
-                quota: rule.quota(),
-                window: rule.window().map(Duration::from_nanos),
-                remaining,
-                reset: reset.map(Duration::from_nanos),
-            }
+            Some((layer.limit, wait.map(Duration::from_nanos)))
         })
     }
+}
+
+fn reports<'a>(
+    layers: &'a Layers,
+    cost: u32,
+    now: u64,
+    admitted: bool,
+    limiter: &'a Limiter,
+) -> impl Iterator<Item = Report> + 'a {
+    layers.iter().map(move |layer| {
+        let rule = limiter.rule(layer.limit);
+        let (remaining, reset) = if admitted {
+            rule.after_admission(layer.state(), now)
+        } else if let Some(until) = layer.blocked_until() {
+            (0, Some(until.saturating_sub(now)))
+        } else {
+            rule.pending(layer.state(), cost, now)
+        };
+        Report {
+            limit: layer.limit,
+            quota: rule.quota(),
+            window: rule.window().map(Duration::from_nanos),
+            remaining,
+            reset: reset.map(Duration::from_nanos),
+        }
+    })
 }

@@ -1,0 +1,358 @@
+//! The identify step: who is calling. The client IP (the TCP peer, or behind trusted proxies
+//! the first untrusted hop of `Forwarded` / `X-Forwarded-For`, walked right to left) and the
+//! API key (from the configured sources, first found wins).
+
+use std::net::IpAddr;
+
+use http::header::{AUTHORIZATION, FORWARDED};
+use http::{HeaderMap, HeaderName, Uri};
+use sluice_config::{mask_v6, Cidr, Identity, KeySource};
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
+/// Keys longer than this are refused with 400 rather than silently skipping a limit.
+pub(crate) const MAX_KEY_BYTES: usize = 256;
+
+/// The identity rules from `[identity]`.
+#[derive(Debug)]
+pub(crate) struct Identify {
+    trusted: Vec<Cidr>,
+    ipv6_prefix: u8,
+    key_sources: Vec<(KeySource, Option<HeaderName>)>,
+}
+
+/// A caller's API key that is too long to be one.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct KeyTooLong;
+
+impl Identify {
+    pub(crate) fn new(identity: &Identity) -> Self {
+        let key_sources = identity
+            .api_key
+            .iter()
+            .map(|s| {
+                let header = match s {
+                    KeySource::Header(h) => HeaderName::from_bytes(h.as_bytes()).ok(),
+                    _ => None,
+                };
+                (s.clone(), header)
+            })
+            .collect();
+        Self {
+            trusted: identity.trusted_proxies.clone(),
+            ipv6_prefix: identity.ipv6_prefix,
+            key_sources,
+        }
+    }
+
+    pub(crate) fn is_trusted(&self, ip: IpAddr) -> bool {
+        self.trusted.iter().any(|c| c.contains(ip))
+    }
+
+    /// The client's address. Headers are believed only from trusted peers, and only as far as
+    /// the chain of trusted hops goes: an attacker-chosen string never becomes the answer.
+    pub(crate) fn client_ip(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {
+        let peer = peer.to_canonical();
+        if self.trusted.is_empty() || !self.is_trusted(peer) {
+            return peer;
+        }
+        let forwarded: Vec<&str> = headers
+            .get_all(FORWARDED)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect();
+        if !forwarded.is_empty() {
+            let hops = forwarded
+                .iter()
+                .flat_map(|v| v.split(','))
+                .map(forwarded_for);
+            return self.walk(peer, hops);
+        }
+        let xff: Vec<&str> = headers
+            .get_all(&X_FORWARDED_FOR)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect();
+        let hops = xff.iter().flat_map(|v| v.split(',')).map(parse_hop);
+        self.walk(peer, hops)
+    }
+
+    /// Right to left: skip trusted hops; the first untrusted one is the client. A malformed
+    /// entry ends the walk at the last address that was validated.
+    fn walk(&self, peer: IpAddr, hops: impl DoubleEndedIterator<Item = Option<IpAddr>>) -> IpAddr {
+        let mut last = peer;
+        for hop in hops.rev() {
+            let Some(ip) = hop else { return last };
+            if !self.is_trusted(ip) {
+                return ip;
+            }
+            last = ip;
+        }
+        last
+    }
+
+    /// The address a limit counts: IPv6 reduced to its `ipv6_prefix` network.
+    pub(crate) fn ip_bucket(&self, ip: IpAddr) -> IpAddr {
+        match ip {
+            IpAddr::V4(_) => ip,
+            IpAddr::V6(v6) => IpAddr::V6(mask_v6(u128::from(v6), self.ipv6_prefix).into()),
+        }
+    }
+
+    /// The caller's API key from the first source that has one; `Ok(None)` when none does.
+    pub(crate) fn api_key<'r>(
+        &self,
+        headers: &'r HeaderMap,
+        uri: &'r Uri,
+    ) -> Result<Option<std::borrow::Cow<'r, [u8]>>, KeyTooLong> {
+        for (source, header) in &self.key_sources {
+            let found: Option<std::borrow::Cow<'r, [u8]>> = match source {
+                KeySource::Header(_) => header
+                    .as_ref()
+                    .and_then(|h| headers.get(h))
+                    .map(|v| trim(v.as_bytes()).into()),
+                KeySource::Bearer => headers
+                    .get(AUTHORIZATION)
+                    .and_then(|v| bearer(v.as_bytes()))
+                    .map(Into::into),
+                KeySource::Query(name) => uri
+                    .query()
+                    .and_then(|q| query_param(q, name))
+                    .map(Into::into),
+            };
+            match found {
+                Some(k) if k.len() > MAX_KEY_BYTES => return Err(KeyTooLong),
+                Some(k) if !k.is_empty() => return Ok(Some(k)),
+                _ => {}
+            }
+        }
+        Ok(None)
+    }
+}
+
+fn trim(b: &[u8]) -> &[u8] {
+    b.trim_ascii()
+}
+
+fn bearer(v: &[u8]) -> Option<&[u8]> {
+    let v = trim(v);
+    let (scheme, rest) = v.split_at_checked(6)?;
+    (scheme.eq_ignore_ascii_case(b"bearer") && rest.first() == Some(&b' ')).then(|| trim(rest))
+}
+
+/// The value of `name` in a query string, percent-decoded.
+fn query_param(query: &str, name: &str) -> Option<Vec<u8>> {
+    query.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (percent_decode(k.as_bytes()) == name.as_bytes()).then(|| percent_decode(v.as_bytes()))
+    })
+}
+
+fn percent_decode(s: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(s.len());
+    let mut i = 0;
+    while i < s.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (
+            s[i],
+            s.get(i + 1).copied().and_then(hex),
+            s.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (b'+', _, _) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+/// One `X-Forwarded-For` entry: an address, optionally `v4:port` or `[v6]:port`.
+fn parse_hop(s: &str) -> Option<IpAddr> {
+    let s = s.trim();
+    if let Ok(ip) = s.parse::<IpAddr>() {
+        return Some(ip.to_canonical());
+    }
+    if let Some(rest) = s.strip_prefix('[') {
+        let (addr, port) = rest.split_once(']')?;
+        if !(port.is_empty() || port.strip_prefix(':').is_some_and(is_port)) {
+            return None;
+        }
+        return addr
+            .parse::<std::net::Ipv6Addr>()
+            .ok()
+            .map(|a| IpAddr::V6(a).to_canonical());
+    }
+    let (addr, port) = s.rsplit_once(':')?;
+    if !is_port(port) {
+        return None;
+    }
+    addr.parse::<std::net::Ipv4Addr>().ok().map(IpAddr::V4)
+}
+
+fn is_port(p: &str) -> bool {
+    !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// The `for=` of one `Forwarded` element (RFC 7239), quoted or not. `unknown`, obfuscated
+/// identifiers and a missing `for=` are malformed for our purpose: they stop the walk.
+fn forwarded_for(element: &str) -> Option<IpAddr> {
+    element.split(';').find_map(|pair| {
+        let (k, v) = pair.trim().split_once('=')?;
+        if !k.trim().eq_ignore_ascii_case("for") {
+            return None;
+        }
+        let v = v.trim();
+        let v = v
+            .strip_prefix('"')
+            .and_then(|v| v.strip_suffix('"'))
+            .unwrap_or(v);
+        parse_hop(v)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn identify(trusted: &[&str]) -> Identify {
+        Identify::new(&Identity {
+            api_key: vec![
+                KeySource::Header("x-api-key".into()),
+                KeySource::Bearer,
+                KeySource::Query("api_key".into()),
+            ],
+            trusted_proxies: trusted.iter().map(|c| c.parse().unwrap()).collect(),
+            ipv6_prefix: 64,
+        })
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        h
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn spoofed_forwarded_for_from_untrusted_peer_is_ignored() {
+        let id = identify(&["10.0.0.0/8"]);
+        let h = headers(&[("x-forwarded-for", "1.2.3.4")]);
+        assert_eq!(id.client_ip(ip("192.0.2.9"), &h), ip("192.0.2.9"));
+    }
+
+    #[test]
+    fn walk_skips_trusted_hops_from_the_right() {
+        let id = identify(&["10.0.0.0/8", "127.0.0.1"]);
+        let h = headers(&[("x-forwarded-for", "6.6.6.6, 203.0.113.5, 10.1.1.1")]);
+        assert_eq!(
+            id.client_ip(ip("127.0.0.1"), &h),
+            ip("203.0.113.5"),
+            "the spoofed leftmost entry is never reached"
+        );
+        let h = headers(&[
+            ("x-forwarded-for", "6.6.6.6"),
+            ("x-forwarded-for", "10.2.2.2"),
+        ]);
+        assert_eq!(
+            id.client_ip(ip("10.0.0.1"), &h),
+            ip("6.6.6.6"),
+            "header lines are one list"
+        );
+    }
+
+    #[test]
+    fn malformed_entry_stops_at_the_last_validated_address() {
+        let id = identify(&["10.0.0.0/8"]);
+        let h = headers(&[("x-forwarded-for", "203.0.113.5, garbage, 10.1.1.1")]);
+        assert_eq!(id.client_ip(ip("10.0.0.1"), &h), ip("10.1.1.1"));
+        let h = headers(&[("x-forwarded-for", "not-an-ip")]);
+        assert_eq!(id.client_ip(ip("10.0.0.1"), &h), ip("10.0.0.1"));
+    }
+
+    #[test]
+    fn forwarded_header_with_quoted_ipv6_and_ports() {
+        let id = identify(&["10.0.0.0/8"]);
+        let h = headers(&[(
+            "forwarded",
+            r#"for=192.0.2.60;proto=http, for="[2001:db8:cafe::17]:4711";by=10.0.0.2"#,
+        )]);
+        assert_eq!(id.client_ip(ip("10.0.0.1"), &h), ip("2001:db8:cafe::17"));
+        let h = headers(&[("forwarded", r#"for="198.51.100.3:8080""#)]);
+        assert_eq!(id.client_ip(ip("10.0.0.1"), &h), ip("198.51.100.3"));
+        let h = headers(&[("forwarded", "for=unknown, for=10.3.3.3")]);
+        assert_eq!(
+            id.client_ip(ip("10.0.0.1"), &h),
+            ip("10.3.3.3"),
+            "unknown stops the walk"
+        );
+    }
+
+    #[test]
+    fn ipv4_mapped_peers_are_normalised_and_ipv6_is_bucketed_per_prefix() {
+        let id = identify(&[]);
+        assert_eq!(
+            id.client_ip(ip("::ffff:192.0.2.1"), &HeaderMap::new()),
+            ip("192.0.2.1")
+        );
+        assert_eq!(
+            id.ip_bucket(ip("2001:db8:1:2:aaaa::1")),
+            id.ip_bucket(ip("2001:db8:1:2:bbbb::9"))
+        );
+        assert_ne!(
+            id.ip_bucket(ip("2001:db8:1:2::1")),
+            id.ip_bucket(ip("2001:db8:1:3::1"))
+        );
+    }
+
+    #[test]
+    fn api_key_sources_in_order_first_found_wins() {
+        let id = identify(&[]);
+        let uri: Uri = "/x?api_key=q%20key".parse().unwrap();
+        let h = headers(&[("authorization", "Bearer tok-1")]);
+        assert_eq!(
+            id.api_key(&h, &uri).unwrap().as_deref(),
+            Some(&b"tok-1"[..])
+        );
+        let h = headers(&[("authorization", "Bearer tok-1"), ("x-api-key", " hdr ")]);
+        assert_eq!(id.api_key(&h, &uri).unwrap().as_deref(), Some(&b"hdr"[..]));
+        assert_eq!(
+            id.api_key(&HeaderMap::new(), &uri).unwrap().as_deref(),
+            Some(&b"q key"[..])
+        );
+        assert_eq!(
+            id.api_key(
+                &headers(&[("authorization", "Basic eA==")]),
+                &"/".parse().unwrap()
+            )
+            .unwrap(),
+            None
+        );
+    }
+
+    #[test]
+    fn keys_over_256_bytes_are_refused_not_skipped() {
+        let id = identify(&[]);
+        let long = "k".repeat(257);
+        let h = headers(&[("x-api-key", &long)]);
+        assert_eq!(id.api_key(&h, &"/".parse().unwrap()), Err(KeyTooLong));
+        let h = headers(&[("x-api-key", &long[..256])]);
+        assert!(id.api_key(&h, &"/".parse().unwrap()).unwrap().is_some());
+    }
+}

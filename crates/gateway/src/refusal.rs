@@ -1,0 +1,136 @@
+//! The words of a 429: which limit refused, in plain language, with the figures an agent
+//! needs to choose between waiting and failing.
+
+use http::StatusCode;
+use serde_json::Value;
+use sluice_config::{Algorithm, KeyPart};
+use sluice_limiter::{Refusal, RefusalReason, Report};
+
+use crate::advertise::ceil_secs;
+use crate::problem::Problem;
+use crate::quota::LimitInfo;
+
+/// Whose quota a limit counts, for the title.
+#[derive(Debug, Clone, Copy)]
+enum Scope {
+    Key,
+    Ip,
+    RouteForKey,
+    RouteForIp,
+    Route,
+    Global,
+    Other,
+}
+
+fn scope(info: &LimitInfo) -> Scope {
+    let by = &info.config.by;
+    let per_route = info.config.routes.is_some() || by.contains(&KeyPart::Route);
+    let (key, ip) = (by.contains(&KeyPart::ApiKey), by.contains(&KeyPart::Ip));
+    match (per_route, key, ip) {
+        (true, true, _) => Scope::RouteForKey,
+        (true, false, true) => Scope::RouteForIp,
+        (true, false, false) => Scope::Route,
+        (false, true, _) => Scope::Key,
+        (false, false, true) => Scope::Ip,
+        _ if by == &[KeyPart::Global] => Scope::Global,
+        _ => Scope::Other,
+    }
+}
+
+/// The 429 for a refusal by limit `info`, whose figures are `report`.
+pub(crate) fn quota_exceeded(
+    info: &LimitInfo,
+    refusal: &Refusal,
+    report: Option<&Report>,
+    cost: u32,
+) -> Problem {
+    let limit = &info.config;
+    let quota = report.map_or(limit.quota.get(), |r| r.quota);
+    let window = report.and_then(|r| r.window).or(limit.window);
+    let remaining = report.map_or(0, |r| r.remaining);
+    let retry_after = refusal.wait().map_or(1, ceil_secs).max(1);
+    let secs = window.map(ceil_secs);
+    let costs = if cost > 1 {
+        format!(" This request costs {cost}; {remaining} remain.")
+    } else {
+        String::new()
+    };
+    let (title, detail): (&'static str, String) = match (refusal.reason(), limit.algorithm) {
+        (RefusalReason::Blocked { .. }, _) => (
+            blocked_title(info),
+            format!(
+                "Blocked by policy {} for exceeding it; the block ends in {retry_after} s.",
+                info.name
+            ),
+        ),
+        (_, Algorithm::Concurrency) => (
+            "Too many of your requests are in progress",
+            format!(
+                "{} of {quota} concurrent requests are in progress.",
+                quota - remaining
+            ),
+        ),
+        (_, Algorithm::TokenBucket { .. }) => (
+            title_for_now(info),
+            format!(
+                "{} of {quota} requests used; the bucket refills {} per {} s.{costs}",
+                quota - remaining,
+                limit.quota,
+                limit.window.map_or(0, ceil_secs)
+            ),
+        ),
+        (_, Algorithm::FixedWindow | Algorithm::SlidingWindow) => (
+            title_for_window(info),
+            format!(
+                "{} of {quota} requests used in a {} s window.{costs}",
+                quota - remaining,
+                secs.unwrap_or(0)
+            ),
+        ),
+    };
+    let mut p = Problem::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        "quota-exceeded",
+        title,
+        detail,
+    );
+    p.retry_after = Some(retry_after);
+    p.extra.push(("policy", Value::from(&*info.name)));
+    p.extra.push(("quota", Value::from(quota)));
+    if let Some(w) = secs {
+        p.extra.push(("window", Value::from(w)));
+    }
+    p
+}
+
+fn title_for_window(info: &LimitInfo) -> &'static str {
+    match scope(info) {
+        Scope::Key => "Your key has used its quota for this window",
+        Scope::Ip => "Your IP address has used its quota for this window",
+        Scope::RouteForKey => "Your key has used its quota for this route in this window",
+        Scope::RouteForIp => "Your IP address has used its quota for this route in this window",
+        Scope::Route => "The quota for this route is used up for this window",
+        Scope::Global => "The shared quota of this API is used up for this window",
+        Scope::Other => "Your quota is used up for this window",
+    }
+}
+
+fn title_for_now(info: &LimitInfo) -> &'static str {
+    match scope(info) {
+        Scope::Key => "Your key is sending requests faster than its rate limit",
+        Scope::Ip => "Your IP address is sending requests faster than its rate limit",
+        Scope::RouteForKey => "Your key is calling this route faster than its rate limit",
+        Scope::RouteForIp => "Your IP address is calling this route faster than its rate limit",
+        Scope::Route => "Requests to this route are coming faster than its rate limit",
+        Scope::Global => "This API is receiving requests faster than its shared rate limit",
+        Scope::Other => "Requests are coming faster than the rate limit",
+    }
+}
+
+fn blocked_title(info: &LimitInfo) -> &'static str {
+    match scope(info) {
+        Scope::Key | Scope::RouteForKey => "Your key is blocked for exceeding its quota",
+        Scope::Ip | Scope::RouteForIp => "Your IP address is blocked for exceeding its quota",
+        _ => "You are blocked for exceeding a quota",
+    }
+}

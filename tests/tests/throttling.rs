@@ -1,0 +1,739 @@
+//! The throttling contract over real sockets: whose limit ran out decides 429 or 503, the
+//! quota is charged only for admitted requests, and every answer says so in its headers and
+//! body. Time-dependent rules run against a gateway whose limits read a manual clock.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use futures_like::join_all;
+use sluice_tests::inproc::InProcess;
+use sluice_tests::{get, MockUpstream, Reply, Sluice};
+
+mod futures_like {
+    /// Awaits spawned tasks in order.
+    pub async fn join_all<T: Send + 'static>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
+        let mut out = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            out.push(t.await.expect("task"));
+        }
+        out
+    }
+}
+
+fn config(upstream: &str, max_in_flight: u32, extra: &str) -> String {
+    format!(
+        r#"
+[gateway]
+listen = "127.0.0.1:0"
+max_in_flight = {max_in_flight}
+health_path = "/health"
+
+[admin]
+listen = "127.0.0.1:0"
+
+[identity]
+api_key = ["header:x-api-key", "bearer"]
+trusted_proxies = ["127.0.0.1/32"]
+
+[responses]
+problem_base = "https://api.example.com/problems/"
+legacy_headers = true
+
+[upstreams.app]
+url = "{upstream}"
+
+[[routes]]
+name = "search"
+path = "/v1/search"
+upstream = "app"
+
+[[routes]]
+name = "api"
+path = "/"
+upstream = "app"
+{extra}
+"#
+    )
+}
+
+const KEY_QUOTA: &str = r#"
+[[limits]]
+name = "key-quota"
+by = "api_key"
+algorithm = "fixed_window"
+quota = 5
+window = "1m"
+"#;
+
+async fn call(addr: std::net::SocketAddr, path: &str, key: &str) -> Reply {
+    get(addr, path, &[("x-api-key", key)]).await
+}
+
+fn statuses(replies: &[Reply]) -> Vec<u16> {
+    replies.iter().map(|r| r.status.as_u16()).collect()
+}
+
+/// `RateLimit` / `RateLimit-Policy` parsed with a conforming Structured Fields parser:
+/// policy name -> parameters.
+fn sf_list(reply: &Reply, field: &str) -> HashMap<String, HashMap<String, i64>> {
+    let raw = reply.header(field);
+    let list: sfv::List = sfv::Parser::new(raw)
+        .parse()
+        .unwrap_or_else(|e| panic!("{field}: {raw:?} is not a Structured Fields list: {e}"));
+    list.into_iter()
+        .map(|entry| match entry {
+            sfv::ListEntry::Item(item) => {
+                let name = item
+                    .bare_item
+                    .as_string()
+                    .expect("policy names are sf-strings")
+                    .as_str()
+                    .to_owned();
+                let params = item
+                    .params
+                    .iter()
+                    .map(|(k, v)| (k.as_str().to_owned(), v.as_integer().map_or(-1, i64::from)))
+                    .collect();
+                (name, params)
+            }
+            sfv::ListEntry::InnerList(_) => panic!("{field}: inner lists are not expected"),
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn scenario_1_only_the_spent_key_gets_429_with_the_exact_wait() {
+    let up = MockUpstream::start().await;
+    // 18 s into a minute window: the window resets in exactly 42 s.
+    let gw = InProcess::start(&config(&up.url(), 64, KEY_QUOTA), Duration::from_secs(18)).await;
+    let mut key_a = Vec::new();
+    for _ in 0..7 {
+        key_a.push(call(gw.main, "/v1/items", "key_a").await);
+    }
+    assert_eq!(statuses(&key_a), [200, 200, 200, 200, 200, 429, 429]);
+    assert_eq!(
+        statuses(&[
+            call(gw.main, "/v1/items", "key_b").await,
+            call(gw.main, "/v1/items", "key_b").await
+        ]),
+        [200, 200]
+    );
+
+    let refused = &key_a[5];
+    assert_eq!(refused.header("retry-after"), "42");
+    assert_eq!(refused.header("content-type"), "application/problem+json");
+    assert_eq!(refused.header("cache-control"), "no-store");
+    assert_eq!(
+        refused.json(),
+        serde_json::json!({
+            "type": "https://api.example.com/problems/quota-exceeded",
+            "title": "Your key has used its quota for this window",
+            "status": 429,
+            "detail": "5 of 5 requests used in a 60 s window.",
+            "policy": "key-quota",
+            "quota": 5,
+            "window": 60,
+            "retry_after": 42
+        })
+    );
+    gw.clock.advance(Duration::from_secs(41));
+    assert_eq!(
+        call(gw.main, "/v1/items", "key_a").await.status,
+        429,
+        "one second before the reset"
+    );
+    gw.clock.advance(Duration::from_secs(1));
+    assert_eq!(
+        call(gw.main, "/v1/items", "key_a").await.status,
+        200,
+        "at the reset"
+    );
+}
+
+#[tokio::test]
+async fn scenario_2_full_gateway_answers_503_and_charges_no_quota() {
+    let up = MockUpstream::start().await;
+    let gw = InProcess::start(&config(&up.url(), 3, KEY_QUOTA), Duration::ZERO).await;
+    let main = gw.main;
+    // Three slow requests (no key: outside the key limit) fill a gateway of capacity 3.
+    let slow: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(async move { get(main, "/hold", &[]).await }))
+        .collect();
+    up.wait_holding(3).await;
+
+    let mut refused = Vec::new();
+    for key in ["key_a", "key_a", "key_a", "key_b", "key_b"] {
+        refused.push(call(gw.main, "/v1/items", key).await);
+    }
+    assert_eq!(statuses(&refused), [503; 5]);
+    for r in &refused {
+        let secs: u64 = r
+            .header("retry-after")
+            .parse()
+            .expect("Retry-After in seconds");
+        assert!((2..=5).contains(&secs), "Retry-After {secs}");
+        let body = r.json();
+        assert_eq!(
+            body["type"],
+            "https://api.example.com/problems/server-overloaded"
+        );
+        assert_eq!(body["title"], "The service is at capacity");
+        assert_eq!(
+            body["detail"],
+            "Retry after the delay in Retry-After. Your quota was not charged."
+        );
+        assert_eq!(body["policy"], "server-capacity");
+        assert_eq!(body["retry_after"], secs);
+        assert!(
+            body.get("quota").is_none() && body.get("window").is_none(),
+            "a 503 names no limit: {body}"
+        );
+    }
+    assert_eq!(get(gw.admin, "/ready", &[]).await.status, 503);
+
+    up.release(3);
+    for s in join_all(slow).await {
+        assert_eq!(s.status, 200);
+    }
+    wait_ready(&gw).await;
+    let mut after = Vec::new();
+    for _ in 0..6 {
+        after.push(call(gw.main, "/v1/items", "key_a").await);
+    }
+    assert_eq!(
+        statuses(&after),
+        [200, 200, 200, 200, 200, 429],
+        "key_a still had its whole quota"
+    );
+}
+
+async fn wait_ready(gw: &InProcess) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while get(gw.admin, "/ready", &[]).await.status != 200 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "readiness did not return to 200"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn quota_beats_capacity_a_spent_key_gets_429_even_when_full() {
+    let up = MockUpstream::start().await;
+    let gw = InProcess::start(&config(&up.url(), 1, KEY_QUOTA), Duration::ZERO).await;
+    for _ in 0..5 {
+        assert_eq!(call(gw.main, "/v1/items", "key_a").await.status, 200);
+    }
+    let main = gw.main;
+    let slow = tokio::spawn(async move { get(main, "/hold", &[]).await });
+    up.wait_holding(1).await;
+    assert_eq!(
+        call(gw.main, "/v1/items", "key_a").await.status,
+        429,
+        "the caller would be refused on a quiet day too"
+    );
+    assert_eq!(call(gw.main, "/v1/items", "key_b").await.status, 503);
+    up.release(1);
+    assert_eq!(slow.await.unwrap().status, 200);
+}
+
+#[tokio::test]
+async fn exactly_quota_admissions_out_of_200_concurrent_requests() {
+    let up = MockUpstream::start().await;
+    let limit = r#"
+[[limits]]
+name = "key-quota"
+by = "api_key"
+algorithm = "fixed_window"
+quota = 50
+window = "1h"
+"#;
+    let gw = InProcess::start(&config(&up.url(), 256, limit), Duration::ZERO).await;
+    let main = gw.main;
+    let replies = join_all(
+        (0..200)
+            .map(|_| tokio::spawn(async move { call(main, "/v1/items", "hot").await }))
+            .collect(),
+    )
+    .await;
+    let ok = replies.iter().filter(|r| r.status == 200).count();
+    let refused = replies.iter().filter(|r| r.status == 429).count();
+    assert_eq!((ok, refused), (50, 150));
+    assert_eq!(
+        up.requests(),
+        50,
+        "only admitted requests reach the upstream"
+    );
+}
+
+#[tokio::test]
+async fn refused_per_route_request_spends_no_per_key_quota() {
+    let up = MockUpstream::start().await;
+    let limits = r#"
+[[limits]]
+name = "key-quota"
+by = "api_key"
+algorithm = "fixed_window"
+quota = 10
+window = "1h"
+
+[[limits]]
+name = "search-per-key"
+by = ["api_key", "route"]
+routes = ["search"]
+algorithm = "fixed_window"
+quota = 2
+window = "1m"
+"#;
+    let gw = InProcess::start(&config(&up.url(), 64, limits), Duration::ZERO).await;
+    let mut searches = Vec::new();
+    for _ in 0..5 {
+        searches.push(call(gw.main, "/v1/search", "k").await);
+    }
+    assert_eq!(statuses(&searches), [200, 200, 429, 429, 429]);
+    let body = searches[2].json();
+    assert_eq!(body["policy"], "search-per-key");
+    assert_eq!(
+        body["title"],
+        "Your key has used its quota for this route in this window"
+    );
+    // Two searches were charged to key-quota; the three refused ones were not.
+    let next = call(gw.main, "/v1/items", "k").await;
+    assert_eq!(sf_list(&next, "ratelimit")["key-quota"]["r"], 7);
+}
+
+#[tokio::test]
+async fn spoofed_forwarded_for_from_an_untrusted_peer_lands_in_one_bucket() {
+    let up = MockUpstream::start().await;
+    let limit = r#"
+[[limits]]
+name = "per-ip"
+by = "ip"
+algorithm = "fixed_window"
+quota = 10
+window = "1h"
+"#;
+    // Nobody is trusted here: the peer 127.0.0.1 is the client, whatever it claims.
+    let text = config(&up.url(), 64, limit).replace(
+        "trusted_proxies = [\"127.0.0.1/32\"]",
+        "trusted_proxies = []",
+    );
+    let gw = InProcess::start(&text, Duration::ZERO).await;
+    let mut ok = 0;
+    for i in 0u32..1000 {
+        let spoof = format!(
+            "{}.{}.{}.{}",
+            i % 223 + 1,
+            i / 7 % 256,
+            i * 13 % 256,
+            i % 251
+        );
+        let r = get(
+            gw.main,
+            "/v1/items",
+            &[
+                ("x-forwarded-for", &spoof),
+                ("forwarded", &format!("for={spoof}")),
+            ],
+        )
+        .await;
+        ok += usize::from(r.status == 200);
+    }
+    assert_eq!(
+        ok, 10,
+        "1000 requests with random forwarding headers are one client"
+    );
+}
+
+#[tokio::test]
+async fn through_a_trusted_proxy_clients_and_ipv6_networks_get_their_own_buckets() {
+    let up = MockUpstream::start().await;
+    let limit = r#"
+[[limits]]
+name = "per-ip"
+by = "ip"
+algorithm = "fixed_window"
+quota = 2
+window = "1h"
+"#;
+    let gw = InProcess::start(&config(&up.url(), 64, limit), Duration::ZERO).await;
+    let from = |ip: &'static str| async move {
+        get(gw.main, "/v1/items", &[("x-forwarded-for", ip)])
+            .await
+            .status
+            .as_u16()
+    };
+    assert_eq!(
+        [
+            from("203.0.113.1").await,
+            from("203.0.113.1").await,
+            from("203.0.113.1").await
+        ],
+        [200, 200, 429]
+    );
+    assert_eq!(
+        from("203.0.113.2").await,
+        200,
+        "a second client behind the proxy has its own bucket"
+    );
+
+    // One /64 is one bucket; the next /64 is another.
+    assert_eq!(
+        [
+            from("2001:db8:0:1::1").await,
+            from("2001:db8:0:1::beef").await,
+            from("2001:db8:0:1:ffff::9").await
+        ],
+        [200, 200, 429]
+    );
+    assert_eq!(from("2001:db8:0:2::1").await, 200);
+}
+
+#[tokio::test]
+async fn block_for_keeps_refusing_after_the_counters_refill() {
+    let up = MockUpstream::start().await;
+    let limit = r#"
+[[limits]]
+name = "strict"
+by = "api_key"
+algorithm = "fixed_window"
+quota = 2
+window = "1s"
+block_for = "10s"
+"#;
+    let gw = InProcess::start(&config(&up.url(), 64, limit), Duration::ZERO).await;
+    assert_eq!(
+        statuses(&[
+            call(gw.main, "/x", "k").await,
+            call(gw.main, "/x", "k").await
+        ]),
+        [200, 200]
+    );
+    let first = call(gw.main, "/x", "k").await;
+    assert_eq!(
+        (first.status.as_u16(), first.header("retry-after")),
+        (429, "10")
+    );
+
+    gw.clock.advance(Duration::from_secs(3)); // the window refilled twice over
+    let blocked = call(gw.main, "/x", "k").await;
+    assert_eq!(
+        (blocked.status.as_u16(), blocked.header("retry-after")),
+        (429, "7")
+    );
+    assert_eq!(
+        blocked.json()["title"],
+        "Your key is blocked for exceeding its quota"
+    );
+    assert_eq!(
+        call(gw.main, "/x", "other").await.status,
+        200,
+        "the block is per key"
+    );
+
+    gw.clock.advance(Duration::from_secs(7));
+    assert_eq!(
+        call(gw.main, "/x", "k").await.status,
+        200,
+        "the block ended"
+    );
+}
+
+#[tokio::test]
+async fn headers_parse_as_structured_fields_and_agree_with_the_body() {
+    let up = MockUpstream::start().await;
+    let limits = r#"
+[[limits]]
+name = "per-ip"
+by = "ip"
+quota = 20
+window = "1s"
+burst = 40
+
+[[limits]]
+name = "key-quota"
+by = "api_key"
+algorithm = "fixed_window"
+quota = 3
+window = "1h"
+"#;
+    let gw = InProcess::start(&config(&up.url(), 64, limits), Duration::from_secs(1000)).await;
+    let ok = call(gw.main, "/v1/items", "k").await;
+    let policy = sf_list(&ok, "ratelimit-policy");
+    assert_eq!(
+        policy["per-ip"],
+        HashMap::from([("q".into(), 40), ("w".into(), 2)])
+    );
+    assert_eq!(
+        policy["key-quota"],
+        HashMap::from([("q".into(), 3), ("w".into(), 3600)])
+    );
+    let state = sf_list(&ok, "ratelimit");
+    assert_eq!(state["per-ip"]["r"], 39);
+    assert_eq!(
+        state["key-quota"],
+        HashMap::from([("r".into(), 2), ("t".into(), 2600)])
+    );
+    // Legacy trio: the limit closest to refusing.
+    assert_eq!(
+        (
+            ok.header("x-ratelimit-limit"),
+            ok.header("x-ratelimit-remaining"),
+            ok.header("x-ratelimit-reset")
+        ),
+        ("3", "2", "2600")
+    );
+
+    call(gw.main, "/v1/items", "k").await;
+    call(gw.main, "/v1/items", "k").await;
+    let refused = call(gw.main, "/v1/items", "k").await;
+    assert_eq!(refused.status, 429);
+    let body = refused.json();
+    let state = sf_list(&refused, "ratelimit");
+    let policy = sf_list(&refused, "ratelimit-policy");
+    let retry: i64 = refused.header("retry-after").parse().unwrap();
+    assert_eq!(body["retry_after"], retry);
+    assert_eq!(state["key-quota"]["t"], retry);
+    assert_eq!(state["key-quota"]["r"], 0);
+    assert_eq!(policy["key-quota"]["q"], body["quota"].as_i64().unwrap());
+    assert_eq!(policy["key-quota"]["w"], body["window"].as_i64().unwrap());
+}
+
+#[tokio::test]
+async fn route_cost_is_charged_and_echoed() {
+    let up = MockUpstream::start().await;
+    let limit = r#"
+[[limits]]
+name = "key-quota"
+by = "api_key"
+algorithm = "fixed_window"
+quota = 12
+window = "1h"
+"#;
+    let text = config(&up.url(), 64, limit).replace(
+        "path = \"/v1/search\"\nupstream = \"app\"",
+        "path = \"/v1/search\"\nupstream = \"app\"\ncost = 5",
+    );
+    let gw = InProcess::start(&text, Duration::ZERO).await;
+    let first = call(gw.main, "/v1/search", "k").await;
+    assert_eq!(first.header("ratelimit-cost"), "5");
+    assert_eq!(sf_list(&first, "ratelimit")["key-quota"]["r"], 7);
+    assert_eq!(call(gw.main, "/v1/search", "k").await.status, 200);
+    let refused = call(gw.main, "/v1/search", "k").await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(
+        refused.json()["detail"],
+        "10 of 12 requests used in a 3600 s window. This request costs 5; 2 remain."
+    );
+    assert_eq!(
+        call(gw.main, "/v1/items", "k").await.status,
+        200,
+        "a cheaper route still fits"
+    );
+    assert_eq!(
+        call(gw.main, "/v1/items", "k")
+            .await
+            .header("ratelimit-cost"),
+        "",
+        "cost 1 is not echoed"
+    );
+}
+
+#[tokio::test]
+async fn concurrency_limit_counts_requests_in_flight_per_key() {
+    let up = MockUpstream::start().await;
+    let limit = r#"
+[[limits]]
+name = "key-concurrency"
+by = "api_key"
+algorithm = "concurrency"
+quota = 2
+"#;
+    let gw = InProcess::start(&config(&up.url(), 64, limit), Duration::ZERO).await;
+    let main = gw.main;
+    let held: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(async move { call(main, "/hold", "k").await }))
+        .collect();
+    up.wait_holding(2).await;
+    let refused = call(gw.main, "/v1/items", "k").await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(
+        refused.json()["title"],
+        "Too many of your requests are in progress"
+    );
+    assert_eq!(refused.header("retry-after"), "1");
+    assert_eq!(call(gw.main, "/v1/items", "other").await.status, 200);
+    up.release(2);
+    join_all(held).await;
+    assert_eq!(
+        call(gw.main, "/v1/items", "k").await.status,
+        200,
+        "slots are released when responses end"
+    );
+}
+
+#[tokio::test]
+async fn a_flood_of_429s_leaves_readiness_at_200() {
+    let up = MockUpstream::start().await;
+    let limit = r#"
+[[limits]]
+name = "tiny"
+by = "api_key"
+algorithm = "fixed_window"
+quota = 1
+window = "1h"
+"#;
+    let gw = InProcess::start(&config(&up.url(), 4, limit), Duration::ZERO).await;
+    let main = gw.main;
+    let flood = join_all(
+        (0..200)
+            .map(|_| {
+                tokio::spawn(async move { call(main, "/v1/items", "k").await.status.as_u16() })
+            })
+            .collect(),
+    )
+    .await;
+    assert_eq!(flood.iter().filter(|s| **s == 429).count(), 199);
+    assert_eq!(get(gw.admin, "/ready", &[]).await.status, 200);
+    assert_eq!(get(gw.main, "/health", &[]).await.status, 200);
+}
+
+#[tokio::test]
+async fn oversized_api_key_is_a_400_not_a_skipped_limit() {
+    let up = MockUpstream::start().await;
+    let gw = InProcess::start(&config(&up.url(), 64, KEY_QUOTA), Duration::ZERO).await;
+    let long = "k".repeat(257);
+    let r = call(gw.main, "/v1/items", &long).await;
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.json()["type"],
+        "https://api.example.com/problems/bad-request"
+    );
+    assert_eq!(up.requests(), 0);
+}
+
+#[tokio::test]
+async fn dry_run_admits_logs_and_stays_invisible_to_callers() {
+    let up = MockUpstream::start().await;
+    let limit = r#"
+[[limits]]
+name = "trial"
+by = "api_key"
+algorithm = "fixed_window"
+quota = 1
+window = "1h"
+mode = "dry_run"
+"#;
+    let gw = Sluice::start(&config(&up.url(), 64, limit));
+    let replies = [
+        call(gw.main, "/v1/items", "secret-key-1").await,
+        call(gw.main, "/v1/items", "secret-key-1").await,
+        call(gw.main, "/v1/items", "secret-key-1").await,
+    ];
+    assert_eq!(statuses(&replies), [200, 200, 200]);
+    assert_eq!(
+        replies[2].header("ratelimit"),
+        "",
+        "a dry-run limit is not advertised"
+    );
+    gw.wait_log("three access lines", |_| gw.access_logs().len() >= 3)
+        .await;
+    let decisions: Vec<(String, String)> = gw
+        .access_logs()
+        .iter()
+        .map(|v| {
+            (
+                v["decision"].as_str().unwrap_or("").to_owned(),
+                v["policy"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        decisions,
+        [
+            ("PASSED".into(), "".into()),
+            ("REJECTED_DRY_RUN".into(), "trial".into()),
+            ("REJECTED_DRY_RUN".into(), "trial".into())
+        ]
+    );
+    let logged = serde_json::to_string(&gw.logs()).unwrap();
+    assert!(
+        !logged.contains("secret-key-1"),
+        "a raw key reached the log"
+    );
+    assert!(
+        gw.access_logs()[0]["key"]
+            .as_str()
+            .is_some_and(|k| k.len() == 8),
+        "a fingerprint stands in for the key"
+    );
+}
+
+#[tokio::test]
+async fn refusals_and_overloads_are_logged_with_their_policy() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), 1, KEY_QUOTA));
+    for _ in 0..6 {
+        call(gw.main, "/v1/items", "k").await;
+    }
+    let main = gw.main;
+    let slow = tokio::spawn(async move { get(main, "/hold", &[]).await });
+    up.wait_holding(1).await;
+    call(gw.main, "/v1/items", "other").await;
+    up.release(1);
+    slow.await.unwrap();
+    let line = gw
+        .wait_log("REJECTED", |v| v["decision"] == "REJECTED")
+        .await;
+    assert_eq!(
+        (line["policy"].as_str(), line["status"].as_u64()),
+        (Some("key-quota"), Some(429))
+    );
+    let line = gw
+        .wait_log("OVERLOADED", |v| v["decision"] == "OVERLOADED")
+        .await;
+    assert_eq!(
+        (line["policy"].as_str(), line["status"].as_u64()),
+        (Some("server-capacity"), Some(503))
+    );
+}
+
+#[tokio::test]
+async fn delay_mode_holds_then_forwards_and_refuses_what_cannot_pass_in_time() {
+    let up = MockUpstream::start().await;
+    // 2 per second with a bucket of 1: a request every 500 ms; hold up to 750 ms.
+    let limit = r#"
+[[limits]]
+name = "smooth"
+by = "api_key"
+quota = 2
+window = "1s"
+burst = 1
+mode = "delay"
+max_delay = "750ms"
+"#;
+    let gw = Sluice::start(&config(&up.url(), 64, limit));
+    let main = gw.main;
+    let started = tokio::time::Instant::now();
+    let replies = join_all(
+        (0..3)
+            .map(|_| tokio::spawn(async move { call(main, "/v1/items", "k").await }))
+            .collect(),
+    )
+    .await;
+    let mut codes = statuses(&replies);
+    codes.sort_unstable();
+    assert_eq!(
+        codes,
+        [200, 200, 429],
+        "one passes, one is held ~500 ms, one would need ~1000 ms"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "the held request came back after {:?}",
+        started.elapsed()
+    );
+    let line = gw.wait_log("DELAYED", |v| v["decision"] == "DELAYED").await;
+    assert_eq!(line["status"], 200);
+}
