@@ -1,0 +1,1 @@
+//! sluice's shared store on Redis: one Lua round trip per decision.
