@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod client;
+pub mod haproxy;
 pub mod inproc;
 pub mod process;
 pub mod upstream;
