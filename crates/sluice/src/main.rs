@@ -40,6 +40,9 @@ enum Command {
         /// Point an upstream elsewhere without editing the file: `--upstream app=http://127.0.0.1:8000`.
         #[arg(long, value_name = "NAME=URL")]
         upstream: Vec<String>,
+        /// Worker threads (default: one per CPU). A sidecar often wants 1 or 2.
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+        threads: Option<u16>,
     },
     /// Validate a configuration and print the routes and limits it defines. Exit 2 if invalid.
     Check {
@@ -59,7 +62,7 @@ fn main() -> ExitCode {
             }
             Err(errors) => invalid(&errors),
         },
-        Command::Run { config, upstream } => {
+        Command::Run { config, upstream, threads } => {
             logging::init(cli.log_format);
             let loaded = match sluice_config::load(&config)
                 .and_then(|c| check::override_upstreams(c, &config, &upstream))
@@ -67,7 +70,7 @@ fn main() -> ExitCode {
                 Ok(c) => c,
                 Err(errors) => return invalid(&errors),
             };
-            match run(loaded) {
+            match run(loaded, threads) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");
@@ -91,11 +94,12 @@ fn invalid(errors: &ConfigErrors) -> ExitCode {
 
 /// Serves until a signal, then drains. A drain cut short by `shutdown_grace` still ends
 /// normally (the orchestrator asked us to stop); the log says so.
-fn run(config: Config) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
+fn run(config: Config, threads: Option<u16>) -> anyhow::Result<()> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = threads {
+        builder.worker_threads(usize::from(n));
+    }
+    let runtime = builder.enable_all().build().context("starting the runtime")?;
     runtime.block_on(async {
         let gateway = Gateway::bind(&config).await?;
         tracing::info!(main = %gateway.main_addr(), admin = %gateway.admin_addr(), routes = config.routes.len(), limits = config.limits.len(), "listening");

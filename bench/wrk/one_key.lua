@@ -1,0 +1,2 @@
+-- Every request from one caller.
+wrk.headers["X-Api-Key"] = "bench-key"
