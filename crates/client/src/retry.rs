@@ -1,0 +1,376 @@
+//! The retry decision, sans I/O: given what happened, wait how long or stop why.
+
+use std::num::NonZeroU32;
+use std::time::{Duration, SystemTime};
+
+use http::{HeaderMap, Method, StatusCode};
+use rand::Rng;
+
+use crate::backoff::Backoff;
+use crate::retry_after::retry_after_header;
+
+/// When to retry a refused request, and how long to wait first.
+///
+/// - Only `429 Too Many Requests` and `503 Service Unavailable` are retried.
+/// - The wait is the response's `Retry-After`; without a usable one, a [`Backoff`] draw.
+/// - Only idempotent methods are retried (GET, HEAD, OPTIONS, TRACE, PUT, DELETE, and QUERY,
+///   which the `http` crate also counts), unless [`RetryPolicy::retry_non_idempotent`] opts in.
+/// - At most `max_attempts` requests are sent, first one included.
+/// - Waiting never takes the total time past `budget`: when the next wait would, the policy
+///   stops and the caller keeps the last response instead of sleeping.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryPolicy {
+    max_attempts: NonZeroU32,
+    budget: Duration,
+    backoff: Backoff,
+    non_idempotent: bool,
+}
+
+/// What has happened so far, as [`RetryPolicy::decide`] needs it.
+#[derive(Debug, Clone, Copy)]
+pub struct Attempt<'a> {
+    /// How many requests have been sent, this one included (1 after the first response).
+    pub number: u32,
+    /// The request's method.
+    pub method: &'a Method,
+    /// The response's status.
+    pub status: StatusCode,
+    /// The response's headers.
+    pub headers: &'a HeaderMap,
+    /// Time since the first request was sent.
+    pub elapsed: Duration,
+    /// The wall clock, to read a `Retry-After` HTTP-date against.
+    pub now: SystemTime,
+}
+
+/// The policy's answer for one response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Wait this long, then send the request again.
+    Retry(Duration),
+    /// Keep this response; do not retry.
+    Stop(StopReason),
+}
+
+/// Why the policy stopped retrying.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// The status is not a throttling refusal (success included): nothing to retry.
+    Final(StatusCode),
+    /// The method is not idempotent and the caller did not opt in.
+    NotIdempotent,
+    /// `max_attempts` requests have been sent.
+    AttemptsExhausted,
+    /// The next wait would take the total time past the budget.
+    OverBudget {
+        /// The wait the response asked for (or the backoff drew).
+        wait: Duration,
+        /// What was left of the budget.
+        remaining: Duration,
+    },
+}
+
+impl RetryPolicy {
+    /// A policy that sends at most `max_attempts` requests and waits for at most `budget` in all.
+    pub fn new(max_attempts: NonZeroU32, budget: Duration, backoff: Backoff) -> Self {
+        RetryPolicy {
+            max_attempts,
+            budget,
+            backoff,
+            non_idempotent: false,
+        }
+    }
+
+    /// Also retries non-idempotent methods such as POST: for a caller that knows the server
+    /// did not act on a refused request, or that sends an idempotency key.
+    pub fn retry_non_idempotent(mut self) -> Self {
+        self.non_idempotent = true;
+        self
+    }
+
+    /// The most requests sent, first one included.
+    pub fn max_attempts(&self) -> NonZeroU32 {
+        self.max_attempts
+    }
+
+    /// The cap on the total time, from the first request to the last.
+    pub fn budget(&self) -> Duration {
+        self.budget
+    }
+
+    /// The backoff used when a refusal carries no usable `Retry-After`.
+    pub fn backoff(&self) -> Backoff {
+        self.backoff
+    }
+
+    /// Decides what to do after `attempt`'s response. `rng` is drawn from only for backoff.
+    pub fn decide<R: Rng + ?Sized>(&self, attempt: &Attempt<'_>, rng: &mut R) -> Decision {
+        if !is_throttled(attempt.status) {
+            return Decision::Stop(StopReason::Final(attempt.status));
+        }
+        if !self.non_idempotent && !attempt.method.is_idempotent() {
+            return Decision::Stop(StopReason::NotIdempotent);
+        }
+        if attempt.number >= self.max_attempts.get() {
+            return Decision::Stop(StopReason::AttemptsExhausted);
+        }
+        let wait = retry_after_header(attempt.headers, attempt.now).unwrap_or_else(|| {
+            let retry = attempt.number.saturating_sub(1);
+            self.backoff.wait(retry, rng)
+        });
+        let remaining = self.budget.saturating_sub(attempt.elapsed);
+        if wait > remaining {
+            return Decision::Stop(StopReason::OverBudget { wait, remaining });
+        }
+        Decision::Retry(wait)
+    }
+}
+
+impl Default for RetryPolicy {
+    /// 5 attempts, a 60 s budget, and the default [`Backoff`] (100 ms doubling up to 10 s).
+    fn default() -> Self {
+        let five = NonZeroU32::new(5).unwrap_or(NonZeroU32::MIN);
+        RetryPolicy::new(five, Duration::from_secs(60), Backoff::default())
+    }
+}
+
+/// The refusals this crate knows how to honour: a spent quota and a full server.
+fn is_throttled(status: StatusCode) -> bool {
+    status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::header::{HeaderValue, RETRY_AFTER};
+    use rand::{rngs::StdRng, SeedableRng};
+
+    fn secs(n: u64) -> Duration {
+        Duration::from_secs(n)
+    }
+
+    fn policy(attempts: u32, budget: Duration) -> RetryPolicy {
+        let backoff = Backoff::new(Duration::from_millis(100), secs(2)).unwrap();
+        RetryPolicy::new(NonZeroU32::new(attempts).unwrap(), budget, backoff)
+    }
+
+    fn retry_after(value: &'static str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(RETRY_AFTER, HeaderValue::from_static(value));
+        h
+    }
+
+    fn decide(
+        p: &RetryPolicy,
+        number: u32,
+        method: Method,
+        status: u16,
+        h: &HeaderMap,
+    ) -> Decision {
+        decide_at(p, number, method, status, h, Duration::ZERO)
+    }
+
+    fn decide_at(
+        p: &RetryPolicy,
+        number: u32,
+        method: Method,
+        status: u16,
+        headers: &HeaderMap,
+        elapsed: Duration,
+    ) -> Decision {
+        let attempt = Attempt {
+            number,
+            method: &method,
+            status: StatusCode::from_u16(status).unwrap(),
+            headers,
+            elapsed,
+            now: SystemTime::now(),
+        };
+        p.decide(&attempt, &mut StdRng::seed_from_u64(1))
+    }
+
+    #[test]
+    fn too_many_requests_waits_retry_after() {
+        let d = decide(
+            &policy(5, secs(60)),
+            1,
+            Method::GET,
+            429,
+            &retry_after("42"),
+        );
+        assert_eq!(d, Decision::Retry(secs(42)));
+    }
+
+    #[test]
+    fn service_unavailable_waits_retry_after() {
+        let d = decide(&policy(5, secs(60)), 1, Method::GET, 503, &retry_after("4"));
+        assert_eq!(d, Decision::Retry(secs(4)));
+    }
+
+    #[test]
+    fn retry_after_zero_retries_at_once() {
+        let d = decide(&policy(5, secs(60)), 1, Method::GET, 429, &retry_after("0"));
+        assert_eq!(d, Decision::Retry(Duration::ZERO));
+    }
+
+    #[test]
+    fn retry_after_date_is_read_against_the_wall_clock() {
+        let p = policy(5, secs(60));
+        let headers = retry_after("Sun, 06 Nov 1994 08:49:37 GMT");
+        let attempt = Attempt {
+            number: 1,
+            method: &Method::GET,
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            headers: &headers,
+            elapsed: Duration::ZERO,
+            now: SystemTime::UNIX_EPOCH + secs(784_111_777 - 20),
+        };
+        let d = p.decide(&attempt, &mut StdRng::seed_from_u64(1));
+        assert_eq!(d, Decision::Retry(secs(20)));
+    }
+
+    #[test]
+    fn missing_retry_after_falls_back_to_backoff_within_its_ceiling() {
+        let p = policy(10, secs(600));
+        for number in 1..10 {
+            let Decision::Retry(wait) = decide(&p, number, Method::GET, 429, &HeaderMap::new())
+            else {
+                panic!("attempt {number} should retry");
+            };
+            assert!(
+                wait <= p.backoff().ceiling(number - 1),
+                "attempt {number}: {wait:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn unparseable_retry_after_falls_back_to_backoff_not_zero_wait() {
+        // "1.5" is absent: the wait is a backoff draw, and with this seed it is not zero.
+        let p = policy(5, secs(60));
+        let d = decide(&p, 1, Method::GET, 429, &retry_after("1.5"));
+        let Decision::Retry(wait) = d else {
+            panic!("{d:?}")
+        };
+        assert!(
+            wait > Duration::ZERO && wait <= p.backoff().ceiling(0),
+            "{wait:?}"
+        );
+    }
+
+    #[test]
+    fn success_and_other_errors_are_final() {
+        let p = policy(5, secs(60));
+        for status in [200, 201, 204, 304, 400, 404, 500, 502, 504] {
+            let d = decide(&p, 1, Method::GET, status, &retry_after("1"));
+            let expected = StopReason::Final(StatusCode::from_u16(status).unwrap());
+            assert_eq!(d, Decision::Stop(expected));
+        }
+    }
+
+    #[test]
+    fn idempotent_methods_are_retried() {
+        let p = policy(5, secs(60));
+        for m in [
+            Method::GET,
+            Method::HEAD,
+            Method::OPTIONS,
+            Method::TRACE,
+            Method::PUT,
+            Method::DELETE,
+        ] {
+            let d = decide(&p, 1, m.clone(), 429, &retry_after("1"));
+            assert_eq!(d, Decision::Retry(secs(1)), "{m}");
+        }
+    }
+
+    #[test]
+    fn non_idempotent_methods_are_not_retried_by_default() {
+        let p = policy(5, secs(60));
+        let patch = Method::PATCH;
+        let custom = Method::from_bytes(b"PURGE").unwrap();
+        for m in [Method::POST, patch, Method::CONNECT, custom] {
+            let d = decide(&p, 1, m.clone(), 429, &retry_after("1"));
+            assert_eq!(d, Decision::Stop(StopReason::NotIdempotent), "{m}");
+        }
+    }
+
+    #[test]
+    fn opting_in_retries_post() {
+        let p = policy(5, secs(60)).retry_non_idempotent();
+        let d = decide(&p, 1, Method::POST, 503, &retry_after("2"));
+        assert_eq!(d, Decision::Retry(secs(2)));
+    }
+
+    #[test]
+    fn stops_after_max_attempts() {
+        let p = policy(3, secs(60));
+        assert_eq!(
+            decide(&p, 2, Method::GET, 429, &retry_after("1")),
+            Decision::Retry(secs(1))
+        );
+        assert_eq!(
+            decide(&p, 3, Method::GET, 429, &retry_after("1")),
+            Decision::Stop(StopReason::AttemptsExhausted)
+        );
+    }
+
+    #[test]
+    fn one_attempt_never_retries() {
+        let d = decide(&policy(1, secs(60)), 1, Method::GET, 429, &retry_after("1"));
+        assert_eq!(d, Decision::Stop(StopReason::AttemptsExhausted));
+    }
+
+    #[test]
+    fn retry_after_60_with_a_30_s_budget_gives_up_instead_of_waiting() {
+        let d = decide(
+            &policy(5, secs(30)),
+            1,
+            Method::GET,
+            429,
+            &retry_after("60"),
+        );
+        let stop = StopReason::OverBudget {
+            wait: secs(60),
+            remaining: secs(30),
+        };
+        assert_eq!(d, Decision::Stop(stop));
+    }
+
+    #[test]
+    fn budget_counts_the_time_already_spent() {
+        let p = policy(5, secs(30));
+        let h = retry_after("10");
+        assert_eq!(
+            decide_at(&p, 2, Method::GET, 429, &h, secs(20)),
+            Decision::Retry(secs(10))
+        );
+        let stop = StopReason::OverBudget {
+            wait: secs(10),
+            remaining: secs(9),
+        };
+        assert_eq!(
+            decide_at(&p, 2, Method::GET, 429, &h, secs(21)),
+            Decision::Stop(stop)
+        );
+        let spent = StopReason::OverBudget {
+            wait: secs(10),
+            remaining: Duration::ZERO,
+        };
+        assert_eq!(
+            decide_at(&p, 2, Method::GET, 429, &h, secs(45)),
+            Decision::Stop(spent)
+        );
+    }
+
+    #[test]
+    fn backoff_wait_over_the_budget_gives_up() {
+        // Budget 0: any positive draw is over it.
+        let p = policy(5, Duration::ZERO);
+        let d = decide(&p, 1, Method::GET, 503, &HeaderMap::new());
+        assert!(
+            matches!(d, Decision::Stop(StopReason::OverBudget { .. })),
+            "{d:?}"
+        );
+    }
+}

@@ -1,0 +1,188 @@
+//! `Retry-After` (RFC 9110 section 10.2.3): delay-seconds or an HTTP-date, nothing else.
+
+use std::time::{Duration, SystemTime};
+
+use http::header::{HeaderMap, RETRY_AFTER};
+
+/// Reads a `Retry-After` field value as a wait counted from `now`.
+///
+/// Accepts `delay-seconds` (`1*DIGIT`) and the three HTTP-date forms a recipient must accept
+/// (IMF-fixdate, the obsolete RFC 850 form and asctime). Everything else is `None`, meaning
+/// *absent*, never a wait of zero: `1.5`, `-3`, `+5`, the empty string, whitespace, garbage, and
+/// a number too large for a `u64`. A zero wait comes only from `0` or a date that is not in the
+/// future, which are real instructions to retry now.
+///
+/// `now` is the caller's wall clock, used only for the date form. Leading and trailing spaces or
+/// tabs are ignored, as a field parser strips them.
+///
+/// RFC 850 two-digit years are read by `httpdate`'s rule (`00`-`69` are 20xx, `70`-`99` are
+/// 19xx) rather than RFC 9110's "more than 50 years ahead" rule; they differ only for years
+/// 2070-2076, which no throttle sends.
+pub fn retry_after(value: impl AsRef<[u8]>, now: SystemTime) -> Option<Duration> {
+    let text = std::str::from_utf8(value.as_ref()).ok()?;
+    let text = text.trim_matches([' ', '\t']);
+    if text.is_empty() {
+        return None;
+    }
+    if text.bytes().all(|b| b.is_ascii_digit()) {
+        // All digits, so the only possible failure is overflow: absent, as the brief says,
+        // rather than RFC 9111's "treat as 2^31", because a wait that long is a server bug.
+        return text.parse::<u64>().ok().map(Duration::from_secs);
+    }
+    let date = httpdate::parse_http_date(text).ok()?;
+    Some(date.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// Reads the `Retry-After` field of a response's headers with [`retry_after`].
+///
+/// `Retry-After` is a singleton field: more than one field line is ambiguous and reads as absent.
+pub fn retry_after_header(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    let mut values = headers.get_all(RETRY_AFTER).iter();
+    let value = values.next()?;
+    if values.next().is_some() {
+        return None;
+    }
+    retry_after(value, now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    /// Sun, 06 Nov 1994 08:49:37 GMT, RFC 9110's example date.
+    fn example_date() -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(784_111_777)
+    }
+
+    fn before_example(secs: u64) -> SystemTime {
+        example_date() - Duration::from_secs(secs)
+    }
+
+    #[test]
+    fn delay_seconds_is_a_wait() {
+        let now = SystemTime::now();
+        assert_eq!(retry_after("42", now), Some(Duration::from_secs(42)));
+        assert_eq!(retry_after("007", now), Some(Duration::from_secs(7)));
+        assert_eq!(
+            retry_after(HeaderValue::from_static("60"), now),
+            Some(Duration::from_secs(60))
+        );
+    }
+
+    #[test]
+    fn zero_seconds_is_retry_now_not_absent() {
+        assert_eq!(retry_after("0", SystemTime::now()), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn decimal_1_5_parses_as_absent_not_zero() {
+        // The seed's rule: a Retry-After in neither form, such as 1.5, is absent.
+        assert_eq!(retry_after("1.5", SystemTime::now()), None);
+    }
+
+    #[test]
+    fn values_in_neither_form_are_absent() {
+        let now = SystemTime::now();
+        for bad in [
+            "-3", "+5", "", " ", "\t", "garbage", "5s", "5 5", "0x10", "1e3", "٣", "5,6",
+        ] {
+            assert_eq!(retry_after(bad, now), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn overflowing_seconds_are_absent() {
+        let now = SystemTime::now();
+        assert_eq!(retry_after("18446744073709551616", now), None);
+        assert_eq!(retry_after("99999999999999999999999999", now), None);
+        assert_eq!(
+            retry_after("18446744073709551615", now),
+            Some(Duration::from_secs(u64::MAX))
+        );
+    }
+
+    #[test]
+    fn non_utf8_bytes_are_absent() {
+        let value = HeaderValue::from_bytes(b"\xff12").unwrap();
+        assert_eq!(retry_after(&value, SystemTime::now()), None);
+    }
+
+    #[test]
+    fn surrounding_whitespace_is_ignored() {
+        assert_eq!(
+            retry_after(" 30\t", SystemTime::now()),
+            Some(Duration::from_secs(30))
+        );
+    }
+
+    #[test]
+    fn imf_fixdate_is_a_wait_until_that_moment() {
+        let wait = retry_after("Sun, 06 Nov 1994 08:49:37 GMT", before_example(90));
+        assert_eq!(wait, Some(Duration::from_secs(90)));
+    }
+
+    #[test]
+    fn obsolete_rfc850_date_is_accepted() {
+        let wait = retry_after("Sunday, 06-Nov-94 08:49:37 GMT", before_example(90));
+        assert_eq!(wait, Some(Duration::from_secs(90)));
+    }
+
+    #[test]
+    fn obsolete_asctime_date_is_accepted() {
+        let wait = retry_after("Sun Nov  6 08:49:37 1994", before_example(90));
+        assert_eq!(wait, Some(Duration::from_secs(90)));
+    }
+
+    #[test]
+    fn date_in_the_past_is_retry_now() {
+        let later = example_date() + Duration::from_secs(3600);
+        assert_eq!(
+            retry_after("Sun, 06 Nov 1994 08:49:37 GMT", later),
+            Some(Duration::ZERO)
+        );
+        // RFC 9110's own example, read by any client after 1999.
+        let wait = retry_after("Fri, 31 Dec 1999 23:59:59 GMT", SystemTime::now());
+        assert_eq!(wait, Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn date_equal_to_now_is_retry_now() {
+        let wait = retry_after("Sun, 06 Nov 1994 08:49:37 GMT", example_date());
+        assert_eq!(wait, Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn malformed_dates_are_absent() {
+        let now = before_example(90);
+        for bad in [
+            "Sun, 06 Nov 1994 08:49:37",     // no zone
+            "Sun, 06 Nov 1994 08:49:37 UTC", // wrong zone
+            "Sun, 32 Nov 1994 08:49:37 GMT", // no such day
+            "Sun, 06 Nov 1994 25:49:37 GMT", // no such hour
+            "Mon, 06 Nov 1994 08:49:37 GMT", // wrong weekday
+            "1994-11-06T08:49:37Z",          // ISO 8601 is not an HTTP-date
+        ] {
+            assert_eq!(retry_after(bad, now), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn header_map_lookup_reads_the_single_field() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(retry_after_header(&headers, SystemTime::now()), None);
+        headers.insert(RETRY_AFTER, HeaderValue::from_static("42"));
+        assert_eq!(
+            retry_after_header(&headers, SystemTime::now()),
+            Some(Duration::from_secs(42))
+        );
+    }
+
+    #[test]
+    fn repeated_retry_after_fields_are_absent() {
+        let mut headers = HeaderMap::new();
+        headers.append(RETRY_AFTER, HeaderValue::from_static("5"));
+        headers.append(RETRY_AFTER, HeaderValue::from_static("60"));
+        assert_eq!(retry_after_header(&headers, SystemTime::now()), None);
+    }
+}
