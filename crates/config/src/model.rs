@@ -24,6 +24,8 @@ pub struct Config {
     pub routes: Vec<Route>,
     /// Limits, in file order.
     pub limits: Vec<Limit>,
+    /// Where counters live: this instance's memory, or a Redis shared by instances.
+    pub store: Store,
 }
 
 /// `[gateway]`.
@@ -216,4 +218,41 @@ pub enum Mode {
         /// The longest a request is held.
         max_delay: Duration,
     },
+}
+
+/// `[store]`: where limits are counted.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Store {
+    /// In this instance's memory (the default): each instance counts alone.
+    #[default]
+    Memory,
+    /// In a Redis shared by every instance, so they share one budget per caller.
+    Redis(RedisStore),
+}
+
+/// `[store]` with `kind = "redis"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisStore {
+    /// `redis://host:port[/db]`, or `rediss://` for TLS.
+    pub url: String,
+    /// A decision Redis cannot give in this time follows `on_error`.
+    pub timeout: Duration,
+    /// What a request gets when Redis fails or is too slow.
+    pub on_error: OnError,
+    /// With `on_error = "local"`: how many instances share the quota, so each enforces
+    /// `quota / instances` meanwhile.
+    pub instances: NonZeroU32,
+    /// The environment variable holding the secret of the keyed hash (read at run time).
+    pub hash_secret_env: String,
+}
+
+/// What a request gets when the shared store cannot decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnError {
+    /// Admit (fail open).
+    Allow,
+    /// Refuse with 503 and `Retry-After`.
+    Deny,
+    /// Decide in this instance's memory with each quota divided by `instances`.
+    Local,
 }

@@ -25,6 +25,8 @@ pub(crate) struct RawConfig {
     pub routes: Vec<RawRoute>,
     #[serde(default)]
     pub limits: Vec<RawLimit>,
+    #[serde(default)]
+    pub store: RawStore,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -125,4 +127,15 @@ impl OneOrMany {
             OneOrMany::Many(v) => v.iter().map(String::as_str).collect(),
         }
     }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawStore {
+    pub kind: Option<S<String>>,
+    pub url: Option<S<String>>,
+    pub timeout: Option<S<String>>,
+    pub on_error: Option<S<String>>,
+    pub instances: Option<S<i64>>,
+    pub hash_secret_env: Option<S<String>>,
 }

@@ -3,6 +3,7 @@
 mod limits;
 mod routes;
 mod sections;
+mod store;
 
 use std::num::NonZeroU32;
 use std::ops::Range;
@@ -36,6 +37,7 @@ impl<'a> Validator<'a> {
         let upstreams = self.upstreams(&raw.upstreams);
         let routes = self.routes(&raw.routes, &upstreams);
         let limits = self.limits(&raw.limits, &raw.routes, &routes);
+        let store = self.store(&raw.store);
         if self.errors.is_empty() {
             Ok(Config {
                 gateway,
@@ -45,6 +47,7 @@ impl<'a> Validator<'a> {
                 upstreams,
                 routes,
                 limits,
+                store,
             })
         } else {
             Err(self.errors)

@@ -1,0 +1,180 @@
+//! `[store]`: `kind = "memory"` (the default, no other key) or `kind = "redis"`.
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use super::Validator;
+use crate::model::{OnError, RedisStore, Store};
+use crate::raw::{RawStore, S};
+
+/// `timeout` when not written.
+pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
+/// `hash_secret_env` when not written.
+pub(crate) const DEFAULT_SECRET_ENV: &str = "SLUICE_HASH_SECRET";
+
+impl Validator<'_> {
+    pub(super) fn store(&mut self, raw: &RawStore) -> Store {
+        let kind = raw.kind.as_ref().map_or("memory", |k| k.get_ref().as_str());
+        match kind {
+            "memory" => {
+                self.unused_with_memory(raw);
+                Store::Memory
+            }
+            "redis" => self.redis(raw).map_or(Store::Memory, Store::Redis),
+            other => {
+                let span = raw.kind.as_ref().map(S::span);
+                let msg =
+                    format!("\"{other}\" is not a store kind (write \"memory\" or \"redis\")");
+                self.err(span, "store.kind", msg);
+                Store::Memory
+            }
+        }
+    }
+
+    /// Redis keys under `kind = "memory"` are a mistake: most likely a forgotten `kind`.
+    fn unused_with_memory(&mut self, raw: &RawStore) {
+        let quoted = |v: &Option<S<String>>| {
+            v.as_ref()
+                .map(|v| (v.span(), format!("\"{}\"", v.get_ref())))
+        };
+        let set = [
+            ("url", quoted(&raw.url)),
+            ("timeout", quoted(&raw.timeout)),
+            ("on_error", quoted(&raw.on_error)),
+            (
+                "instances",
+                raw.instances
+                    .as_ref()
+                    .map(|v| (v.span(), v.get_ref().to_string())),
+            ),
+            ("hash_secret_env", quoted(&raw.hash_secret_env)),
+        ];
+        for (key, found) in set {
+            if let Some((span, value)) = found {
+                let msg = format!("{value} is not used: the store is \"memory\" (set kind = \"redis\" to share limits through Redis)");
+                self.err(Some(span), &format!("store.{key}"), msg);
+            }
+        }
+    }
+
+    fn redis(&mut self, raw: &RawStore) -> Option<RedisStore> {
+        let Some(url) = &raw.url else {
+            let span = raw.kind.as_ref().map(S::span);
+            self.err(
+                span,
+                "store.url",
+                "required with kind = \"redis\" (write e.g. url = \"redis://127.0.0.1:6379\")",
+            );
+            return None;
+        };
+        let url_ok = self.redis_url(url);
+        let timeout = self.duration(&raw.timeout, "store.timeout", DEFAULT_TIMEOUT);
+        let on_error = match &raw.on_error {
+            None => OnError::Local,
+            Some(v) => {
+                match v.get_ref().as_str() {
+                    "allow" => OnError::Allow,
+                    "deny" => OnError::Deny,
+                    "local" => OnError::Local,
+                    other => {
+                        let msg = format!("\"{other}\" is not a fallback (write \"allow\", \"deny\" or \"local\")");
+                        self.err(Some(v.span()), "store.on_error", msg);
+                        OnError::Local
+                    }
+                }
+            }
+        };
+        let instances = match &raw.instances {
+            None => Some(NonZeroU32::MIN),
+            Some(v) => self.positive_u32(v, "store.instances"),
+        };
+        let hash_secret_env = match &raw.hash_secret_env {
+            None => Some(DEFAULT_SECRET_ENV.to_owned()),
+            Some(v) if is_env_name(v.get_ref()) => Some(v.get_ref().clone()),
+            Some(v) => {
+                let msg = format!("\"{}\" is not an environment variable name (letters, digits and '_', not starting with a digit)", v.get_ref());
+                self.err(Some(v.span()), "store.hash_secret_env", msg);
+                None
+            }
+        };
+        Some(RedisStore {
+            url: url_ok.then(|| url.get_ref().clone())?,
+            timeout,
+            on_error,
+            instances: instances?,
+            hash_secret_env: hash_secret_env?,
+        })
+    }
+
+    /// `redis://` or `rediss://`, an optional `user:password@`, a host, an optional port and
+    /// an optional database number.
+    fn redis_url(&mut self, v: &S<String>) -> bool {
+        let s = v.get_ref();
+        let problem = match s.split_once("://") {
+            Some(("redis" | "rediss", rest)) => {
+                let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+                let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+                let (host, port) = split_port(host_port);
+                if host.is_empty() || host.contains(|c: char| c.is_whitespace() || c == '/') {
+                    Some("has no host")
+                } else if port.is_some_and(|p| p.parse::<u16>().map_or(true, |p| p == 0)) {
+                    Some("has a port that is not between 1 and 65535")
+                } else if !path.is_empty() && path.parse::<u32>().is_err() {
+                    Some("has a path that is not a database number (write e.g. \"redis://host:6379/0\")")
+                } else {
+                    None
+                }
+            }
+            _ => Some("is not a Redis URL (write \"redis://host:port\", or \"rediss://host:port\" for TLS)"),
+        };
+        if let Some(problem) = problem {
+            self.err(Some(v.span()), "store.url", format!("\"{s}\" {problem}"));
+        }
+        problem.is_none()
+    }
+}
+
+/// `host:port` -> (`host`, `Some(port)`); `[::1]:6379` keeps the brackets out of the port.
+fn split_port(host_port: &str) -> (&str, Option<&str>) {
+    if let Some(rest) = host_port.strip_prefix('[') {
+        return match rest.split_once(']') {
+            Some((host, tail)) => (host, tail.strip_prefix(':')),
+            None => ("", None),
+        };
+    }
+    match host_port.rsplit_once(':') {
+        Some((host, port)) => (host, Some(port)),
+        None => (host_port, None),
+    }
+}
+
+/// A POSIX-portable environment variable name.
+fn is_env_name(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_names_are_letters_digits_and_underscores_not_leading_digits() {
+        assert!(is_env_name("SLUICE_HASH_SECRET"));
+        assert!(is_env_name("_x1"));
+        assert!(!is_env_name("1X"));
+        assert!(!is_env_name("A-B"));
+        assert!(!is_env_name(""));
+    }
+
+    #[test]
+    fn ports_split_from_names_and_bracketed_ipv6() {
+        assert_eq!(split_port("h:6379"), ("h", Some("6379")));
+        assert_eq!(split_port("[::1]:6379"), ("::1", Some("6379")));
+        assert_eq!(split_port("[::1]"), ("::1", None));
+        assert_eq!(split_port("h"), ("h", None));
+    }
+}

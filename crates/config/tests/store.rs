@@ -1,0 +1,154 @@
+//! `[store]`: memory by default, Redis as written in issue 7, and the exact error text a user
+//! sees for each bad value.
+
+use std::path::Path;
+use std::time::Duration;
+
+use sluice_config::{parse, OnError, RedisStore, Store};
+
+fn errors(text: &str) -> Vec<String> {
+    match parse(text, Path::new("c.toml")) {
+        Ok(_) => panic!("config was accepted:\n{text}"),
+        Err(e) => e.0.iter().map(ToString::to_string).collect(),
+    }
+}
+
+fn store(text: &str) -> Store {
+    parse(text, Path::new("c.toml")).expect("valid").store
+}
+
+#[test]
+fn store_is_memory_when_left_out_or_written_alone() {
+    assert_eq!(store(""), Store::Memory);
+    assert_eq!(store("[store]\nkind = \"memory\"\n"), Store::Memory);
+}
+
+#[test]
+fn redis_store_of_issue_seven_is_accepted_as_written() {
+    let text = r#"
+[store]
+kind = "redis"                  # "memory" (default) or "redis"
+url = "redis://127.0.0.1:6379"  # rediss:// for TLS
+timeout = "25ms"                # a decision that Redis cannot give in time follows on_error
+on_error = "local"              # "allow" (fail open), "deny" (503 + Retry-After), "local"
+instances = 3                   # with "local": each instance enforces quota / instances meanwhile
+hash_secret_env = "SLUICE_HASH_SECRET"   # keys in Redis are keyed hashes, the same on every instance
+"#;
+    assert_eq!(
+        store(text),
+        Store::Redis(RedisStore {
+            url: "redis://127.0.0.1:6379".into(),
+            timeout: Duration::from_millis(25),
+            on_error: OnError::Local,
+            instances: 3.try_into().unwrap(),
+            hash_secret_env: "SLUICE_HASH_SECRET".into(),
+        })
+    );
+}
+
+#[test]
+fn redis_store_with_only_a_url_takes_every_default() {
+    let Store::Redis(r) = store("[store]\nkind = \"redis\"\nurl = \"rediss://cache.internal\"\n")
+    else {
+        panic!("not redis")
+    };
+    assert_eq!(r.timeout, Duration::from_millis(50));
+    assert_eq!(r.on_error, OnError::Local);
+    assert_eq!(r.instances.get(), 1);
+    assert_eq!(r.hash_secret_env, "SLUICE_HASH_SECRET");
+}
+
+#[test]
+fn urls_with_credentials_ipv6_and_database_are_accepted() {
+    for url in [
+        "redis://:secret@10.0.0.5:6380/2",
+        "redis://user:pw@[::1]:6379",
+        "rediss://redis.example.com:6379/0",
+    ] {
+        let text = format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n");
+        assert!(matches!(store(&text), Store::Redis(_)), "{url}");
+    }
+}
+
+#[test]
+fn redis_without_url_names_the_missing_key() {
+    assert_eq!(
+        errors("[store]\nkind = \"redis\"\n"),
+        vec!["c.toml:2:8: store.url: required with kind = \"redis\" (write e.g. url = \"redis://127.0.0.1:6379\")"]
+    );
+}
+
+#[test]
+fn bad_values_name_file_line_column_key_and_value() {
+    let text = "[store]\nkind = \"redis\"\nurl = \"http://127.0.0.1:6379\"\ntimeout = \"25 millis\"\non_error = \"open\"\ninstances = 0\nhash_secret_env = \"MY-SECRET\"\n";
+    assert_eq!(
+        errors(text),
+        vec![
+            "c.toml:3:7: store.url: \"http://127.0.0.1:6379\" is not a Redis URL (write \"redis://host:port\", or \"rediss://host:port\" for TLS)",
+            "c.toml:4:11: store.timeout: \"25 millis\" is not a duration (try \"25ms\")",
+            "c.toml:5:12: store.on_error: \"open\" is not a fallback (write \"allow\", \"deny\" or \"local\")",
+            "c.toml:6:13: store.instances: 0 is not allowed: it must be between 1 and 4294967295",
+            "c.toml:7:19: store.hash_secret_env: \"MY-SECRET\" is not an environment variable name (letters, digits and '_', not starting with a digit)",
+        ]
+    );
+}
+
+#[test]
+fn url_without_host_or_with_a_bad_port_or_path_is_refused() {
+    for (url, problem) in [
+        ("redis://", "has no host"),
+        ("redis://h:0", "has a port that is not between 1 and 65535"),
+        (
+            "redis://h:99999",
+            "has a port that is not between 1 and 65535",
+        ),
+        (
+            "redis://h:6379/cache",
+            "has a path that is not a database number",
+        ),
+    ] {
+        let e = errors(&format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n"));
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(
+            e[0].starts_with(&format!("c.toml:3:7: store.url: \"{url}\" {problem}")),
+            "{}",
+            e[0]
+        );
+    }
+}
+
+#[test]
+fn zero_timeout_is_refused() {
+    let e = errors("[store]\nkind = \"redis\"\nurl = \"redis://h\"\ntimeout = \"0ms\"\n");
+    assert_eq!(
+        e,
+        vec!["c.toml:4:11: store.timeout: \"0ms\" must be longer than zero"]
+    );
+}
+
+#[test]
+fn unknown_kind_is_refused() {
+    assert_eq!(
+        errors("[store]\nkind = \"memcached\"\n"),
+        vec!["c.toml:2:8: store.kind: \"memcached\" is not a store kind (write \"memory\" or \"redis\")"]
+    );
+}
+
+#[test]
+fn redis_keys_with_a_memory_store_are_refused_as_a_forgotten_kind() {
+    assert_eq!(
+        errors("[store]\nurl = \"redis://h\"\ninstances = 2\n"),
+        vec![
+            "c.toml:2:7: store.url: \"redis://h\" is not used: the store is \"memory\" (set kind = \"redis\" to share limits through Redis)",
+            "c.toml:3:13: store.instances: 2 is not used: the store is \"memory\" (set kind = \"redis\" to share limits through Redis)",
+        ]
+    );
+}
+
+#[test]
+fn unknown_store_key_is_an_error_with_its_path() {
+    let e = errors("[store]\nkind = \"redis\"\nurl = \"redis://h\"\npool = 4\n");
+    assert_eq!(e.len(), 1);
+    assert!(e[0].starts_with("c.toml:4:1: store"), "{}", e[0]);
+    assert!(e[0].contains("unknown field `pool`"), "{}", e[0]);
+}

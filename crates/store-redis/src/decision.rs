@@ -1,0 +1,141 @@
+//! What a remote decision returns: the same outcomes and figures as `sluice_limiter`'s
+//! `Decision`, indexed by the position of each layer in the request.
+
+use std::time::Duration;
+
+use sluice_limiter::{Nanos, RefusalReason};
+
+use crate::store::RedisStore;
+
+/// Why the refusing layer refused: [`RefusalReason`] of the in-memory limiter.
+pub type RemoteRefusalReason = RefusalReason;
+
+/// One layer's figures, as the `RateLimit` header's `q`, `w`, `r`, `t` (see
+/// `sluice_limiter::Report`), plus its own part in a refusal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerReport {
+    /// `q`: the quota (a token bucket's burst; a concurrency limit's slots).
+    pub quota: u32,
+    /// `w`: the window (a token bucket's refill time); `None` for concurrency.
+    pub window: Option<Duration>,
+    /// `r`: quota remaining after this request (0 while blocked).
+    pub remaining: u32,
+    /// `t`: after an admission, the time until the remaining quota grows (zero when full);
+    /// otherwise the time until this request would pass. For concurrency, as in memory: zero
+    /// while a slot is free, else `None` (slots free when requests end, not with time).
+    pub reset: Option<Duration>,
+    /// Whether this layer refused the request (or would have, for a dry-run layer).
+    pub refuses: bool,
+    /// When `refuses`: this layer's own wait (`None`: a full concurrency limit).
+    pub wait: Option<Duration>,
+    /// When this layer's key is blocked until, if it is (including a block this request
+    /// started).
+    pub blocked_until: Option<Nanos>,
+}
+
+/// The outcome of [`RedisStore::decide`].
+#[derive(Debug)]
+#[must_use = "an admission holds concurrency leases until dropped"]
+pub enum RemoteDecision {
+    /// Every enforced layer admitted the request (and, unless check-only, was charged).
+    Admitted(RemoteAdmission),
+    /// An enforced layer refused; nothing was charged (blocks may have started).
+    Refused(RemoteRefusal),
+    /// The cost exceeds the capacity of layer `layer`: it can never pass.
+    CostTooLarge {
+        /// The first layer whose capacity is below the cost.
+        layer: usize,
+    },
+}
+
+/// An admitted request. Dropping it releases its concurrency leases (quota charges stay);
+/// [`RedisStore::refund`] takes every charge back.
+#[derive(Debug)]
+pub struct RemoteAdmission {
+    /// One report per layer, in the order given (dry-run layers included).
+    pub reports: Vec<LayerReport>,
+    /// The first dry-run layer that refused (the one with the longest wait), if any: it was
+    /// not charged, the request passes anyway.
+    pub dry_run_refused: Option<usize>,
+    /// Redis's clock at the decision.
+    pub now: Nanos,
+    pub(crate) cost: u32,
+    /// Per layer: the charge's tag (window index) for a refund, or `None` if not charged.
+    pub(crate) tags: Vec<Option<u64>>,
+    /// The request's concurrency leases, if it holds any.
+    pub lease: Option<Lease>,
+}
+
+/// A refused request: nothing was charged.
+#[derive(Debug, Clone)]
+pub struct RemoteRefusal {
+    /// The refusing layer with the longest wait.
+    pub layer: usize,
+    /// How long until the request would pass every refusing layer (to the microsecond,
+    /// rounded up); `None` when only concurrency layers refused.
+    pub wait: Option<Duration>,
+    /// Why [`RemoteRefusal::layer`] refused.
+    pub reason: RemoteRefusalReason,
+    /// One report per layer, in the order given.
+    pub reports: Vec<LayerReport>,
+    /// Redis's clock at the decision.
+    pub now: Nanos,
+}
+
+impl RemoteRefusal {
+    /// Every layer that refused, with its own wait.
+    pub fn refusing(&self) -> impl Iterator<Item = (usize, Option<Duration>)> + '_ {
+        self.reports
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.refuses)
+            .map(|(i, r)| (i, r.wait))
+    }
+}
+
+impl RemoteDecision {
+    /// Whether the request was admitted.
+    pub fn is_admitted(&self) -> bool {
+        matches!(self, RemoteDecision::Admitted(_))
+    }
+}
+
+/// A request's concurrency slots in Redis: one lease id in the ZSET of each concurrency
+/// layer. Dropping it releases them with one pipelined round trip (spawned on the current
+/// tokio runtime); if that fails, the lease expires on its own after the store's lease TTL.
+#[derive(Debug)]
+pub struct Lease {
+    pub(crate) store: Option<RedisStore>,
+    pub(crate) id: String,
+    pub(crate) keys: Vec<String>,
+}
+
+impl Lease {
+    /// Releases the slots now and waits for Redis to confirm.
+    pub async fn release(mut self) -> Result<(), crate::StoreError> {
+        match self.store.take() {
+            Some(store) => store.release(&self.id, &self.keys).await,
+            None => Ok(()),
+        }
+    }
+
+    /// The lease id (the ZSET member).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let Some(store) = self.store.take() else {
+            return;
+        };
+        let (id, keys) = (std::mem::take(&mut self.id), std::mem::take(&mut self.keys));
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            // A failed release is safe: the lease expires after the store's lease TTL.
+            handle.spawn(async move {
+                let _ = store.release(&id, &keys).await;
+            });
+        }
+    }
+}

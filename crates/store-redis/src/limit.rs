@@ -1,0 +1,221 @@
+//! A limit as the script sees it: its parameters in microseconds, checked to stay exact in the
+//! script's doubles (Lua 5.1 in Redis has no 64-bit integers: every value must stay below 2^53).
+
+use std::time::Duration;
+
+use sluice_limiter::{Algorithm, Key, Limit};
+
+/// The largest integer every intermediate value of the script may reach.
+const EXACT: u128 = 1 << 52;
+
+/// Why a limit cannot be decided exactly by the script.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimitTooLarge {
+    /// The window or `block_for` is not a whole number of microseconds (Redis `TIME`'s unit).
+    #[error("limit {name:?}: {what} {value:?} is not a whole number of microseconds")]
+    NotMicroseconds {
+        /// The limit's name.
+        name: String,
+        /// `window` or `block_for`.
+        what: &'static str,
+        /// The rejected duration.
+        value: Duration,
+    },
+    /// Quota and window are so large that the script's arithmetic would lose exactness.
+    #[error("limit {name:?}: {detail} exceeds 2^52, the exact range of the store's arithmetic")]
+    Inexact {
+        /// The limit's name.
+        name: String,
+        /// Which product is too large.
+        detail: &'static str,
+    },
+}
+
+/// A limit ready for the script: a [`Limit`] with its parameters in microseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteLimit {
+    limit: Limit,
+    /// Key prefix: `sluice:<name>:`.
+    prefix: String,
+    pub(crate) code: &'static str,
+    pub(crate) window_us: u64,
+    pub(crate) block_us: u64,
+    /// GCRA: units per microsecond, emission interval in units, bucket size.
+    pub(crate) scale: u64,
+    pub(crate) interval: u64,
+    pub(crate) burst: u32,
+}
+
+fn micros(name: &str, what: &'static str, d: Duration) -> Result<u64, LimitTooLarge> {
+    let us = d.as_micros();
+    if d.subsec_nanos() % 1_000 != 0 || us >= EXACT {
+        let name = name.to_owned();
+        return Err(LimitTooLarge::NotMicroseconds {
+            name,
+            what,
+            value: d,
+        });
+    }
+    Ok(us as u64)
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+impl RemoteLimit {
+    /// Checks that `limit` can be decided exactly by the script: its window and `block_for`
+    /// are whole microseconds, and (token bucket) `burst * window_us / gcd(window_us, quota)`
+    /// or (sliding window) `quota * window_us` stay within 2^52.
+    pub fn new(limit: &Limit) -> Result<Self, LimitTooLarge> {
+        let name = limit.name();
+        let quota = limit.quota().get();
+        let window_us = micros(name, "window", limit.window())?;
+        let block_us = match limit.block_for() {
+            Some(d) => micros(name, "block_for", d)?,
+            None => 0,
+        };
+        let inexact = |detail| LimitTooLarge::Inexact {
+            name: name.to_owned(),
+            detail,
+        };
+        let (mut scale, mut interval, mut burst) = (0, 0, 0);
+        let code = match limit.algorithm() {
+            Algorithm::TokenBucket { burst: b } => {
+                let g = gcd(window_us, u64::from(quota));
+                (scale, interval, burst) = (u64::from(quota) / g, window_us / g, b.get());
+                if u128::from(interval) * u128::from(burst) * 2 > EXACT {
+                    return Err(inexact("burst * window_us / gcd(window_us, quota)"));
+                }
+                "g"
+            }
+            Algorithm::FixedWindow => "f",
+            Algorithm::SlidingWindow => {
+                if u128::from(quota) * u128::from(window_us) * 3 > EXACT {
+                    return Err(inexact("quota * window_us"));
+                }
+                "s"
+            }
+            Algorithm::Concurrency => "c",
+        };
+        Ok(RemoteLimit {
+            limit: limit.clone(),
+            prefix: format!("sluice:{name}:"),
+            code,
+            window_us,
+            block_us,
+            scale,
+            interval,
+            burst,
+        })
+    }
+
+    /// The limit.
+    pub fn limit(&self) -> &Limit {
+        &self.limit
+    }
+
+    /// The name of `key`'s entry under this limit in Redis: `sluice:<limit name>:<32 hex
+    /// digits of the keyed hash>`, so raw identities never reach Redis.
+    pub fn key_name(&self, key: Key) -> String {
+        let mut out = String::with_capacity(self.prefix.len() + 32);
+        out.push_str(&self.prefix);
+        push_hex(&mut out, key);
+        out
+    }
+
+    /// `q`: the quota advertised (a token bucket's burst).
+    pub(crate) fn quota(&self) -> u32 {
+        match self.limit.algorithm() {
+            Algorithm::TokenBucket { burst } => burst.get(),
+            _ => self.limit.quota().get(),
+        }
+    }
+
+    /// `w`: the window advertised; a bucket's refill time; none for concurrency (as in memory).
+    pub(crate) fn window(&self) -> Option<Duration> {
+        let window = self.limit.window().as_nanos();
+        match self.limit.algorithm() {
+            Algorithm::TokenBucket { burst } => {
+                let quota = u128::from(self.limit.quota().get());
+                let ns = (u128::from(burst.get()) * window).div_ceil(quota);
+                Some(Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX)))
+            }
+            Algorithm::Concurrency => None,
+            _ => Some(self.limit.window()),
+        }
+    }
+
+    pub(crate) fn is_concurrency(&self) -> bool {
+        self.code == "c"
+    }
+}
+
+fn push_hex(out: &mut String, key: Key) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for b in key.to_bytes() {
+        out.push(char::from(HEX[usize::from(b >> 4)]));
+        out.push(char::from(HEX[usize::from(b & 15)]));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_limiter::KeyHasher;
+    use std::num::NonZeroU32;
+
+    fn nz(n: u32) -> NonZeroU32 {
+        NonZeroU32::new(n).unwrap()
+    }
+
+    #[test]
+    fn key_names_carry_the_limit_and_the_hash_never_the_identity() {
+        let key = KeyHasher::with_secret(b"s").key(&[b"api-key-123"]);
+        let limit = Limit::new(
+            "per-ip",
+            Algorithm::FixedWindow,
+            nz(1),
+            Duration::from_secs(1),
+        );
+        let remote = RemoteLimit::new(&limit.unwrap()).unwrap();
+        let name = remote.key_name(key);
+        assert!(name.starts_with("sluice:per-ip:"));
+        assert_eq!(name.len(), "sluice:per-ip:".len() + 32);
+        assert!(!name.contains("api-key"));
+    }
+
+    #[test]
+    fn sub_microsecond_window_is_refused() {
+        let w = Duration::from_nanos(1_500);
+        let limit = Limit::new("f", Algorithm::FixedWindow, nz(1), w).unwrap();
+        assert!(matches!(
+            RemoteLimit::new(&limit),
+            Err(LimitTooLarge::NotMicroseconds { .. })
+        ));
+    }
+
+    #[test]
+    fn sliding_window_beyond_exact_range_is_refused() {
+        let day = Duration::from_secs(86_400);
+        let big = Limit::new("s", Algorithm::SlidingWindow, nz(1_000_000), day).unwrap();
+        assert!(matches!(
+            RemoteLimit::new(&big),
+            Err(LimitTooLarge::Inexact { .. })
+        ));
+        let fine = Limit::new("s", Algorithm::SlidingWindow, nz(10_000), day).unwrap();
+        assert!(RemoteLimit::new(&fine).is_ok());
+    }
+
+    #[test]
+    fn bucket_of_a_third_per_second_keeps_exact_units() {
+        let burst = Algorithm::TokenBucket { burst: nz(3) };
+        let limit = Limit::new("t", burst, nz(3), Duration::from_secs(1)).unwrap();
+        let r = RemoteLimit::new(&limit).unwrap();
+        assert_eq!((r.scale, r.interval, r.burst), (3, 1_000_000, 3));
+        assert_eq!(r.window(), Some(Duration::from_secs(1)));
+    }
+}

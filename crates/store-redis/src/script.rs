@@ -1,0 +1,200 @@
+//! The decision script's contract: what goes in, what comes back.
+//!
+//! `EVALSHA <sha> <n> KEYS... ARGV...` with one key per layer, `sluice:<limit>:<hex>`.
+//!
+//! ARGV (all decimal strings; times in microseconds since the Unix epoch):
+//!
+//! | # | value |
+//! |---|-------|
+//! | 1 | mode: `d` decide and charge, `c` check only (nothing written), `r` refund |
+//! | 2 | cost |
+//! | 3 | lease id (the ZSET member of concurrency layers; empty if none) |
+//! | 4 | lease TTL |
+//! | 5 | `now` pinned by tests, or empty: the script reads Redis `TIME` |
+//!
+//! then 9 per layer, in KEYS order: algorithm (`g` token bucket, `f` fixed window, `s` sliding
+//! window, `c` concurrency), quota, window, GCRA scale (units per us), GCRA interval (units),
+//! burst, `block_for` (0: none), dry-run (`1`/`0`), refund tag (`-1`: not charged).
+//!
+//! Reply (integers): `[outcome, layer, wait, blocked_until, dry_refused, now]` then 5 per layer:
+//! `[remaining, reset, tag, own_wait, blocked_until]`.
+//! - outcome: 1 admitted, 0 refused, 2 cost too large, 3 refunded (refund mode: nothing else);
+//! - layer: 1-based refusing layer (the longest wait) or the layer whose capacity is too small;
+//! - wait / reset: -1 for none; own_wait: -2 not refusing, -1 refusing without a wait;
+//! - blocked_until: 0 for none; in the header, non-zero when the refusal is due to an
+//!   earlier block (`RefusalReason::Blocked`); dry_refused: 1-based dry-run layer, 0 none;
+//! - tag: the charge's window index for a refund, -1 if this layer was not charged.
+//!
+//! Keys: window and bucket states are strings of space-separated integers, the last one the
+//! block's end, written with `PX` until the later of their return to fresh and that end.
+//! Concurrency keys are ZSETs of lease ids scored by expiry, trimmed when charged, `PEXPIRE`d
+//! by the lease TTL.
+
+use std::time::Duration;
+
+use sluice_limiter::{Nanos, RefusalReason};
+
+use crate::decision::{LayerReport, RemoteAdmission, RemoteDecision, RemoteRefusal};
+use crate::store::Layer;
+use crate::StoreError;
+
+/// The script's source.
+pub(crate) const SOURCE: &str = include_str!("decide.lua");
+
+const HEADER: usize = 6;
+const PER_LAYER: usize = 5;
+
+/// Builds `EVALSHA`'s keys and arguments.
+pub(crate) fn invocation(
+    cmd: &mut redis::Cmd,
+    layers: &[Layer<'_>],
+    mode: &str,
+    cost: u32,
+    lease: (&str, Duration),
+    now: Option<Nanos>,
+    tags: Option<&[Option<u64>]>,
+) {
+    cmd.arg(layers.len());
+    for layer in layers {
+        cmd.arg(layer.limit.key_name(layer.key));
+    }
+    let now = now.map(|n| (n.0 / 1_000).to_string()).unwrap_or_default();
+    cmd.arg(mode)
+        .arg(cost)
+        .arg(lease.0)
+        .arg(lease.1.as_micros().to_string())
+        .arg(now);
+    for (i, layer) in layers.iter().enumerate() {
+        let l = layer.limit;
+        let tag = tags.and_then(|t| t[i]).map_or(-1, |t| t as i64);
+        cmd.arg(l.code)
+            .arg(l.limit().quota().get())
+            .arg(l.window_us)
+            .arg(l.scale)
+            .arg(l.interval)
+            .arg(l.burst)
+            .arg(l.block_us)
+            .arg(if layer.dry_run { "1" } else { "0" })
+            .arg(tag);
+    }
+}
+
+fn micros(v: i64) -> Option<Duration> {
+    u64::try_from(v).ok().map(Duration::from_micros)
+}
+
+fn at(v: i64) -> Option<Nanos> {
+    u64::try_from(v)
+        .ok()
+        .filter(|&u| u > 0)
+        .map(|u| Nanos(u.saturating_mul(1_000)))
+}
+
+fn index(v: i64, layers: usize) -> Result<usize, StoreError> {
+    usize::try_from(v)
+        .ok()
+        .filter(|&i| (1..=layers).contains(&i))
+        .map(|i| i - 1)
+        .ok_or_else(|| StoreError::Reply(format!("layer {v} out of range")))
+}
+
+/// Turns the script's reply into a decision; the admission's lease is attached by the caller.
+pub(crate) fn decision(
+    reply: &[i64],
+    layers: &[Layer<'_>],
+    cost: u32,
+) -> Result<RemoteDecision, StoreError> {
+    if reply.first() == Some(&2) && reply.len() >= 2 {
+        let layer = index(reply[1], layers.len())?;
+        return Ok(RemoteDecision::CostTooLarge { layer });
+    }
+    if reply.len() != HEADER + PER_LAYER * layers.len() {
+        return Err(StoreError::Reply(format!("{} integers", reply.len())));
+    }
+    let now = Nanos(u64::try_from(reply[5]).unwrap_or(0).saturating_mul(1_000));
+    let mut reports = Vec::with_capacity(layers.len());
+    let mut tags = Vec::with_capacity(layers.len());
+    for (layer, f) in layers.iter().zip(reply[HEADER..].chunks_exact(PER_LAYER)) {
+        reports.push(LayerReport {
+            quota: layer.limit.quota(),
+            window: layer.limit.window(),
+            remaining: u32::try_from(f[0]).unwrap_or(0),
+            reset: micros(f[1]),
+            refuses: f[3] != -2,
+            wait: micros(f[3]),
+            blocked_until: at(f[4]),
+        });
+        tags.push(u64::try_from(f[2]).ok());
+    }
+    match reply[0] {
+        1 => Ok(RemoteDecision::Admitted(RemoteAdmission {
+            reports,
+            dry_run_refused: (reply[4] != 0)
+                .then(|| index(reply[4], layers.len()))
+                .transpose()?,
+            now,
+            cost,
+            tags,
+            lease: None,
+        })),
+        0 => Ok(RemoteDecision::Refused(RemoteRefusal {
+            layer: index(reply[1], layers.len())?,
+            wait: micros(reply[2]),
+            reason: match at(reply[3]) {
+                Some(until) => RefusalReason::Blocked { until },
+                None => RefusalReason::Exhausted,
+            },
+            reports,
+            now,
+        })),
+        other => Err(StoreError::Reply(format!("outcome {other}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RemoteLimit;
+    use sluice_limiter::{Algorithm, KeyHasher, Limit};
+    use std::num::NonZeroU32;
+
+    fn fixed() -> RemoteLimit {
+        let quota = NonZeroU32::new(5).unwrap();
+        let limit = Limit::new("f", Algorithm::FixedWindow, quota, Duration::from_secs(1));
+        RemoteLimit::new(&limit.unwrap()).unwrap()
+    }
+
+    #[test]
+    fn refusal_reply_names_the_layer_its_wait_and_its_block() {
+        let limit = fixed();
+        let key = KeyHasher::with_secret(b"s").key(&[b"a"]);
+        let layers = [Layer::enforced(&limit, key), Layer::enforced(&limit, key)];
+        let reply = [
+            0, 2, 250_000, 9_000_000, 0, 8_000_000, 5, 0, -1, -2, 0, 0, 1_000_000, -1, 1_000_000,
+            9_000_000,
+        ];
+        let RemoteDecision::Refused(r) = decision(&reply, &layers, 1).unwrap() else {
+            panic!("not a refusal")
+        };
+        assert_eq!(r.layer, 1);
+        assert_eq!(r.wait, Some(Duration::from_millis(250)));
+        let until = Nanos(9_000_000_000);
+        assert_eq!(r.reason, RefusalReason::Blocked { until });
+        assert_eq!(r.reports[0].reset, Some(Duration::ZERO));
+        assert_eq!(
+            r.refusing().collect::<Vec<_>>(),
+            vec![(1, Some(Duration::from_secs(1)))]
+        );
+    }
+
+    #[test]
+    fn short_reply_is_a_typed_error() {
+        let limit = fixed();
+        let key = KeyHasher::with_secret(b"s").key(&[b"a"]);
+        let layers = [Layer::enforced(&limit, key)];
+        assert!(matches!(
+            decision(&[1, 0, -1], &layers, 1),
+            Err(StoreError::Reply(_))
+        ));
+    }
+}

@@ -1,0 +1,273 @@
+//! The store: a multiplexed, reconnecting connection, the script's SHA, and the calls that
+//! use them, each bounded by the store's timeout.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use sluice_limiter::{Key, Nanos};
+
+use crate::decision::{Lease, RemoteDecision};
+use crate::{script, RemoteAdmission, RemoteLimit, StoreError};
+
+/// How the store talks to Redis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// The most one call may take, round trip included (default 50 ms).
+    pub timeout: Duration,
+    /// The most connecting at start-up may take (default 1 s).
+    pub connect_timeout: Duration,
+    /// How long a concurrency lease lives if never released, e.g. because its instance
+    /// crashed (default 60 s). A request still running after it no longer holds its slot:
+    /// set it above the longest request you serve.
+    pub lease_ttl: Duration,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            timeout: Duration::from_millis(50),
+            connect_timeout: Duration::from_secs(1),
+            lease_ttl: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Whether a decision charges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Decide and, if admitted, charge every layer (refusals start blocks).
+    Charge,
+    /// Decide without writing anything: for an instance that is full, so a caller over quota
+    /// still gets 429 and anyone else 503, with nothing charged and no extra round trip.
+    CheckOnly,
+}
+
+/// One `(limit, key)` of a request.
+#[derive(Debug, Clone, Copy)]
+pub struct Layer<'a> {
+    /// The limit.
+    pub limit: &'a RemoteLimit,
+    /// The caller's keyed hash under that limit.
+    pub key: Key,
+    /// A dry-run layer is decided after the enforced ones admit, all or nothing among the
+    /// dry-run layers, and never refuses the request.
+    pub dry_run: bool,
+}
+
+impl<'a> Layer<'a> {
+    /// An enforced layer.
+    pub fn enforced(limit: &'a RemoteLimit, key: Key) -> Self {
+        Layer {
+            limit,
+            key,
+            dry_run: false,
+        }
+    }
+
+    /// A dry-run layer.
+    pub fn dry_run(limit: &'a RemoteLimit, key: Key) -> Self {
+        Layer {
+            limit,
+            key,
+            dry_run: true,
+        }
+    }
+}
+
+/// A Redis-backed decision store. Cheap to clone: clones share one multiplexed connection.
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: ConnectionManager,
+    sha: Arc<str>,
+    options: StoreOptions,
+    /// Lease ids: this store's random prefix and a counter.
+    instance: u64,
+    leases: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("sha", &self.sha)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// Connects to `url` (`redis://host:port/db`) and loads the script (`SCRIPT LOAD`).
+    pub async fn connect(url: &str, options: StoreOptions) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(options.connect_timeout)
+            .set_number_of_retries(1)
+            .set_max_delay(1_000);
+        let start = async {
+            let mut conn = ConnectionManager::new_with_config(client, config).await?;
+            let sha = load(&mut conn).await?;
+            Ok::<_, StoreError>((conn, sha))
+        };
+        let (conn, sha) = tokio::time::timeout(options.connect_timeout, start)
+            .await
+            .map_err(|_| StoreError::Timeout(options.connect_timeout))??;
+        Ok(RedisStore {
+            conn,
+            sha: Arc::from(sha),
+            options,
+            instance: rand::random(),
+            leases: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    /// Decides a request of `cost` against every layer in one round trip, at Redis's clock.
+    pub async fn decide(
+        &self,
+        layers: &[Layer<'_>],
+        cost: u32,
+        mode: Mode,
+    ) -> Result<RemoteDecision, StoreError> {
+        self.decide_inner(layers, cost, mode, None).await
+    }
+
+    /// [`RedisStore::decide`] at `now` (truncated to the microsecond) instead of Redis `TIME`:
+    /// for tests that must be exact without sleeping. Production code calls `decide`.
+    pub async fn decide_at(
+        &self,
+        layers: &[Layer<'_>],
+        cost: u32,
+        mode: Mode,
+        now: Nanos,
+    ) -> Result<RemoteDecision, StoreError> {
+        self.decide_inner(layers, cost, mode, Some(now)).await
+    }
+
+    async fn decide_inner(
+        &self,
+        layers: &[Layer<'_>],
+        cost: u32,
+        mode: Mode,
+        now: Option<Nanos>,
+    ) -> Result<RemoteDecision, StoreError> {
+        check_layers(layers)?;
+        let leases = mode == Mode::Charge && layers.iter().any(|l| l.limit.is_concurrency());
+        let lease_id = if leases {
+            let n = self.leases.fetch_add(1, Ordering::Relaxed);
+            format!("{:016x}-{n:x}", self.instance)
+        } else {
+            String::new()
+        };
+        let code = if mode == Mode::Charge { "d" } else { "c" };
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&*self.sha);
+        let lease = (lease_id.as_str(), self.options.lease_ttl);
+        script::invocation(&mut cmd, layers, code, cost, lease, now, None);
+        let reply = self.eval(&cmd).await?;
+        let mut decision = script::decision(&reply, layers, cost)?;
+        if let RemoteDecision::Admitted(a) = &mut decision {
+            let keys: Vec<String> = layers
+                .iter()
+                .zip(&a.tags)
+                .filter(|(l, tag)| l.limit.is_concurrency() && tag.is_some())
+                .map(|(l, _)| l.limit.key_name(l.key))
+                .collect();
+            if !keys.is_empty() {
+                a.lease = Some(Lease {
+                    store: Some(self.clone()),
+                    id: lease_id,
+                    keys,
+                });
+            }
+        }
+        Ok(decision)
+    }
+
+    /// Takes back every charge of `admission` (decided over `layers`) and its leases, in one
+    /// round trip; e.g. when the gateway answers 503 after admitting. Deciding with
+    /// [`Mode::CheckOnly`] when the instance is already full avoids it in the common case.
+    pub async fn refund(
+        &self,
+        layers: &[Layer<'_>],
+        mut admission: RemoteAdmission,
+    ) -> Result<(), StoreError> {
+        check_layers(layers)?;
+        if admission.tags.len() != layers.len() {
+            return Err(StoreError::Layers(
+                "refund with other layers than the decision",
+            ));
+        }
+        let lease = admission.lease.take();
+        if admission.tags.iter().all(Option::is_none) {
+            return Ok(()); // check-only: nothing was charged
+        }
+        let mut lease_id = String::new();
+        if let Some(mut lease) = lease {
+            lease.store = None; // the refund removes it; no release on drop
+            lease_id = std::mem::take(&mut lease.id);
+        }
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&*self.sha);
+        let lease = (lease_id.as_str(), self.options.lease_ttl);
+        let tags = Some(admission.tags.as_slice());
+        script::invocation(&mut cmd, layers, "r", admission.cost, lease, None, tags);
+        match self.eval(&cmd).await?.first() {
+            Some(3) => Ok(()),
+            _ => Err(StoreError::Reply("refund not confirmed".into())),
+        }
+    }
+
+    /// Removes lease `id` from every concurrency key in `keys`: one pipelined round trip.
+    pub(crate) async fn release(&self, id: &str, keys: &[String]) -> Result<(), StoreError> {
+        let mut pipe = redis::pipe();
+        for key in keys {
+            pipe.cmd("ZREM").arg(key).arg(id).ignore();
+        }
+        let mut conn = self.conn.clone();
+        let call = pipe.query_async::<()>(&mut conn);
+        tokio::time::timeout(self.options.timeout, call)
+            .await
+            .map_err(|_| StoreError::Timeout(self.options.timeout))??;
+        Ok(())
+    }
+
+    /// Runs `cmd` (an `EVALSHA`), loading the script again if Redis lost it (`NOSCRIPT`, e.g.
+    /// after a restart or `SCRIPT FLUSH`), all within the timeout.
+    async fn eval(&self, cmd: &redis::Cmd) -> Result<Vec<i64>, StoreError> {
+        let call = async {
+            let mut conn = self.conn.clone();
+            match cmd.query_async(&mut conn).await {
+                Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
+                    load(&mut conn).await?;
+                    Ok(cmd.query_async(&mut conn).await?)
+                }
+                other => Ok(other?),
+            }
+        };
+        tokio::time::timeout(self.options.timeout, call)
+            .await
+            .map_err(|_| StoreError::Timeout(self.options.timeout))?
+    }
+}
+
+async fn load(conn: &mut ConnectionManager) -> Result<String, StoreError> {
+    let mut cmd = redis::cmd("SCRIPT");
+    cmd.arg("LOAD").arg(script::SOURCE);
+    Ok(cmd.query_async(conn).await?)
+}
+
+/// The script reads each key once: a request may not name the same key twice.
+fn check_layers(layers: &[Layer<'_>]) -> Result<(), StoreError> {
+    if layers.is_empty() {
+        return Err(StoreError::Layers("a decision needs at least one layer"));
+    }
+    for (i, a) in layers.iter().enumerate() {
+        if layers[..i]
+            .iter()
+            .any(|b| b.key == a.key && b.limit.limit().name() == a.limit.limit().name())
+        {
+            return Err(StoreError::Layers("the same limit and key appear twice"));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,202 @@
+//! Charging is atomic across layers and across concurrent callers; check-only, refund,
+//! dry-run and leases behave as the gateway needs.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use sluice_store_redis::{Layer, Mode, RedisStore, RemoteDecision, RemoteLimit};
+use tokio::task::JoinSet;
+
+const HOUR: Duration = Duration::from_secs(3_600);
+
+async fn remaining(store: &RedisStore, layers: &[Layer<'_>]) -> Vec<u32> {
+    match store.decide(layers, 1, Mode::CheckOnly).await.unwrap() {
+        RemoteDecision::Admitted(a) => a.reports.iter().map(|r| r.remaining + 1).collect(),
+        RemoteDecision::Refused(r) => r.reports.iter().map(|r| r.remaining).collect(),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn refused_request_charges_no_layer_of_three() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limits = [
+        remote(&fixed("a", 5, HOUR)),
+        remote(&sliding("b", 5, HOUR)),
+        remote(&bucket("c", 1, HOUR, 2)),
+    ];
+    let k = key("caller");
+    let layers: Vec<_> = limits.iter().map(|l| Layer::enforced(l, k)).collect();
+    let first = store.decide(&layers, 2, Mode::Charge).await.unwrap();
+    assert!(first.is_admitted());
+    assert_eq!(remaining(&store, &layers).await, vec![3, 3, 0]);
+    let RemoteDecision::Refused(refusal) = store.decide(&layers, 2, Mode::Charge).await.unwrap()
+    else {
+        panic!("the bucket is empty")
+    };
+    assert_eq!(refusal.layer, 2);
+    assert_eq!(remaining(&store, &layers).await, vec![3, 3, 0]);
+}
+
+#[tokio::test]
+async fn two_hundred_concurrent_decisions_against_quota_fifty_admit_exactly_fifty() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limits = [
+        fixed("fixed", 50, HOUR),
+        sliding("sliding", 50, HOUR),
+        bucket("bucket", 1, HOUR, 50),
+        concurrency("conc", 50),
+    ];
+    for limit in limits {
+        let limit = Arc::new(remote(&limit));
+        let mut tasks = JoinSet::new();
+        for _ in 0..200 {
+            let (store, limit) = (store.clone(), Arc::clone(&limit));
+            tasks.spawn(async move {
+                let layers = [Layer::enforced(&limit, key("everyone"))];
+                store.decide(&layers, 1, Mode::Charge).await.unwrap()
+            });
+        }
+        // Admissions are kept until all are counted, so concurrency leases stay held.
+        let decisions = tasks.join_all().await;
+        let admitted = decisions.iter().filter(|d| d.is_admitted()).count();
+        assert_eq!(admitted, 50, "{}", limit.limit().name());
+    }
+}
+
+#[tokio::test]
+async fn check_only_charges_nothing_and_starts_no_block() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limit = remote(&fixed("f", 2, HOUR).with_block_for(HOUR).unwrap());
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    for _ in 0..5 {
+        let d = store.decide(&layers, 1, Mode::CheckOnly).await.unwrap();
+        let RemoteDecision::Admitted(a) = d else {
+            panic!("quota is untouched")
+        };
+        assert_eq!(
+            a.reports[0].remaining, 1,
+            "figures after the charge it would make"
+        );
+        assert!(a.lease.is_none());
+    }
+    for _ in 0..2 {
+        assert!(store
+            .decide(&layers, 1, Mode::Charge)
+            .await
+            .unwrap()
+            .is_admitted());
+    }
+    let d = store.decide(&layers, 1, Mode::CheckOnly).await.unwrap();
+    let RemoteDecision::Refused(r) = d else {
+        panic!("over quota: still a 429")
+    };
+    assert!(
+        r.reports[0].blocked_until.is_none(),
+        "check-only starts no block"
+    );
+    let d = store.decide(&layers, 1, Mode::Charge).await.unwrap();
+    let RemoteDecision::Refused(r) = d else {
+        panic!("over quota")
+    };
+    assert!(
+        r.reports[0].blocked_until.is_some(),
+        "a charging refusal starts the block"
+    );
+}
+
+#[tokio::test]
+async fn refund_takes_back_every_charge_and_lease() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limits = [
+        remote(&fixed("f", 3, HOUR)),
+        remote(&sliding("s", 3, HOUR)),
+        remote(&bucket("b", 1, HOUR, 3)),
+        remote(&concurrency("c", 1)),
+    ];
+    let k = key("caller");
+    let layers: Vec<_> = limits.iter().map(|l| Layer::enforced(l, k)).collect();
+    let RemoteDecision::Admitted(a) = store.decide(&layers, 2, Mode::Charge).await.unwrap() else {
+        panic!("fresh")
+    };
+    assert_eq!(
+        a.reports.iter().map(|r| r.remaining).collect::<Vec<_>>(),
+        [1, 1, 1, 0]
+    );
+    store.refund(&layers, a).await.unwrap();
+    assert_eq!(remaining(&store, &layers).await, vec![3, 3, 3, 1]);
+}
+
+#[tokio::test]
+async fn dropped_lease_frees_its_slot_and_an_unreleased_lease_expires() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limit = remote(&concurrency("c", 1));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    let held = store
+        .decide_at(&layers, 1, Mode::Charge, at(0))
+        .await
+        .unwrap();
+    assert!(!store
+        .decide_at(&layers, 1, Mode::Charge, at(1))
+        .await
+        .unwrap()
+        .is_admitted());
+    drop(held); // releases in a spawned task
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    let again = loop {
+        let d = store
+            .decide_at(&layers, 1, Mode::Charge, at(2))
+            .await
+            .unwrap();
+        if d.is_admitted() || tokio::time::Instant::now() > deadline {
+            break d;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let RemoteDecision::Admitted(mut again) = again else {
+        panic!("the dropped lease was not released")
+    };
+    // A crashed instance never releases: its lease ends after the lease TTL (60 s default).
+    std::mem::forget(again.lease.take());
+    let ttl = 60_000_000;
+    let before = store
+        .decide_at(&layers, 1, Mode::Charge, at(2 + ttl - 1))
+        .await
+        .unwrap();
+    assert!(!before.is_admitted());
+    let after = store
+        .decide_at(&layers, 1, Mode::Charge, at(2 + ttl))
+        .await
+        .unwrap();
+    assert!(after.is_admitted());
+}
+
+#[tokio::test]
+async fn refusing_dry_run_layer_does_not_refuse_the_request() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let enforced = remote(&fixed("enforced", 10, HOUR));
+    let dry: RemoteLimit = remote(&fixed("dry", 1, HOUR));
+    let k = key("caller");
+    let layers = [Layer::enforced(&enforced, k), Layer::dry_run(&dry, k)];
+    let RemoteDecision::Admitted(first) = store.decide(&layers, 1, Mode::Charge).await.unwrap()
+    else {
+        panic!("fresh")
+    };
+    assert_eq!(first.dry_run_refused, None);
+    let RemoteDecision::Admitted(second) = store.decide(&layers, 1, Mode::Charge).await.unwrap()
+    else {
+        panic!("a dry-run limit never refuses")
+    };
+    assert_eq!(second.dry_run_refused, Some(1));
+    assert_eq!(second.reports[0].remaining, 8);
+    assert!(second.reports[1].refuses);
+}

@@ -1,0 +1,181 @@
+//! One `EVALSHA` per decision, `NOSCRIPT` handled, every key with an expiry, no raw identity
+//! in Redis; and a slow Redis answered by a typed timeout within a bound.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use sluice_store_redis::{Layer, Mode, RedisStore, StoreError, StoreOptions};
+
+const SECOND: Duration = Duration::from_secs(1);
+
+/// `calls` of one command in `INFO commandstats` (0 if never called).
+async fn calls(server: &RedisServer, command: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut server.admin().await)
+        .await
+        .unwrap();
+    let prefix = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+#[tokio::test]
+async fn each_decision_over_three_limits_is_one_evalsha() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limits = [
+        remote(&fixed("a", 100, SECOND)),
+        remote(&sliding("b", 100, SECOND)),
+        remote(&bucket("c", 100, SECOND, 100)),
+    ];
+    let k = key("caller");
+    let layers: Vec<_> = limits.iter().map(|l| Layer::enforced(l, k)).collect();
+    for _ in 0..20 {
+        let _ = store.decide(&layers, 1, Mode::Charge).await.unwrap();
+    }
+    assert_eq!(calls(&server, "evalsha").await, 20);
+    assert_eq!(calls(&server, "eval").await, 0);
+    assert_eq!(
+        calls(&server, "script|load").await,
+        1,
+        "loaded once, at connect"
+    );
+}
+
+#[tokio::test]
+async fn script_flush_is_survived_by_reloading_transparently() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limit = remote(&fixed("a", 5, SECOND));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    assert!(store
+        .decide(&layers, 1, Mode::Charge)
+        .await
+        .unwrap()
+        .is_admitted());
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut server.admin().await)
+        .await
+        .unwrap();
+    assert!(store
+        .decide(&layers, 1, Mode::Charge)
+        .await
+        .unwrap()
+        .is_admitted());
+    assert_eq!(calls(&server, "script|load").await, 2);
+    assert!(store
+        .decide(&layers, 1, Mode::Charge)
+        .await
+        .unwrap()
+        .is_admitted());
+    assert_eq!(calls(&server, "script|load").await, 2, "reloaded once only");
+}
+
+#[tokio::test]
+async fn every_key_expires_and_names_only_the_keyed_hash() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limits = [
+        remote(&fixed("fw", 1, SECOND).with_block_for(10 * SECOND).unwrap()),
+        remote(&sliding("sw", 5, SECOND)),
+        remote(&bucket("tb", 5, SECOND, 5)),
+        remote(&concurrency("cc", 5)),
+    ];
+    let k = key("secret-api-key-42");
+    let layers: Vec<_> = limits.iter().map(|l| Layer::enforced(l, k)).collect();
+    let held = store.decide(&layers, 1, Mode::Charge).await.unwrap();
+    assert!(held.is_admitted());
+    let _ = store.decide(&layers, 1, Mode::Charge).await.unwrap(); // refused: starts a block
+    let mut admin = server.admin().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 4, "{keys:?}");
+    for name in keys {
+        assert!(!name.contains("secret-api-key"), "{name}");
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(&name)
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        let bound = if name.starts_with("sluice:fw:") {
+            10_000
+        } else {
+            60_000
+        };
+        assert!(ttl > 0 && ttl <= bound, "{name}: PTTL {ttl}");
+    }
+    assert!(limits.iter().all(|l| {
+        let name = l.key_name(k);
+        name.starts_with(&format!("sluice:{}:", l.limit().name()))
+    }));
+}
+
+#[tokio::test]
+async fn sleeping_redis_gives_a_timeout_error_within_the_timeout() {
+    let server = RedisServer::start();
+    let timeout = Duration::from_millis(100);
+    let options = StoreOptions {
+        timeout,
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&server.url(), options).await.unwrap();
+    let limit = remote(&fixed("a", 5, SECOND));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    assert!(store.decide(&layers, 1, Mode::Charge).await.is_ok());
+    // Redis sleeps 0.5 s (bounded); the store gives up after 0.1 s.
+    let mut admin = server.admin().await;
+    let sleeper = tokio::spawn(async move {
+        let _: redis::RedisResult<()> = redis::cmd("DEBUG")
+            .arg("SLEEP")
+            .arg("0.5")
+            .query_async(&mut admin)
+            .await;
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let start = tokio::time::Instant::now();
+    let err = store.decide(&layers, 1, Mode::Charge).await.unwrap_err();
+    let took = start.elapsed();
+    assert!(
+        matches!(err, StoreError::Timeout(t) if t == timeout),
+        "{err}"
+    );
+    assert!(
+        took >= timeout && took < timeout + Duration::from_millis(150),
+        "{took:?}"
+    );
+    sleeper.await.unwrap();
+    assert!(
+        store.decide(&layers, 1, Mode::Charge).await.is_ok(),
+        "answers again"
+    );
+}
+
+#[tokio::test]
+async fn unreachable_redis_fails_to_connect_with_a_typed_error() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port(); // bound then dropped: nothing listens there
+    let options = StoreOptions {
+        connect_timeout: Duration::from_millis(300),
+        ..StoreOptions::default()
+    };
+    let start = tokio::time::Instant::now();
+    let url = format!("redis://127.0.0.1:{port}/");
+    let err = RedisStore::connect(&url, options).await.unwrap_err();
+    assert!(
+        matches!(err, StoreError::Redis(_) | StoreError::Timeout(_)),
+        "{err}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(1));
+}

@@ -1,0 +1,200 @@
+//! The store decides as the in-memory limiter does: the same random sequences of requests
+//! (pinned clock, so exact without sleeping) give the same admissions, refusals, refusing
+//! limit, waits and header figures (the store's times are the in-memory ones rounded up to the
+//! microsecond, Redis `TIME`'s unit).
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use sluice_limiter::{Decision, Key, Limit, LimitId, Limiter, Nanos, RefusalReason, Report};
+use sluice_store_redis::{Layer, LayerReport, Mode, RemoteDecision};
+
+fn same_reports(memory: impl Iterator<Item = Report>, store: &[LayerReport], ctx: &str) {
+    let memory: Vec<Report> = memory.collect();
+    assert_eq!(memory.len(), store.len(), "{ctx}");
+    for (m, s) in memory.iter().zip(store) {
+        assert_eq!(m.quota, s.quota, "{ctx}: q");
+        assert_eq!(m.window, s.window, "{ctx}: w");
+        assert_eq!(m.remaining, s.remaining, "{ctx}: r");
+        assert_eq!(m.reset.map(ceil_us), s.reset, "{ctx}: t");
+    }
+}
+
+fn ceil_at(n: Nanos) -> Nanos {
+    Nanos(n.0.div_ceil(1_000) * 1_000)
+}
+
+/// Runs `steps` random requests (gaps up to `max_gap_us`, costs up to `max_cost`) against
+/// both stores over all `limits` at once, comparing every outcome.
+async fn same_sequence(
+    limits: Vec<Limit>,
+    seed: u64,
+    steps: usize,
+    max_gap_us: u64,
+    max_cost: u32,
+) {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limiter = Limiter::new(limits.clone()).unwrap();
+    let remotes: Vec<_> = limits.iter().map(remote).collect();
+    let k = key("caller");
+    let memory_layers: Vec<(LimitId, Key)> = limits
+        .iter()
+        .map(|l| (limiter.id(l.name()).unwrap(), k))
+        .collect();
+    let layers: Vec<Layer> = remotes.iter().map(|r| Layer::enforced(r, k)).collect();
+    let mut rng = Rng(seed);
+    let mut t = 0;
+    let mut admitted = 0;
+    for step in 0..steps {
+        t += if rng.below(3) == 0 {
+            0
+        } else {
+            rng.below(max_gap_us)
+        };
+        let cost = 1 + rng.below(u64::from(max_cost)) as u32;
+        let now = at(t);
+        let ctx = format!("seed {seed} step {step} at +{t}us cost {cost}");
+        let memory = limiter.decide(&memory_layers, cost, now);
+        let remote = store
+            .decide_at(&layers, cost, Mode::Charge, now)
+            .await
+            .unwrap();
+        match (&memory, &remote) {
+            (Decision::Admitted(m), RemoteDecision::Admitted(s)) => {
+                admitted += 1;
+                same_reports(m.reports(&limiter), &s.reports, &ctx);
+            }
+            (Decision::Refused(m), RemoteDecision::Refused(s)) => {
+                assert_eq!(m.limit().index(), s.layer, "{ctx}: refusing limit");
+                assert_eq!(m.wait().map(ceil_us), s.wait, "{ctx}: wait");
+                let reason = match m.reason() {
+                    RefusalReason::Blocked { until } => RefusalReason::Blocked {
+                        until: ceil_at(until),
+                    },
+                    r => r,
+                };
+                assert_eq!(reason, s.reason, "{ctx}: reason");
+                same_reports(m.reports(&limiter), &s.reports, &ctx);
+                let refusing: Vec<_> = m
+                    .refusing(&limiter)
+                    .map(|(id, w)| (id.index(), w.map(ceil_us)))
+                    .collect();
+                assert_eq!(
+                    refusing,
+                    s.refusing().collect::<Vec<_>>(),
+                    "{ctx}: refusing"
+                );
+            }
+            (Decision::CostTooLarge(m), RemoteDecision::CostTooLarge { layer }) => {
+                assert_eq!(m.limit().index(), *layer, "{ctx}");
+            }
+            (m, s) => panic!("{ctx}: memory {m:?}, store {s:?}"),
+        }
+    }
+    assert!(
+        admitted > steps / 10,
+        "the sequence admitted too little to test much"
+    );
+    assert!(admitted < steps, "the sequence never refused");
+}
+
+#[tokio::test]
+async fn token_bucket_matches_memory_including_a_third_of_a_second_interval() {
+    let third = bucket("third", 3, Duration::from_secs(1), 3);
+    same_sequence(vec![third], 1, 200, 400_000, 3).await;
+    let burst = bucket("burst", 10, Duration::from_secs(1), 5);
+    same_sequence(vec![burst], 2, 200, 300_000, 4).await;
+}
+
+#[tokio::test]
+async fn fixed_window_matches_memory_on_epoch_aligned_windows() {
+    let limit = fixed("fixed", 5, Duration::from_secs(1));
+    same_sequence(vec![limit], 3, 200, 300_000, 6).await;
+}
+
+#[tokio::test]
+async fn sliding_window_matches_memory() {
+    let limit = sliding("sliding", 10, Duration::from_secs(10));
+    same_sequence(vec![limit], 4, 200, 2_000_000, 6).await;
+    let odd = sliding("odd", 7, Duration::from_micros(1_234_567));
+    same_sequence(vec![odd], 5, 200, 400_000, 3).await;
+}
+
+#[tokio::test]
+async fn block_for_matches_memory() {
+    let second = Duration::from_secs(1);
+    let limits = vec![
+        bucket("tb", 4, second, 4)
+            .with_block_for(Duration::from_millis(500))
+            .unwrap(),
+        fixed("fw", 5, second).with_block_for(2 * second).unwrap(),
+        sliding("sw", 8, 4 * second)
+            .with_block_for(3 * second)
+            .unwrap(),
+    ];
+    for (i, limit) in limits.into_iter().enumerate() {
+        same_sequence(vec![limit], 10 + i as u64, 150, 600_000, 3).await;
+    }
+}
+
+#[tokio::test]
+async fn three_layers_refuse_with_the_longest_wait_as_in_memory() {
+    let second = Duration::from_secs(1);
+    let limits = vec![
+        bucket("tb", 6, second, 3),
+        fixed("fw", 8, 2 * second),
+        sliding("sw", 10, 3 * second)
+            .with_block_for(second)
+            .unwrap(),
+    ];
+    same_sequence(limits, 20, 250, 400_000, 3).await;
+}
+
+#[tokio::test]
+async fn concurrency_matches_memory_as_slots_are_taken_and_released() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limit = concurrency("conc", 3);
+    let limiter = Limiter::new([limit.clone()]).unwrap();
+    let remote_limit = remote(&limit);
+    let k = key("caller");
+    let memory_layers = [(limiter.id("conc").unwrap(), k)];
+    let layers = [Layer::enforced(&remote_limit, k)];
+    let (mut memory_held, mut store_held) = (Vec::new(), Vec::new());
+    let mut rng = Rng(30);
+    for step in 0..120 {
+        let ctx = format!("step {step}");
+        if rng.below(5) < 2 && !memory_held.is_empty() {
+            let i = rng.below(memory_held.len() as u64) as usize;
+            drop(memory_held.swap_remove(i));
+            let lease: sluice_store_redis::Lease = store_held.swap_remove(i);
+            lease.release().await.unwrap();
+            continue;
+        }
+        let now = at(step);
+        let memory = limiter.decide(&memory_layers, 1, now);
+        let remote = store
+            .decide_at(&layers, 1, Mode::Charge, now)
+            .await
+            .unwrap();
+        match (memory, remote) {
+            (Decision::Admitted(m), RemoteDecision::Admitted(mut s)) => {
+                same_reports(m.reports(&limiter), &s.reports, &ctx);
+                memory_held.push(m);
+                store_held.push(
+                    s.lease
+                        .take()
+                        .expect("a concurrency admission holds a lease"),
+                );
+            }
+            (Decision::Refused(m), RemoteDecision::Refused(s)) => {
+                same_reports(m.reports(&limiter), &s.reports, &ctx);
+                assert_eq!((m.wait(), s.wait), (None, None), "{ctx}");
+            }
+            (m, s) => panic!("{ctx}: memory {m:?}, store {s:?}"),
+        }
+    }
+}
