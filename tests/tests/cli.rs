@@ -87,3 +87,26 @@ fn run_refuses_an_invalid_config_and_a_bad_upstream_override() {
         "{err}"
     );
 }
+
+#[test]
+fn demo_tells_the_seed_story_on_real_sockets() {
+    let (code, out, err) = run_cli(&["demo"]);
+    assert_eq!(code, 0, "stderr: {err}\nstdout: {out}");
+    for expected in [
+        "key_a 200 200 200 200 200 429 429 Retry-After: ",
+        "key_b 200 200\n",
+        "balancer: 0 consecutive 5xx, ejected false; probes 200 200 200, ready true",
+        "\"title\": \"Your key has used its quota for this window\"",
+        "key_a 503 503 503 Retry-After: ",
+        "balancer: 5 consecutive 5xx, ejected true; probes 503 503 503, ready false",
+        "\"detail\": \"Retry after the delay in Retry-After. Your quota was not charged.\"",
+        "key_a, after the load clears 200 200 200 200 200",
+        "client waits 60 s",
+        "client waits 30 s",
+        "without Retry-After  10 attempts in 0 s, last status 429",
+        "with Retry-After     2 attempts in ",
+    ] {
+        assert!(out.contains(expected), "missing {expected:?} in:\n{out}");
+    }
+    assert!(out.trim_end().ends_with("last status 200"), "{out}");
+}

@@ -24,7 +24,9 @@ enum Scope {
 
 fn scope(info: &LimitInfo) -> Scope {
     let by = &info.config.by;
-    let per_route = info.config.routes.is_some() || by.contains(&KeyPart::Route);
+    // Per-route when the route is part of the key; a per-key limit that only some routes
+    // carry is still the key's quota.
+    let per_route = by.contains(&KeyPart::Route);
     let (key, ip) = (by.contains(&KeyPart::ApiKey), by.contains(&KeyPart::Ip));
     match (per_route, key, ip) {
         (true, true, _) => Scope::RouteForKey,

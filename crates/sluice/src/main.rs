@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod check;
+mod demo;
 mod logging;
 
 use std::path::PathBuf;
@@ -44,6 +45,9 @@ enum Command {
         #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
         threads: Option<u16>,
     },
+    /// Show, in a few seconds on loopback, what sluice answers when a caller's quota runs out
+    /// (429) and when the gateway is full (503), and what a load balancer makes of each.
+    Demo,
     /// Validate a configuration and print the routes and limits it defines. Exit 2 if invalid.
     Check {
         /// The TOML configuration file.
@@ -55,6 +59,23 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Demo => {
+            let result = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .map_err(anyhow::Error::from)
+                .and_then(|rt| rt.block_on(demo::run()));
+            match result {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("sluice demo: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
         Command::Check { config } => match sluice_config::load(&config) {
             Ok(c) => {
                 print!("{}", check::describe(&config, &c));
@@ -62,7 +83,11 @@ fn main() -> ExitCode {
             }
             Err(errors) => invalid(&errors),
         },
-        Command::Run { config, upstream, threads } => {
+        Command::Run {
+            config,
+            upstream,
+            threads,
+        } => {
             logging::init(cli.log_format);
             let loaded = match sluice_config::load(&config)
                 .and_then(|c| check::override_upstreams(c, &config, &upstream))
@@ -99,7 +124,10 @@ fn run(config: Config, threads: Option<u16>) -> anyhow::Result<()> {
     if let Some(n) = threads {
         builder.worker_threads(usize::from(n));
     }
-    let runtime = builder.enable_all().build().context("starting the runtime")?;
+    let runtime = builder
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
     runtime.block_on(async {
         let gateway = Gateway::bind(&config).await?;
         tracing::info!(main = %gateway.main_addr(), admin = %gateway.admin_addr(), routes = config.routes.len(), limits = config.limits.len(), "listening");
