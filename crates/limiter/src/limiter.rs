@@ -1,16 +1,19 @@
 //! The limiter: one keyed table per limit, and the all-or-nothing decision across limits.
+//!
+//! The admit path (`decide`, `charge_all`) lives here; what a refused request reports is in
+//! [`refusal`].
 
+mod refusal;
+
+use portable_atomic::AtomicU128;
 use smallvec::SmallVec;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::algo::{Algo, Rule, Step};
 use crate::clock::{duration_to_nanos, Nanos};
-use crate::decision::{
-    Admission, CostTooLarge, Decision, Layer, Layers, LimitId, Refusal, RefusalReason, SlotGuard,
-};
+use crate::decision::{Admission, Decision, Layer, Layers, LimitId, SlotGuard};
 use crate::table::{Expiry, Table, TableStats};
 use crate::{Key, Limit};
 
@@ -24,6 +27,31 @@ pub enum LimiterError {
 
 /// What a refusing limit saw while charging: its state and its wait.
 type Seen = (u128, Option<u64>);
+
+/// Why charging stopped before the last layer.
+enum Stop {
+    /// A limit's capacity is below the cost (found before anything is charged).
+    TooLarge,
+    /// The layer at this position refused; what it saw (`None`: the key is blocked).
+    Refused(usize, Option<Seen>),
+}
+
+/// Charges `cost` to one key's `state` by compare-and-swap: the new state and the charge's
+/// tag, or the state that refused it and its wait.
+#[inline]
+fn charge(rule: &Rule, state: &AtomicU128, cost: u32, now: u64) -> Result<(u128, u64), Seen> {
+    let mut current = state.load(Ordering::Acquire);
+    loop {
+        let (next, tag) = match rule.eval(current, cost, now) {
+            Step::Admit { state, tag } => (state, tag),
+            Step::Refuse { wait } => return Err((current, wait)),
+        };
+        match state.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Ok((next, tag)),
+            Err(actual) => current = actual,
+        }
+    }
+}
 
 /// A limit with its rule and tables.
 #[derive(Debug)]
@@ -107,29 +135,24 @@ impl Limiter {
     ///
     /// # Panics
     /// If a [`LimitId`] does not belong to this limiter.
+    #[inline]
     pub fn decide(&self, layers: &[(LimitId, Key)], cost: u32, now: Nanos) -> Decision {
-        if let Some(too_large) = self.too_large(layers, cost, now.0) {
-            return Decision::CostTooLarge(too_large);
-        }
-        // Built in place and returned as is: moving a decision costs a 272-byte copy.
-        let mut decision =
-            Decision::Admitted(self.empty_admission(layers.len(), cost, now.0, true));
-        let Decision::Admitted(admission) = &mut decision else {
-            unreachable!("just built")
+        let mut admission = Admission {
+            limiter: self.id,
+            cost,
+            now: now.0,
+            charged: true,
+            layers: Layers::new(),
+            slots: SmallVec::new(),
         };
-        match self.charge_all(admission, layers, cost, now.0) {
-            Ok(()) => decision,
-            Err((position, first)) => {
-                if let Decision::Admitted(admission) = decision {
-                    self.refund(admission);
-                }
-                Decision::Refused(self.refusal(layers, position, first, cost, now.0))
-            }
+        match self.charge_all(&mut admission, layers, cost, now.0) {
+            Ok(()) => Decision::Admitted(admission),
+            Err(stop) => self.not_admitted(admission, layers, stop, cost, now.0),
         }
     }
 
-    /// Charges every layer in order into `admission`; on a refusal, the refusing position and
-    /// (unless it was blocked) the state it saw and its wait. The caller refunds.
+    /// Charges every layer in order into `admission`, or says why it stopped. The caller
+    /// takes back what was charged.
     #[inline]
     fn charge_all(
         &self,
@@ -137,32 +160,21 @@ impl Limiter {
         layers: &[(LimitId, Key)],
         cost: u32,
         now: u64,
-    ) -> Result<(), (usize, Option<Seen>)> {
+    ) -> Result<(), Stop> {
+        let too_large = |&(limit, _): &(LimitId, Key)| matches!(self.limits[limit.index()].capacity, Some(cap) if cost > cap);
+        if layers.iter().any(too_large) {
+            return Err(Stop::TooLarge);
+        }
         for (position, &(limit, key)) in layers.iter().enumerate() {
             let c = &self.limits[limit.index()];
-            if c.blocked_until(key, now).is_some() {
-                return Err((position, None));
+            if c.blocks.is_some() && c.blocked_until(key, now).is_some() {
+                return Err(Stop::Refused(position, None));
             }
-            let charge = c.table.update(key, |state| {
-                let mut current = state.load(Ordering::Acquire);
-                loop {
-                    let step = c.rule.eval(current, cost, now);
-                    let Step::Admit { state: next, .. } = step else {
-                        return (step, current);
-                    };
-                    match state.compare_exchange_weak(
-                        current,
-                        next,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    ) {
-                        Ok(_) => return (step, next),
-                        Err(actual) => current = actual,
-                    }
-                }
-            });
-            match charge {
-                (Step::Admit { state, tag }, _) => {
+            match c
+                .table
+                .update(key, |state| charge(&c.rule, state, cost, now))
+            {
+                Ok((state, tag)) => {
                     admission
                         .layers
                         .push(Layer::admitted(limit, key, state, tag));
@@ -171,10 +183,34 @@ impl Limiter {
                         admission.slots.push(SlotGuard { table, key });
                     }
                 }
-                (Step::Refuse { wait }, seen) => return Err((position, Some((seen, wait)))),
+                Err(seen) => return Err(Stop::Refused(position, Some(seen))),
             }
         }
         Ok(())
+    }
+
+    /// The decision when [`Limiter::charge_all`] stopped: what it charged is taken back.
+    #[cold]
+    #[inline(never)]
+    fn not_admitted(
+        &self,
+        admission: Admission,
+        layers: &[(LimitId, Key)],
+        stop: Stop,
+        cost: u32,
+        now: u64,
+    ) -> Decision {
+        self.take_back(&admission);
+        drop(admission); // releases its slots before the refusal looks at them
+        match stop {
+            Stop::TooLarge => match self.too_large(layers, cost, now) {
+                Some(too_large) => Decision::CostTooLarge(too_large),
+                None => unreachable!("a capacity below the cost was found"),
+            },
+            Stop::Refused(position, first) => {
+                Decision::Refused(self.refusal(layers, position, first, cost, now))
+            }
+        }
     }
 
     /// Decides like [`Limiter::decide`] but charges nothing and starts no block: "would this
@@ -210,6 +246,11 @@ impl Limiter {
         if !admission.charged {
             return;
         }
+        self.take_back(&admission);
+    }
+
+    /// Takes back the quota charges of `admission` (its slots are released by its drop).
+    fn take_back(&self, admission: &Admission) {
         for layer in admission.layers.iter().rev() {
             let c = &self.limits[layer.limit.index()];
             if c.rule.counts_requests() {
@@ -252,120 +293,5 @@ impl Limiter {
         };
         out.layers.reserve(layers);
         out
-    }
-
-    /// The first limit whose capacity is below `cost`, with every limit's figures.
-    fn too_large(&self, layers: &[(LimitId, Key)], cost: u32, now: u64) -> Option<CostTooLarge> {
-        let (limit, capacity) = layers.iter().find_map(|&(limit, _)| {
-            let capacity = self.limits[limit.index()].capacity?;
-            (cost > capacity).then_some((limit, capacity))
-        })?;
-        let layers = self.snapshot(layers, now);
-        Some(CostTooLarge {
-            limit,
-            capacity,
-            cost,
-            now,
-            layers,
-        })
-    }
-
-    /// The refusal after limit `position` refused (`first`: the state it saw and its wait;
-    /// `None` if it was blocked): the limits after it are checked too, so the wait reported is
-    /// the longest, and every limit that refused starts its block.
-    fn refusal(
-        &self,
-        layers: &[(LimitId, Key)],
-        position: usize,
-        first: Option<Seen>,
-        cost: u32,
-        now: u64,
-    ) -> Refusal {
-        let mut refusal = self.refusal_unchecked(layers, cost, now, true);
-        if refusal.wait.is_none() && refusal.reason == RefusalReason::Exhausted {
-            // Raced: the state that refused us has changed since. Report what we saw.
-            if let Some((seen, wait)) = first {
-                refusal.limit = layers[position].0;
-                refusal.layers[position].set_state(seen);
-                refusal.wait = wait.map(Duration::from_nanos);
-            }
-        }
-        refusal
-    }
-
-    /// Evaluates every layer without charging; the refusing layer with the longest wait names
-    /// the refusal. With `block`, layers refused by their counters start their blocks.
-    fn refusal_unchecked(
-        &self,
-        layers: &[(LimitId, Key)],
-        cost: u32,
-        now: u64,
-        block: bool,
-    ) -> Refusal {
-        let mut out = self.snapshot(layers, now);
-        // (order key, limit, wait, reason): a known wait outranks an unknown one.
-        let mut worst: Option<(u64, LimitId, Option<u64>, RefusalReason)> = None;
-        for layer in out.iter_mut() {
-            let c = &self.limits[layer.limit.index()];
-            let (wait, reason) = if let Some(until) = layer.blocked_until() {
-                let reason = RefusalReason::Blocked {
-                    until: Nanos(until),
-                };
-                (Some(until - now), reason)
-            } else {
-                match c.rule.eval(layer.state(), cost, now) {
-                    Step::Admit { .. } => continue,
-                    Step::Refuse { wait } => match (&c.blocks, block) {
-                        (Some((block_for, blocks)), true) => {
-                            // The block covers the counters' wait too, so its end is a real retry time.
-                            let until = now + (*block_for).max(wait.unwrap_or(0));
-                            blocks.update(layer.key, |s| {
-                                s.fetch_max(u128::from(until), Ordering::AcqRel)
-                            });
-                            layer.block(until);
-                            (Some(until - now), RefusalReason::Exhausted)
-                        }
-                        _ => (wait, RefusalReason::Exhausted),
-                    },
-                }
-            };
-            let rank = wait.map_or(0, |w| w.saturating_add(1));
-            if !matches!(worst, Some((best, ..)) if best >= rank) {
-                worst = Some((rank, layer.limit, wait, reason));
-            }
-        }
-        let (_, limit, wait, reason) =
-            worst.unwrap_or((0, layers[0].0, None, RefusalReason::Exhausted));
-        Refusal {
-            limit,
-            wait: wait.map(Duration::from_nanos),
-            reason,
-            cost,
-            now,
-            layers: out,
-        }
-    }
-
-    /// Every layer's current state, with its block if blocked.
-    fn snapshot(&self, layers: &[(LimitId, Key)], now: u64) -> Layers {
-        layers
-            .iter()
-            .map(|&(limit, key)| {
-                let c = &self.limits[limit.index()];
-                let state = c.table.load(key);
-                let blocked_until = c.blocked_until(key, now);
-                Layer::pending(limit, key, state, blocked_until)
-            })
-            .collect()
-    }
-}
-
-impl Compiled {
-    /// When `key`'s block on this limit ends, if it is blocked at `now`.
-    #[inline]
-    fn blocked_until(&self, key: Key, now: u64) -> Option<u64> {
-        let (_, blocks) = self.blocks.as_ref()?;
-        let until = u64::try_from(blocks.load(key)).unwrap_or(u64::MAX);
-        (until > now).then_some(until)
     }
 }
