@@ -48,7 +48,7 @@ hash_secret_env = "SLUICE_HASH_SECRET"   # keys in Redis are keyed hashes, the s
 
 #[test]
 fn redis_store_with_only_a_url_takes_every_default() {
-    let Store::Redis(r) = store("[store]\nkind = \"redis\"\nurl = \"rediss://cache.internal\"\n")
+    let Store::Redis(r) = store("[store]\nkind = \"redis\"\nurl = \"redis://cache.internal\"\n")
     else {
         panic!("not redis")
     };
@@ -63,7 +63,7 @@ fn urls_with_credentials_ipv6_and_database_are_accepted() {
     for url in [
         "redis://:secret@10.0.0.5:6380/2",
         "redis://user:pw@[::1]:6379",
-        "rediss://redis.example.com:6379/0",
+        "redis://redis.example.com:6379/0",
     ] {
         let text = format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n");
         assert!(matches!(store(&text), Store::Redis(_)), "{url}");
@@ -84,7 +84,7 @@ fn bad_values_name_file_line_column_key_and_value() {
     assert_eq!(
         errors(text),
         vec![
-            "c.toml:3:7: store.url: \"http://127.0.0.1:6379\" is not a Redis URL (write \"redis://host:port\", or \"rediss://host:port\" for TLS)",
+            "c.toml:3:7: store.url: \"http://127.0.0.1:6379\" is not a Redis URL (write \"redis://host:port\")",
             "c.toml:4:11: store.timeout: \"25 millis\" is not a duration (try \"25ms\")",
             "c.toml:5:12: store.on_error: \"open\" is not a fallback (write \"allow\", \"deny\" or \"local\")",
             "c.toml:6:13: store.instances: 0 is not allowed: it must be between 1 and 4294967295",
@@ -151,4 +151,16 @@ fn unknown_store_key_is_an_error_with_its_path() {
     assert_eq!(e.len(), 1);
     assert!(e[0].starts_with("c.toml:4:1: store"), "{}", e[0]);
     assert!(e[0].contains("unknown field `pool`"), "{}", e[0]);
+}
+
+#[test]
+fn tls_urls_are_refused_until_tls_is_built_in() {
+    let text = "[store]\nkind = \"redis\"\nurl = \"rediss://cache:6380\"\n";
+    let e = sluice_config::parse(text, std::path::Path::new("c.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("store.url: \"rediss://cache:6380\" needs TLS to Redis"),
+        "{e}"
+    );
 }

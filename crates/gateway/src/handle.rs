@@ -44,8 +44,8 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub(crate) fn new(config: &Config, clock: Arc<dyn Clock>) -> Self {
-        Self {
+    pub(crate) async fn new(config: &Config, clock: Arc<dyn Clock>) -> Result<Self, String> {
+        Ok(Self {
             router: Router::new(&config.routes),
             route_names: config
                 .routes
@@ -54,14 +54,14 @@ impl Shared {
                 .collect(),
             upstreams: config.upstreams.iter().map(UpstreamClient::new).collect(),
             identify: Identify::new(&config.identity),
-            quota: Quota::new(config, clock),
+            quota: Quota::new(config, clock).await?,
             capacity: Capacity::new(config.gateway.max_in_flight.get()),
             health_path: config.gateway.health_path.clone(),
             problem_base: config.responses.problem_base.clone(),
             legacy_headers: config.responses.legacy_headers,
             overload_retry_after: config.gateway.overload_retry_after,
             ids: RequestIds::new(),
-        }
+        })
     }
 }
 
@@ -156,17 +156,16 @@ async fn walk(
 fn stopped(shared: &Shared, stop: Stop, cost: u32, log: &mut AccessLog) -> Response<Body> {
     match stop {
         Stop::Quota(refused) => {
-            let (refusal, reports) = *refused;
-            log.outcome(Outcome::Rejected(refusal.limit()), &shared.quota);
-            let info = shared.quota.info(refusal.limit());
-            let report = reports
-                .iter()
-                .find(|(id, _)| *id == refusal.limit())
-                .map(|(_, r)| r);
-            let mut res =
-                quota_exceeded(info, &refusal, report, cost).into_response(&shared.problem_base);
-            advertise(shared, res.headers_mut(), &reports, cost);
+            log.outcome(Outcome::Rejected(refused.limit), &shared.quota);
+            let info = shared.quota.info(refused.limit);
+            let mut res = quota_exceeded(info, &refused, cost).into_response(&shared.problem_base);
+            advertise(shared, res.headers_mut(), &refused.reports, cost);
             res
+        }
+        Stop::StoreUnavailable => {
+            log.outcome(Outcome::Overloaded, &shared.quota);
+            let retry_after = overload_retry_after(shared.overload_retry_after);
+            Problem::store_unavailable(retry_after).into_response(&shared.problem_base)
         }
         Stop::Overloaded => {
             log.outcome(Outcome::Overloaded, &shared.quota);

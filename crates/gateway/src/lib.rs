@@ -53,6 +53,9 @@ pub enum GatewayError {
         /// The operating system's reason.
         source: io::Error,
     },
+    /// The limits' store cannot be used as configured.
+    #[error("{0}")]
+    Store(String),
 }
 
 /// A gateway with its listeners open, ready to [`run`](Gateway::run).
@@ -86,7 +89,11 @@ impl Gateway {
         let main = bind("gateway.listen", config.gateway.listen).await?;
         let admin = bind("admin.listen", config.admin.listen).await?;
         Ok(Self {
-            shared: Arc::new(Shared::new(config, clock)),
+            shared: Arc::new(
+                Shared::new(config, clock)
+                    .await
+                    .map_err(GatewayError::Store)?,
+            ),
             main,
             admin,
             header_timeout: config.gateway.header_timeout,

@@ -84,6 +84,19 @@ impl Problem {
         p
     }
 
+    /// The shared store cannot decide and `on_error = "deny"`. Nothing was charged.
+    pub(crate) fn store_unavailable(retry_after: u64) -> Self {
+        let mut p = Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "quota-store-unavailable",
+            "The service cannot check quotas right now",
+            "Retry after the delay in Retry-After. Your quota was not charged.",
+        );
+        p.retry_after = Some(retry_after);
+        p.extra.push(("policy", Value::from("quota-store")));
+        p
+    }
+
     /// The JSON body.
     pub(crate) fn to_json(&self, problem_base: &str) -> Vec<u8> {
         let mut m = Map::new();

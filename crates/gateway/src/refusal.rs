@@ -4,11 +4,11 @@
 use http::StatusCode;
 use serde_json::Value;
 use sluice_config::{Algorithm, KeyPart};
-use sluice_limiter::{Refusal, RefusalReason, Report};
+use sluice_limiter::RefusalReason;
 
 use crate::advertise::ceil_secs;
 use crate::problem::Problem;
-use crate::quota::LimitInfo;
+use crate::quota::{LimitInfo, Refused};
 
 /// Whose quota a limit counts, for the title.
 #[derive(Debug, Clone, Copy)]
@@ -40,24 +40,24 @@ fn scope(info: &LimitInfo) -> Scope {
 }
 
 /// The 429 for a refusal by limit `info`, whose figures are `report`.
-pub(crate) fn quota_exceeded(
-    info: &LimitInfo,
-    refusal: &Refusal,
-    report: Option<&Report>,
-    cost: u32,
-) -> Problem {
+pub(crate) fn quota_exceeded(info: &LimitInfo, refused: &Refused, cost: u32) -> Problem {
+    let report = refused
+        .reports
+        .iter()
+        .find(|(id, _)| *id == refused.limit)
+        .map(|(_, r)| r);
     let limit = &info.config;
     let quota = report.map_or(limit.quota.get(), |r| r.quota);
     let window = report.and_then(|r| r.window).or(limit.window);
     let remaining = report.map_or(0, |r| r.remaining);
-    let retry_after = refusal.wait().map_or(1, ceil_secs).max(1);
+    let retry_after = refused.wait.map_or(1, ceil_secs).max(1);
     let secs = window.map(ceil_secs);
     let costs = if cost > 1 {
         format!(" This request costs {cost}; {remaining} remain.")
     } else {
         String::new()
     };
-    let (title, detail): (&'static str, String) = match (refusal.reason(), limit.algorithm) {
+    let (title, detail): (&'static str, String) = match (refused.reason, limit.algorithm) {
         (RefusalReason::Blocked { .. }, _) => (
             blocked_title(info),
             format!(

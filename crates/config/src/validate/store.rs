@@ -106,12 +106,13 @@ impl Validator<'_> {
         })
     }
 
-    /// `redis://` or `rediss://`, an optional `user:password@`, a host, an optional port and
-    /// an optional database number.
+    /// `redis://`, an optional `user:password@`, a host, an optional port and an optional
+    /// database number. `rediss://` (TLS) is refused until sluice is built with TLS.
     fn redis_url(&mut self, v: &S<String>) -> bool {
         let s = v.get_ref();
         let problem = match s.split_once("://") {
-            Some(("redis" | "rediss", rest)) => {
+            Some(("rediss", _)) => Some("needs TLS to Redis, which this build of sluice does not have yet: use redis:// on a private network or through a TLS tunnel"),
+            Some(("redis", rest)) => {
                 let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
                 let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
                 let (host, port) = split_port(host_port);
@@ -125,7 +126,7 @@ impl Validator<'_> {
                     None
                 }
             }
-            _ => Some("is not a Redis URL (write \"redis://host:port\", or \"rediss://host:port\" for TLS)"),
+            _ => Some("is not a Redis URL (write \"redis://host:port\")"),
         };
         if let Some(problem) = problem {
             self.err(Some(v.span()), "store.url", format!("\"{s}\" {problem}"));

@@ -1,20 +1,27 @@
 //! The quota step: one all-or-nothing decision over every limit that applies to the route,
-//! charging the route's cost; then the capacity step, which refunds the quota when the
-//! gateway is full. `delay` limits hold a request until it would pass (as in-flight work);
-//! `dry_run` limits are decided after admission and never refuse.
+//! charging the route's cost; and the capacity step, so that a 503 never costs quota.
+//! `delay` limits hold a request until it would pass (as in-flight work); `dry_run` limits are
+//! decided after admission and never refuse. Limits are counted in this instance's memory
+//! (`memory.rs`) or in Redis shared by every instance (`remote.rs`).
+
+mod breaker;
+mod memory;
+mod remote;
 
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName};
+use sluice_config::Store;
 use sluice_config::{self as config, Config, KeyPart, Mode};
 use sluice_limiter::{
-    Admission, Algorithm, Clock, Decision, Key, KeyHasher, Limit, LimitId, Limiter, Refusal, Report,
+    Admission, Algorithm, Clock, Key, KeyHasher, Limit, LimitId, Limiter, RefusalReason, Report,
 };
 use smallvec::SmallVec;
 
 use crate::capacity::{Capacity, InFlight};
+use remote::Remote;
 
 /// Inline capacity for a request's limits; more spill to the heap.
 const INLINE: usize = 8;
@@ -22,9 +29,12 @@ const INLINE: usize = 8;
 pub(crate) type Reports = SmallVec<[(LimitId, Report); INLINE]>;
 type KeyedLayers = SmallVec<[(LimitId, Key); INLINE]>;
 
-/// The limits of the configuration, compiled, with the limiter that decides them.
+/// The limits of the configuration, compiled, with what decides them.
 pub(crate) struct Quota {
+    /// This instance's counters: the store itself in memory mode; with Redis, the limits'
+    /// ids and the `on_error = "local"` fallback (quotas divided by `instances`).
     limiter: Limiter,
+    remote: Option<Remote>,
     clock: Arc<dyn Clock>,
     hasher: KeyHasher,
     pub(crate) limits: Vec<LimitInfo>,
@@ -82,11 +92,13 @@ pub(crate) struct Pass {
     pub(crate) outcome: Outcome,
 }
 
-/// Admissions kept until the response ends (concurrency slots are released on drop).
-#[derive(Debug)]
+/// Admissions kept until the response ends (concurrency slots and leases are released on
+/// drop).
+#[derive(Debug, Default)]
 pub(crate) struct Held {
-    _enforced: Admission,
+    _enforced: Option<Admission>,
     _dry_run: Option<Admission>,
+    _lease: Option<sluice_store_redis::Lease>,
 }
 
 /// How a request fared, for the access log (nginx's `$limit_req_status` words).
@@ -104,16 +116,43 @@ pub(crate) enum Outcome {
 pub(crate) enum Stop {
     /// 429: the caller's quota (or a block) refused it. Boxed: it is large, and rare next to
     /// admissions.
-    Quota(Box<(Refusal, Reports)>),
+    Quota(Box<Refused>),
     /// The cost exceeds what a limit can ever hold (configuration prevents this).
     CostTooLarge(LimitId),
     /// 503: the gateway is full; nothing was charged.
     Overloaded,
+    /// 503: the shared store cannot decide and `on_error = "deny"`; nothing was charged.
+    StoreUnavailable,
+}
+
+/// A refusal, from either store: the limit with the longest wait, and every limit's figures.
+#[derive(Debug)]
+pub(crate) struct Refused {
+    pub(crate) limit: LimitId,
+    pub(crate) wait: Option<Duration>,
+    pub(crate) reason: RefusalReason,
+    pub(crate) reports: Reports,
 }
 
 impl Quota {
-    pub(crate) fn new(config: &Config, clock: Arc<dyn Clock>) -> Self {
-        let limiter = Limiter::new(config.limits.iter().map(compile))
+    pub(crate) async fn new(config: &Config, clock: Arc<dyn Clock>) -> Result<Self, String> {
+        let (hasher, divide_by) = match &config.store {
+            Store::Memory => (KeyHasher::new_random(), 1),
+            Store::Redis(r) => {
+                let secret = std::env::var(&r.hash_secret_env).unwrap_or_default();
+                if secret.is_empty() {
+                    return Err(format!("store: the environment variable {} is empty or not set; every instance sharing the Redis store needs the same secret there (it keys the hashes that name callers in Redis)", r.hash_secret_env));
+                }
+                (KeyHasher::with_secret(secret.as_bytes()), r.instances.get())
+            }
+        };
+        let compiled: Vec<Limit> = config.limits.iter().map(|l| compile(l, 1)).collect();
+        let remote = match &config.store {
+            Store::Memory => None,
+            Store::Redis(r) => Some(Remote::start(r, &compiled).await?),
+        };
+        // With Redis, this limiter is the local fallback: each quota divided by `instances`.
+        let limiter = Limiter::new(config.limits.iter().map(|l| compile(l, divide_by)))
             .expect("validated configuration has unique limit names");
         let id = |l: &config::Limit| {
             limiter
@@ -146,13 +185,14 @@ impl Quota {
                 config: l.clone(),
             })
             .collect();
-        Self {
+        Ok(Self {
             limiter,
+            remote,
             clock,
-            hasher: KeyHasher::new_random(),
+            hasher,
             limits,
             by_route,
-        }
+        })
     }
 
     pub(crate) fn info(&self, id: LimitId) -> &LimitInfo {
@@ -193,7 +233,7 @@ impl Quota {
         }
     }
 
-    /// Quota, then capacity: admits the request or says why not. Nothing is charged unless
+    /// Quota and capacity: admits the request or says why not. Nothing is charged unless
     /// the request is admitted.
     pub(crate) async fn admit(
         &self,
@@ -201,74 +241,21 @@ impl Quota {
         cost: u32,
         capacity: &Capacity,
     ) -> Result<Pass, Stop> {
-        let start = tokio::time::Instant::now();
-        let mut slot: Option<InFlight> = None;
-        let mut delayed = false;
-        loop {
-            let now = self.clock.now();
-            match self.limiter.decide(&layers.enforced, cost, now) {
-                Decision::Admitted(admission) => {
-                    let reports = admission
-                        .reports(&self.limiter)
-                        .map(|r| (r.limit, r))
-                        .collect();
-                    let Some(slot) = slot.or_else(|| capacity.try_acquire()) else {
-                        self.limiter.refund(admission);
-                        return Err(Stop::Overloaded);
-                    };
-                    let (dry_run, dry_refused) = self.dry_run(layers, cost);
-                    let outcome = match (dry_refused, delayed) {
-                        (Some(id), _) => Outcome::RejectedDryRun(id),
-                        (None, true) => Outcome::Delayed,
-                        (None, false) => Outcome::Passed,
-                    };
-                    return Ok(Pass {
-                        slot,
-                        held: Held {
-                            _enforced: admission,
-                            _dry_run: dry_run,
-                        },
-                        reports,
-                        outcome,
-                    });
-                }
-                Decision::Refused(refusal) => {
-                    let Some(wait) = self.delay_for(&refusal, start.elapsed()) else {
-                        let reports = refusal
-                            .reports(&self.limiter)
-                            .map(|r| (r.limit, r))
-                            .collect();
-                        return Err(Stop::Quota(Box::new((refusal, reports))));
-                    };
-                    // Held requests are in-flight work: a full gateway cannot hold more.
-                    if slot.is_none() {
-                        slot = Some(capacity.try_acquire().ok_or(Stop::Overloaded)?);
-                    }
-                    delayed = true;
-                    tokio::time::sleep(wait).await;
-                }
-                Decision::CostTooLarge(c) => return Err(Stop::CostTooLarge(c.limit())),
-            }
-        }
-    }
-
-    /// Dry-run limits are decided (and charged) like enforced ones, but never refuse.
-    fn dry_run(&self, layers: &Layers, cost: u32) -> (Option<Admission>, Option<LimitId>) {
-        if layers.dry_run.is_empty() {
-            return (None, None);
-        }
-        match self.limiter.decide(&layers.dry_run, cost, self.clock.now()) {
-            Decision::Admitted(a) => (Some(a), None),
-            Decision::Refused(r) => (None, Some(r.limit())),
-            Decision::CostTooLarge(c) => (None, Some(c.limit())),
+        match &self.remote {
+            None => self.admit_in_memory(layers, cost, capacity, None).await,
+            Some(remote) => remote.admit(self, layers, cost, capacity).await,
         }
     }
 
     /// How long to hold a refused request: only when every refusing limit is in `delay` mode
     /// and the request would pass within each one's `max_delay`, counted from arrival.
-    fn delay_for(&self, refusal: &Refusal, waited: Duration) -> Option<Duration> {
+    fn delay_for(
+        &self,
+        refusing: impl Iterator<Item = (LimitId, Option<Duration>)>,
+        waited: Duration,
+    ) -> Option<Duration> {
         let mut longest = Duration::ZERO;
-        for (id, wait) in refusal.refusing(&self.limiter) {
+        for (id, wait) in refusing {
             let Mode::Delay { max_delay } = self.limits[id.index()].mode else {
                 return None;
             };
@@ -308,16 +295,24 @@ fn part(p: &KeyPart) -> Part {
     }
 }
 
-fn compile(l: &config::Limit) -> Limit {
+/// The limiter's form of a configured limit, with quota (and burst) divided by `divide_by`
+/// (at least 1 left), for the local fallback of a store shared by that many instances.
+fn compile(l: &config::Limit, divide_by: u32) -> Limit {
+    let share = |n: std::num::NonZeroU32| {
+        std::num::NonZeroU32::new(n.get() / divide_by).unwrap_or(std::num::NonZeroU32::MIN)
+    };
     let algorithm = match l.algorithm {
-        config::Algorithm::TokenBucket { burst } => Algorithm::TokenBucket { burst },
+        config::Algorithm::TokenBucket { burst } => Algorithm::TokenBucket {
+            burst: share(burst),
+        },
         config::Algorithm::FixedWindow => Algorithm::FixedWindow,
         config::Algorithm::SlidingWindow => Algorithm::SlidingWindow,
         config::Algorithm::Concurrency => Algorithm::Concurrency,
     };
     // A concurrency limit's window only paces the sweep of its table.
     let window = l.window.unwrap_or(Duration::from_secs(1));
-    let limit = Limit::new(l.name.clone(), algorithm, l.quota, window).expect("validated limit");
+    let limit =
+        Limit::new(l.name.clone(), algorithm, share(l.quota), window).expect("validated limit");
     match l.block_for {
         Some(b) => limit.with_block_for(b).expect("validated block_for"),
         None => limit,

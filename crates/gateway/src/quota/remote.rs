@@ -1,0 +1,258 @@
+//! Deciding in Redis, shared by every instance: one EVALSHA per request over all its limits.
+//! Capacity stays local: a full instance asks Redis in check-only mode, so an over-quota
+//! caller still gets 429 and anyone else 503, with nothing charged and no extra round trip.
+//! When Redis fails or is slow, `on_error` decides; a circuit breaker stops calling a dead
+//! Redis so that it costs no latency per request.
+
+use std::fmt::Display;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use sluice_config::{self as config, OnError};
+use sluice_limiter::{Limit, LimitId, Report};
+use sluice_store_redis::{
+    Layer, LayerReport, Mode, RedisStore, RemoteDecision, RemoteLimit, StoreOptions,
+};
+use smallvec::SmallVec;
+
+use super::breaker::{Breaker, Gate};
+use super::{Held, Layers, Outcome, Pass, Quota, Refused, Reports, Stop};
+use crate::capacity::{Capacity, InFlight};
+
+/// How long a tripped breaker keeps requests away from Redis before one probes it, and how
+/// often an instance that could not connect at start-up tries again.
+const COOL_DOWN: Duration = Duration::from_secs(1);
+
+/// The Redis side of the quota step.
+pub(super) struct Remote {
+    store: Arc<OnceLock<RedisStore>>,
+    /// By `LimitId` index.
+    limits: Vec<RemoteLimit>,
+    on_error: OnError,
+    breaker: Breaker,
+    fallbacks: AtomicU64,
+    last_warning_ms: AtomicU64,
+    epoch: tokio::time::Instant,
+}
+
+impl Remote {
+    /// Connects (bounded by the connect timeout). An unreachable Redis does not stop the
+    /// start: requests follow `on_error` while a background task keeps trying.
+    pub(super) async fn start(cfg: &config::RedisStore, limits: &[Limit]) -> Result<Self, String> {
+        let limits = limits
+            .iter()
+            .map(|l| RemoteLimit::new(l).map_err(|e| format!("store: {e}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let options = StoreOptions {
+            timeout: cfg.timeout,
+            ..StoreOptions::default()
+        };
+        let store = Arc::new(OnceLock::new());
+        match RedisStore::connect(&cfg.url, options.clone()).await {
+            Ok(s) => {
+                let _ = store.set(s);
+            }
+            Err(e) => {
+                tracing::warn!(url = %cfg.url, error = %e, on_error = ?cfg.on_error, "Redis is unreachable at start-up; starting anyway and following on_error until it answers");
+                tokio::spawn(reconnect(store.clone(), cfg.url.clone(), options));
+            }
+        }
+        Ok(Self {
+            store,
+            limits,
+            on_error: cfg.on_error,
+            breaker: Breaker::new(COOL_DOWN),
+            fallbacks: AtomicU64::new(0),
+            last_warning_ms: AtomicU64::new(0),
+            epoch: tokio::time::Instant::now(),
+        })
+    }
+
+    pub(super) async fn admit(
+        &self,
+        quota: &Quota,
+        layers: &Layers,
+        cost: u32,
+        capacity: &Capacity,
+    ) -> Result<Pass, Stop> {
+        let start = tokio::time::Instant::now();
+        let slot = capacity.try_acquire();
+        let mut delayed = false;
+        loop {
+            let Some(store) = self.store.get() else {
+                self.note_fallback(&"not connected");
+                return self.fallback(quota, layers, cost, capacity, slot).await;
+            };
+            if self.breaker.gate() == Gate::Skip {
+                self.note_fallback(&"circuit open");
+                return self.fallback(quota, layers, cost, capacity, slot).await;
+            }
+            let remote: SmallVec<[Layer<'_>; 8]> = layers
+                .enforced
+                .iter()
+                .map(|(id, key)| Layer::enforced(&self.limits[id.index()], *key))
+                .chain(
+                    layers
+                        .dry_run
+                        .iter()
+                        .map(|(id, key)| Layer::dry_run(&self.limits[id.index()], *key)),
+                )
+                .collect();
+            let mode = if slot.is_some() {
+                Mode::Charge
+            } else {
+                Mode::CheckOnly
+            };
+            let decision = match store.decide(&remote, cost, mode).await {
+                Ok(d) => {
+                    self.breaker.success();
+                    d
+                }
+                Err(e) => {
+                    self.breaker.failure();
+                    self.note_fallback(&e);
+                    return self.fallback(quota, layers, cost, capacity, slot).await;
+                }
+            };
+            match decision {
+                RemoteDecision::Admitted(a) => {
+                    // Check-only said "would pass": the caller is within quota, the instance is full.
+                    let Some(slot) = slot else {
+                        return Err(Stop::Overloaded);
+                    };
+                    let reports = reports(layers, &a.reports);
+                    let dry_refused = a.dry_run_refused.map(|i| id_of(layers, i));
+                    let held = Held {
+                        _lease: a.lease,
+                        ..Held::default()
+                    };
+                    return Ok(Pass {
+                        slot,
+                        held,
+                        reports,
+                        outcome: Outcome::of(dry_refused, delayed),
+                    });
+                }
+                RemoteDecision::Refused(r) => {
+                    let n = layers.enforced.len();
+                    let refusing = r
+                        .refusing()
+                        .filter(|(i, _)| *i < n)
+                        .map(|(i, w)| (id_of(layers, i), w));
+                    match quota.delay_for(refusing, start.elapsed()) {
+                        Some(_) if slot.is_none() => return Err(Stop::Overloaded),
+                        Some(wait) => {
+                            delayed = true;
+                            tokio::time::sleep(wait).await;
+                        }
+                        None => {
+                            let refused = Refused {
+                                limit: id_of(layers, r.layer),
+                                wait: r.wait,
+                                reason: r.reason,
+                                reports: reports(layers, &r.reports),
+                            };
+                            return Err(Stop::Quota(Box::new(refused)));
+                        }
+                    }
+                }
+                RemoteDecision::CostTooLarge { layer } => {
+                    return Err(Stop::CostTooLarge(id_of(layers, layer)))
+                }
+            }
+        }
+    }
+
+    /// What a request gets when Redis cannot decide: `on_error`.
+    async fn fallback(
+        &self,
+        quota: &Quota,
+        layers: &Layers,
+        cost: u32,
+        capacity: &Capacity,
+        slot: Option<InFlight>,
+    ) -> Result<Pass, Stop> {
+        match self.on_error {
+            OnError::Allow => match slot.or_else(|| capacity.try_acquire()) {
+                Some(slot) => Ok(Pass {
+                    slot,
+                    held: Held::default(),
+                    reports: Reports::new(),
+                    outcome: Outcome::Passed,
+                }),
+                None => Err(Stop::Overloaded),
+            },
+            OnError::Deny => Err(Stop::StoreUnavailable),
+            OnError::Local => quota.admit_in_memory(layers, cost, capacity, slot).await,
+        }
+    }
+
+    /// Counts every fallback; says so at most once a second.
+    fn note_fallback(&self, why: &dyn Display) {
+        let total = self.fallbacks.fetch_add(1, Ordering::Relaxed) + 1;
+        let now = self.epoch.elapsed().as_millis() as u64 + 1_000;
+        let last = self.last_warning_ms.load(Ordering::Relaxed);
+        if now >= last + 1_000
+            && self
+                .last_warning_ms
+                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(fallbacks_total = total, on_error = ?self.on_error, reason = %why, "the shared store cannot decide; following on_error");
+        }
+    }
+}
+
+impl std::fmt::Debug for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Remote")
+            .field("connected", &self.store.get().is_some())
+            .field("on_error", &self.on_error)
+            .field("fallbacks", &self.fallbacks)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Tries to connect every cool-down until it succeeds.
+async fn reconnect(cell: Arc<OnceLock<RedisStore>>, url: String, options: StoreOptions) {
+    loop {
+        tokio::time::sleep(COOL_DOWN).await;
+        if let Ok(store) = RedisStore::connect(&url, options.clone()).await {
+            tracing::info!(url = %url, "Redis answers; shared limits are enforced again");
+            let _ = cell.set(store);
+            return;
+        }
+    }
+}
+
+/// The limit of layer `i` (enforced layers first, then dry-run ones).
+fn id_of(layers: &Layers, i: usize) -> LimitId {
+    let n = layers.enforced.len();
+    if i < n {
+        layers.enforced[i].0
+    } else {
+        layers.dry_run[i - n].0
+    }
+}
+
+/// Header figures for the enforced layers (dry-run limits stay invisible to callers).
+fn reports(layers: &Layers, remote: &[LayerReport]) -> Reports {
+    layers
+        .enforced
+        .iter()
+        .zip(remote)
+        .map(|((id, _), r)| {
+            (
+                *id,
+                Report {
+                    limit: *id,
+                    quota: r.quota,
+                    window: r.window,
+                    remaining: r.remaining,
+                    reset: r.reset,
+                },
+            )
+        })
+        .collect()
+}
