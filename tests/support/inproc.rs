@@ -29,6 +29,10 @@ impl InProcess {
     /// Starts a gateway on `config` (TOML; listeners on port 0) with its clock at
     /// [`EPOCH_ALIGNED`] + `offset`.
     pub async fn start(config: &str, offset: Duration) -> Self {
+        if std::env::var_os("SLUICE_HASH_SECRET").is_none() {
+            // Only read when the config uses Redis; every test uses the same value.
+            std::env::set_var("SLUICE_HASH_SECRET", crate::redis::HASH_SECRET);
+        }
         let config = sluice_config::parse(config, Path::new("test.toml"))
             .unwrap_or_else(|e| panic!("test config is invalid:\n{e}"));
         let clock = Arc::new(ManualClock::new(Nanos::from_unix(EPOCH_ALIGNED + offset)));

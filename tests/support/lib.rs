@@ -7,6 +7,7 @@ pub mod client;
 pub mod haproxy;
 pub mod inproc;
 pub mod process;
+pub mod redis;
 pub mod upstream;
 
 pub use client::{get, send, Reply};

@@ -31,12 +31,18 @@ impl Sluice {
 
     /// Like [`start`](Sluice::start) with extra command-line arguments.
     pub fn start_with_args(config: &str, args: &[&str]) -> Self {
+        Self::start_with(config, args, &[])
+    }
+
+    /// Like [`start`](Sluice::start) with extra arguments and environment variables.
+    pub fn start_with(config: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
         let file = TempFile::new("toml", config);
         let mut child = Command::new(binary())
             .args(["--log-format", "json", "run", "--config"])
             .arg(&file.0)
             .args(args)
             .env("SLUICE_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

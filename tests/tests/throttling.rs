@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use futures_like::join_all;
 use sluice_tests::inproc::InProcess;
+use sluice_tests::redis::RedisServer;
 use sluice_tests::{get, MockUpstream, Reply, Sluice};
 
 mod futures_like {
@@ -18,6 +19,38 @@ mod futures_like {
         }
         out
     }
+}
+
+/// Where the limits are counted in a test: this instance's memory, or a real Redis.
+enum TestStore {
+    Memory,
+    Redis(RedisServer),
+}
+
+impl TestStore {
+    /// The configuration `text` counting in this store.
+    fn apply(&self, text: &str) -> String {
+        match self {
+            TestStore::Memory => text.to_owned(),
+            TestStore::Redis(r) => format!("{text}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"1s\"\non_error = \"deny\"\n", r.url()),
+        }
+    }
+}
+
+/// Runs a test case once per store: the same contract holds in memory and on Redis.
+macro_rules! both_stores {
+    ($case:ident) => {
+        mod $case {
+            #[tokio::test]
+            async fn memory() {
+                super::$case(super::TestStore::Memory).await
+            }
+            #[tokio::test]
+            async fn redis() {
+                super::$case(super::TestStore::Redis(super::RedisServer::start())).await
+            }
+        }
+    };
 }
 
 fn config(upstream: &str, max_in_flight: u32, extra: &str) -> String {
@@ -150,10 +183,14 @@ async fn scenario_1_only_the_spent_key_gets_429_with_the_exact_wait() {
     );
 }
 
-#[tokio::test]
-async fn scenario_2_full_gateway_answers_503_and_charges_no_quota() {
+both_stores!(scenario_2_full_gateway_answers_503_and_charges_no_quota);
+async fn scenario_2_full_gateway_answers_503_and_charges_no_quota(store: TestStore) {
     let up = MockUpstream::start().await;
-    let gw = InProcess::start(&config(&up.url(), 3, KEY_QUOTA), Duration::ZERO).await;
+    let gw = InProcess::start(
+        &store.apply(&config(&up.url(), 3, KEY_QUOTA)),
+        Duration::ZERO,
+    )
+    .await;
     let main = gw.main;
     // Three slow requests (no key: outside the key limit) fill a gateway of capacity 3.
     let slow: Vec<_> = (0..3)
@@ -218,10 +255,14 @@ async fn wait_ready(gw: &InProcess) {
     }
 }
 
-#[tokio::test]
-async fn quota_beats_capacity_a_spent_key_gets_429_even_when_full() {
+both_stores!(quota_beats_capacity_a_spent_key_gets_429_even_when_full);
+async fn quota_beats_capacity_a_spent_key_gets_429_even_when_full(store: TestStore) {
     let up = MockUpstream::start().await;
-    let gw = InProcess::start(&config(&up.url(), 1, KEY_QUOTA), Duration::ZERO).await;
+    let gw = InProcess::start(
+        &store.apply(&config(&up.url(), 1, KEY_QUOTA)),
+        Duration::ZERO,
+    )
+    .await;
     for _ in 0..5 {
         assert_eq!(call(gw.main, "/v1/items", "key_a").await.status, 200);
     }
@@ -238,8 +279,8 @@ async fn quota_beats_capacity_a_spent_key_gets_429_even_when_full() {
     assert_eq!(slow.await.unwrap().status, 200);
 }
 
-#[tokio::test]
-async fn exactly_quota_admissions_out_of_200_concurrent_requests() {
+both_stores!(exactly_quota_admissions_out_of_200_concurrent_requests);
+async fn exactly_quota_admissions_out_of_200_concurrent_requests(store: TestStore) {
     let up = MockUpstream::start().await;
     let limit = r#"
 [[limits]]
@@ -249,7 +290,7 @@ algorithm = "fixed_window"
 quota = 50
 window = "1h"
 "#;
-    let gw = InProcess::start(&config(&up.url(), 256, limit), Duration::ZERO).await;
+    let gw = InProcess::start(&store.apply(&config(&up.url(), 256, limit)), Duration::ZERO).await;
     let main = gw.main;
     let replies = join_all(
         (0..200)
@@ -267,8 +308,8 @@ window = "1h"
     );
 }
 
-#[tokio::test]
-async fn refused_per_route_request_spends_no_per_key_quota() {
+both_stores!(refused_per_route_request_spends_no_per_key_quota);
+async fn refused_per_route_request_spends_no_per_key_quota(store: TestStore) {
     let up = MockUpstream::start().await;
     let limits = r#"
 [[limits]]
@@ -286,7 +327,7 @@ algorithm = "fixed_window"
 quota = 2
 window = "1m"
 "#;
-    let gw = InProcess::start(&config(&up.url(), 64, limits), Duration::ZERO).await;
+    let gw = InProcess::start(&store.apply(&config(&up.url(), 64, limits)), Duration::ZERO).await;
     let mut searches = Vec::new();
     for _ in 0..5 {
         searches.push(call(gw.main, "/v1/search", "k").await);
@@ -303,8 +344,8 @@ window = "1m"
     assert_eq!(sf_list(&next, "ratelimit")["key-quota"]["r"], 7);
 }
 
-#[tokio::test]
-async fn spoofed_forwarded_for_from_an_untrusted_peer_lands_in_one_bucket() {
+both_stores!(spoofed_forwarded_for_from_an_untrusted_peer_lands_in_one_bucket);
+async fn spoofed_forwarded_for_from_an_untrusted_peer_lands_in_one_bucket(store: TestStore) {
     let up = MockUpstream::start().await;
     let limit = r#"
 [[limits]]
@@ -319,7 +360,7 @@ window = "1h"
         "trusted_proxies = [\"127.0.0.1/32\"]",
         "trusted_proxies = []",
     );
-    let gw = InProcess::start(&text, Duration::ZERO).await;
+    let gw = InProcess::start(&store.apply(&text), Duration::ZERO).await;
     let mut ok = 0;
     for i in 0u32..1000 {
         let spoof = format!(
@@ -346,8 +387,8 @@ window = "1h"
     );
 }
 
-#[tokio::test]
-async fn through_a_trusted_proxy_clients_and_ipv6_networks_get_their_own_buckets() {
+both_stores!(through_a_trusted_proxy_clients_and_ipv6_networks_get_their_own_buckets);
+async fn through_a_trusted_proxy_clients_and_ipv6_networks_get_their_own_buckets(store: TestStore) {
     let up = MockUpstream::start().await;
     let limit = r#"
 [[limits]]
@@ -357,7 +398,7 @@ algorithm = "fixed_window"
 quota = 2
 window = "1h"
 "#;
-    let gw = InProcess::start(&config(&up.url(), 64, limit), Duration::ZERO).await;
+    let gw = InProcess::start(&store.apply(&config(&up.url(), 64, limit)), Duration::ZERO).await;
     let from = |ip: &'static str| async move {
         get(gw.main, "/v1/items", &[("x-forwarded-for", ip)])
             .await
@@ -500,8 +541,8 @@ window = "1h"
     assert_eq!(policy["key-quota"]["w"], body["window"].as_i64().unwrap());
 }
 
-#[tokio::test]
-async fn route_cost_is_charged_and_echoed() {
+both_stores!(route_cost_is_charged_and_echoed);
+async fn route_cost_is_charged_and_echoed(store: TestStore) {
     let up = MockUpstream::start().await;
     let limit = r#"
 [[limits]]
@@ -515,7 +556,7 @@ window = "1h"
         "path = \"/v1/search\"\nupstream = \"app\"",
         "path = \"/v1/search\"\nupstream = \"app\"\ncost = 5",
     );
-    let gw = InProcess::start(&text, Duration::ZERO).await;
+    let gw = InProcess::start(&store.apply(&text), Duration::ZERO).await;
     let first = call(gw.main, "/v1/search", "k").await;
     assert_eq!(first.header("ratelimit-cost"), "5");
     assert_eq!(sf_list(&first, "ratelimit")["key-quota"]["r"], 7);
@@ -540,8 +581,8 @@ window = "1h"
     );
 }
 
-#[tokio::test]
-async fn concurrency_limit_counts_requests_in_flight_per_key() {
+both_stores!(concurrency_limit_counts_requests_in_flight_per_key);
+async fn concurrency_limit_counts_requests_in_flight_per_key(store: TestStore) {
     let up = MockUpstream::start().await;
     let limit = r#"
 [[limits]]
@@ -550,7 +591,7 @@ by = "api_key"
 algorithm = "concurrency"
 quota = 2
 "#;
-    let gw = InProcess::start(&config(&up.url(), 64, limit), Duration::ZERO).await;
+    let gw = InProcess::start(&store.apply(&config(&up.url(), 64, limit)), Duration::ZERO).await;
     let main = gw.main;
     let held: Vec<_> = (0..2)
         .map(|_| tokio::spawn(async move { call(main, "/hold", "k").await }))
@@ -566,6 +607,17 @@ quota = 2
     assert_eq!(call(gw.main, "/v1/items", "other").await.status, 200);
     up.release(2);
     join_all(held).await;
+    if matches!(store, TestStore::Redis(_)) {
+        // A Redis lease is released by one more round trip after the response ends.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        while call(gw.main, "/v1/items", "k").await.status != 200 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "Redis leases were not released"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
     assert_eq!(
         call(gw.main, "/v1/items", "k").await.status,
         200,
@@ -573,8 +625,8 @@ quota = 2
     );
 }
 
-#[tokio::test]
-async fn a_flood_of_429s_leaves_readiness_at_200() {
+both_stores!(a_flood_of_429s_leaves_readiness_at_200);
+async fn a_flood_of_429s_leaves_readiness_at_200(store: TestStore) {
     let up = MockUpstream::start().await;
     let limit = r#"
 [[limits]]
@@ -584,7 +636,7 @@ algorithm = "fixed_window"
 quota = 1
 window = "1h"
 "#;
-    let gw = InProcess::start(&config(&up.url(), 4, limit), Duration::ZERO).await;
+    let gw = InProcess::start(&store.apply(&config(&up.url(), 4, limit)), Duration::ZERO).await;
     let main = gw.main;
     let flood = join_all(
         (0..200)
@@ -599,10 +651,14 @@ window = "1h"
     assert_eq!(get(gw.main, "/health", &[]).await.status, 200);
 }
 
-#[tokio::test]
-async fn oversized_api_key_is_a_400_not_a_skipped_limit() {
+both_stores!(oversized_api_key_is_a_400_not_a_skipped_limit);
+async fn oversized_api_key_is_a_400_not_a_skipped_limit(store: TestStore) {
     let up = MockUpstream::start().await;
-    let gw = InProcess::start(&config(&up.url(), 64, KEY_QUOTA), Duration::ZERO).await;
+    let gw = InProcess::start(
+        &store.apply(&config(&up.url(), 64, KEY_QUOTA)),
+        Duration::ZERO,
+    )
+    .await;
     let long = "k".repeat(257);
     let r = call(gw.main, "/v1/items", &long).await;
     assert_eq!(r.status, 400);

@@ -49,7 +49,7 @@ impl Remote {
             ..StoreOptions::default()
         };
         let store = Arc::new(OnceLock::new());
-        match RedisStore::connect(&cfg.url, options.clone()).await {
+        match RedisStore::connect(&cfg.url, options).await {
             Ok(s) => {
                 let _ = store.set(s);
             }
@@ -78,6 +78,16 @@ impl Remote {
     ) -> Result<Pass, Stop> {
         let start = tokio::time::Instant::now();
         let slot = capacity.try_acquire();
+        if layers.enforced.is_empty() && layers.dry_run.is_empty() {
+            // No limit applies to this request: nothing to ask Redis.
+            let slot = slot.ok_or(Stop::Overloaded)?;
+            return Ok(Pass {
+                slot,
+                held: Held::default(),
+                reports: Reports::new(),
+                outcome: Outcome::Passed,
+            });
+        }
         let mut delayed = false;
         loop {
             let Some(store) = self.store.get() else {
@@ -218,7 +228,7 @@ impl std::fmt::Debug for Remote {
 async fn reconnect(cell: Arc<OnceLock<RedisStore>>, url: String, options: StoreOptions) {
     loop {
         tokio::time::sleep(COOL_DOWN).await;
-        if let Ok(store) = RedisStore::connect(&url, options.clone()).await {
+        if let Ok(store) = RedisStore::connect(&url, options).await {
             tracing::info!(url = %url, "Redis answers; shared limits are enforced again");
             let _ = cell.set(store);
             return;

@@ -1,0 +1,371 @@
+//! Limits shared through a real Redis: instances share one budget, one EVALSHA per request,
+//! and a Redis that dies, restarts or stalls never turns into an outage or unbounded latency.
+
+use std::time::Duration;
+
+use sluice_tests::inproc::InProcess;
+use sluice_tests::redis::{RedisServer, HASH_SECRET};
+use sluice_tests::{get, MockUpstream, Reply, Sluice};
+use tokio::time::Instant;
+
+fn config(upstream: &str, store: &str, max_in_flight: u32, limits: &str) -> String {
+    format!(
+        r#"
+[gateway]
+listen = "127.0.0.1:0"
+max_in_flight = {max_in_flight}
+
+[admin]
+listen = "127.0.0.1:0"
+
+[responses]
+problem_base = "https://api.example.com/problems/"
+
+[upstreams.app]
+url = "{upstream}"
+
+[[routes]]
+name = "search"
+path = "/v1/search"
+upstream = "app"
+
+[[routes]]
+name = "api"
+path = "/"
+upstream = "app"
+
+{store}
+{limits}
+"#
+    )
+}
+
+fn redis_store(url: &str, on_error: &str) -> String {
+    format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\ntimeout = \"25ms\"\non_error = \"{on_error}\"\ninstances = 2\n")
+}
+
+const KEY_QUOTA_30: &str = r#"
+[[limits]]
+name = "key-quota"
+by = "api_key"
+algorithm = "fixed_window"
+quota = 30
+window = "1h"
+"#;
+
+fn start(config: &str) -> Sluice {
+    Sluice::start_with(config, &[], &[("SLUICE_HASH_SECRET", HASH_SECRET)])
+}
+
+async fn call(addr: std::net::SocketAddr, path: &str, key: &str) -> Reply {
+    get(addr, path, &[("x-api-key", key)]).await
+}
+
+/// 3 x the quota, split over two instances and sent concurrently: how many were admitted.
+async fn admitted_by_two(a: &Sluice, b: &Sluice, n: usize) -> usize {
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let addr = if i % 2 == 0 { a.main } else { b.main };
+            tokio::spawn(async move { call(addr, "/v1/items", "shared-key").await.status.as_u16() })
+        })
+        .collect();
+    let mut ok = 0;
+    for t in tasks {
+        ok += usize::from(t.await.unwrap() == 200);
+    }
+    ok
+}
+
+#[tokio::test]
+async fn two_instances_on_one_redis_admit_exactly_the_quota_together() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let shared = config(
+        &up.url(),
+        &redis_store(&redis.url(), "local"),
+        256,
+        KEY_QUOTA_30,
+    );
+    let (a, b) = (start(&shared), start(&shared));
+    assert_eq!(
+        admitted_by_two(&a, &b, 90).await,
+        30,
+        "one budget shared by both instances"
+    );
+
+    // The same two instances counting alone each admit the whole quota.
+    let alone = config(&up.url(), "", 256, KEY_QUOTA_30);
+    let (a, b) = (start(&alone), start(&alone));
+    assert_eq!(
+        admitted_by_two(&a, &b, 90).await,
+        60,
+        "in memory, every limit is multiplied by the instances"
+    );
+}
+
+#[tokio::test]
+async fn one_evalsha_per_limited_request_for_a_route_with_three_limits() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let limits = r#"
+[[limits]]
+name = "per-ip"
+by = "ip"
+quota = 1000
+window = "1h"
+
+[[limits]]
+name = "per-key"
+by = "api_key"
+algorithm = "fixed_window"
+quota = 1000
+window = "1h"
+
+[[limits]]
+name = "search-per-key"
+by = ["api_key", "route"]
+routes = ["search"]
+algorithm = "sliding_window"
+quota = 1000
+window = "1m"
+"#;
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny"),
+        64,
+        limits,
+    ));
+    let before = redis.calls("evalsha");
+    for _ in 0..20 {
+        let r = call(gw.main, "/v1/search", "k").await;
+        assert_eq!(r.status, 200);
+        assert!(
+            r.header("ratelimit-policy").contains("\"search-per-key\""),
+            "{}",
+            r.header("ratelimit-policy")
+        );
+    }
+    assert_eq!(redis.calls("evalsha") - before, 20);
+    assert_eq!(redis.calls("eval"), 0);
+    let keys = redis.cli(&["--scan", "--pattern", "sluice:*"]);
+    assert_eq!(keys.lines().count(), 3, "one key per limit: {keys}");
+    assert!(
+        !keys.contains("\"k\"")
+            && keys
+                .lines()
+                .all(|k| k.len() == "sluice:".len() + k.split(':').nth(1).unwrap().len() + 1 + 32),
+        "{keys}"
+    );
+    for key in keys.lines() {
+        let ttl: i64 = redis.cli(&["PTTL", key]).trim().parse().unwrap();
+        assert!(ttl > 0, "{key} has no expiry");
+    }
+}
+
+#[tokio::test]
+async fn a_full_instance_asks_redis_check_only_and_charges_nothing() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let limit = KEY_QUOTA_30.replace("quota = 30", "quota = 5");
+    let gw = InProcess::start(
+        &config(&up.url(), &redis_store(&redis.url(), "deny"), 2, &limit),
+        Duration::ZERO,
+    )
+    .await;
+    for _ in 0..5 {
+        assert_eq!(call(gw.main, "/v1/items", "spent").await.status, 200);
+    }
+    let main = gw.main;
+    let slow: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(async move { get(main, "/hold", &[]).await }))
+        .collect();
+    up.wait_holding(2).await;
+    let before = redis.calls("evalsha");
+    assert_eq!(
+        call(gw.main, "/v1/items", "spent").await.status,
+        429,
+        "over quota: 429 even when full"
+    );
+    let full = call(gw.main, "/v1/items", "fresh").await;
+    assert_eq!(full.status, 503);
+    assert!(full.header("retry-after").parse::<u64>().is_ok());
+    assert_eq!(
+        redis.calls("evalsha") - before,
+        2,
+        "one round trip each, no extra"
+    );
+    up.release(2);
+    for s in slow {
+        s.await.unwrap();
+    }
+    let mut codes = Vec::new();
+    for _ in 0..6 {
+        codes.push(call(gw.main, "/v1/items", "fresh").await.status.as_u16());
+    }
+    assert_eq!(
+        codes,
+        [200, 200, 200, 200, 200, 429],
+        "the 503 charged nothing in Redis"
+    );
+}
+
+/// Sends `n` requests from 4 concurrent callers; returns (status, latency) of each.
+async fn load(addr: std::net::SocketAddr, n: usize) -> Vec<(u16, Duration, String)> {
+    let per = n / 4;
+    let tasks: Vec<_> = (0..4)
+        .map(|w| {
+            tokio::spawn(async move {
+                let mut out = Vec::with_capacity(per);
+                for i in 0..per {
+                    let t = Instant::now();
+                    let r = call(addr, "/v1/items", &format!("caller-{w}-{}", i % 3)).await;
+                    out.push((
+                        r.status.as_u16(),
+                        t.elapsed(),
+                        r.header("retry-after").to_owned(),
+                    ));
+                }
+                out
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    all
+}
+
+async fn redis_killed_under_load(on_error: &str) -> Vec<(u16, Duration, String)> {
+    let mut redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let limit = KEY_QUOTA_30.replace("quota = 30", "quota = 100000");
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), on_error),
+        256,
+        &limit,
+    ));
+    let warm = load(gw.main, 40).await;
+    assert!(warm.iter().all(|(s, ..)| *s == 200), "{warm:?}");
+    let port = redis.port;
+    redis.kill();
+    let during = load(gw.main, 200).await;
+    // Every answer within the 25 ms timeout plus a margin for a debug build on a busy machine.
+    let slowest = during.iter().map(|(_, d, _)| *d).max().unwrap();
+    assert!(
+        slowest < Duration::from_millis(750),
+        "slowest answer with Redis down took {slowest:?}"
+    );
+
+    // Restarted with an empty script cache: enforced in Redis again within a cool-down.
+    let redis = RedisServer::start_on(port);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while redis.calls("evalsha") == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "limits were not decided in Redis again after it restarted"
+        );
+        call(gw.main, "/v1/items", "after-restart").await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        redis
+            .cli(&["--scan", "--pattern", "sluice:*"])
+            .lines()
+            .count()
+            >= 1
+    );
+    during
+}
+
+#[tokio::test]
+async fn redis_killed_under_load_with_allow_answers_without_5xx() {
+    let during = redis_killed_under_load("allow").await;
+    assert!(during.iter().all(|(s, ..)| *s == 200), "{during:?}");
+}
+
+#[tokio::test]
+async fn redis_killed_under_load_with_local_answers_without_5xx() {
+    let during = redis_killed_under_load("local").await;
+    assert!(during.iter().all(|(s, ..)| *s == 200), "{during:?}");
+}
+
+#[tokio::test]
+async fn redis_killed_under_load_with_deny_answers_503_with_retry_after() {
+    let during = redis_killed_under_load("deny").await;
+    assert!(during.iter().any(|(s, ..)| *s == 503));
+    for (s, _, retry) in &during {
+        assert!(*s == 200 || *s == 503, "{s}");
+        if *s == 503 {
+            assert!(
+                retry.parse::<u64>().is_ok_and(|r| (2..=5).contains(&r)),
+                "Retry-After {retry:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn local_fallback_enforces_quota_divided_by_instances() {
+    let redis = RedisServer::start_on(sluice_tests::closed_port());
+    let port = redis.port;
+    drop(redis); // nothing listens there: Redis is unreachable from the start
+    let up = MockUpstream::start().await;
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&format!("redis://127.0.0.1:{port}"), "local"),
+        64,
+        KEY_QUOTA_30,
+    ));
+    let mut ok = 0;
+    for _ in 0..40 {
+        ok += usize::from(call(gw.main, "/v1/items", "k").await.status == 200);
+    }
+    assert_eq!(
+        ok, 15,
+        "quota 30 shared by instances = 2: each enforces 15 while Redis is away"
+    );
+    gw.wait_log("the start-up warning", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("unreachable at start-up"))
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn stalled_redis_falls_back_within_the_timeout() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), "local"),
+        64,
+        KEY_QUOTA_30,
+    ));
+    assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+    let port = redis.port.to_string();
+    let stall = std::thread::spawn(move || {
+        std::process::Command::new("redis-cli")
+            .args(["-p", &port, "DEBUG", "SLEEP", "1"])
+            .output()
+            .ok();
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t = Instant::now();
+    let r = call(gw.main, "/v1/items", "k").await;
+    let took = t.elapsed();
+    assert_eq!(r.status, 200);
+    assert!(
+        took < Duration::from_millis(500),
+        "a stalled Redis held the request for {took:?}"
+    );
+    stall.join().unwrap();
+    gw.wait_log("a fallback warning", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("following on_error"))
+    })
+    .await;
+}
