@@ -20,9 +20,16 @@ pin_project! {
     pub struct Body {
         #[pin]
         kind: Kind,
-        slot: Option<(InFlight, Held)>,
-        log: Option<AccessLog>,
+        // Boxed: the slot, admissions and log record are large, and hyper moves the
+        // response around several times; a pointer is cheaper to move than ~1 KiB.
+        extras: Option<Box<Extras>>,
     }
+}
+
+#[derive(Debug, Default)]
+struct Extras {
+    slot: Option<(InFlight, Held)>,
+    log: Option<AccessLog>,
 }
 
 pin_project! {
@@ -40,28 +47,26 @@ impl Body {
         let data = (!data.is_empty()).then_some(data);
         Self {
             kind: Kind::Full { data },
-            slot: None,
-            log: None,
+            extras: None,
         }
     }
 
     pub(crate) fn upstream(body: Incoming) -> Self {
         Self {
             kind: Kind::Upstream { body },
-            slot: None,
-            log: None,
+            extras: None,
         }
     }
 
     /// Keeps the in-flight slot and the quota admission (with its concurrency slots) until
     /// the body ends or is dropped.
     pub(crate) fn hold(&mut self, slot: InFlight, held: Held) {
-        self.slot = Some((slot, held));
+        self.extras.get_or_insert_default().slot = Some((slot, held));
     }
 
     /// Writes the access-log line when the body ends or is dropped.
     pub(crate) fn log_on_end(&mut self, log: AccessLog) {
-        self.log = Some(log);
+        self.extras.get_or_insert_default().log = Some(log);
     }
 }
 
@@ -81,18 +86,23 @@ impl http_body::Body for Body {
         if let Poll::Ready(frame) = &polled {
             match frame {
                 Some(Ok(f)) => {
-                    if let (Some(log), Some(data)) = (this.log.as_mut(), f.data_ref()) {
+                    let log = this.extras.as_mut().and_then(|e| e.log.as_mut());
+                    if let (Some(log), Some(data)) = (log, f.data_ref()) {
                         log.add_bytes(data.len());
                     }
                 }
                 Some(Err(_)) => {
-                    if let Some(log) = this.log.as_mut() {
+                    if let Some(log) = this.extras.as_mut().and_then(|e| e.log.as_mut()) {
                         log.upstream_body_failed();
                     }
                 }
                 // The exchange is over: free the in-flight slot and concurrency slots now,
                 // not whenever hyper drops the body.
-                None => drop(this.slot.take()),
+                None => {
+                    if let Some(e) = this.extras.as_mut() {
+                        drop(e.slot.take());
+                    }
+                }
             }
         }
         polled

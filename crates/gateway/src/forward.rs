@@ -20,18 +20,9 @@ use crate::problem::Problem;
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
-/// Headers that describe one hop, never forwarded (RFC 9110 section 7.6.1).
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
+/// Hop-by-hop headers (RFC 9110 section 7.6.1) that `http` has no constant for; the others
+/// are listed in `is_hop_by_hop`.
+const HOP_BY_HOP: [&str; 2] = ["keep-alive", "proxy-connection"];
 
 /// One upstream service and its connection pool.
 #[derive(Debug)]
@@ -120,21 +111,47 @@ fn display_chain(e: &(dyn StdError + 'static)) -> String {
     out
 }
 
-/// Removes hop-by-hop headers, including every header the `Connection` header names.
+/// Removes hop-by-hop headers, including every header the `Connection` header names. One
+/// pass over the names, without hashing, in the usual case where there are none.
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+    let mut found: smallvec::SmallVec<[HeaderName; 4]> = headers
+        .keys()
+        .filter(|n| is_hop_by_hop(n))
+        .cloned()
         .collect();
-    for name in named {
+    if found.is_empty() {
+        return;
+    }
+    if found.contains(&http::header::CONNECTION) {
+        let named = headers
+            .get_all(http::header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok());
+        found.extend(named.collect::<Vec<_>>());
+    }
+    for name in found {
         headers.remove(name);
     }
-    for name in HOP_BY_HOP {
-        headers.remove(name);
-    }
+}
+
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    use http::header::{
+        CONNECTION, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, TE, TRAILER, TRANSFER_ENCODING,
+        UPGRADE,
+    };
+    [
+        CONNECTION,
+        PROXY_AUTHENTICATE,
+        PROXY_AUTHORIZATION,
+        TE,
+        TRAILER,
+        TRANSFER_ENCODING,
+        UPGRADE,
+    ]
+    .contains(name)
+        || HOP_BY_HOP.contains(&name.as_str())
 }
 
 /// Rewrites request headers for the upstream: hop-by-hop stripped, the peer appended to

@@ -79,7 +79,9 @@ pub(crate) async fn handle(
         peer,
         request_id.clone(),
     );
-    let mut res = walk(&shared, peer, req, &mut log).await;
+    // Boxed: the walk's state (limits, reports, the upstream call) is several KiB, and hyper
+    // moves the service future around; one allocation beats copying it each time.
+    let mut res = Box::pin(walk(&shared, peer, req, &mut log)).await;
     log.status(res.status());
     res.headers_mut().insert(X_REQUEST_ID.clone(), request_id);
     res.body_mut().log_on_end(log);

@@ -120,8 +120,13 @@ fn invalid(errors: &ConfigErrors) -> ExitCode {
 /// Serves until a signal, then drains. A drain cut short by `shutdown_grace` still ends
 /// normally (the orchestrator asked us to stop); the log says so.
 fn run(config: Config, threads: Option<u16>) -> anyhow::Result<()> {
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = threads {
+    // One thread: a current-thread runtime, which skips the work-stealing scheduler's
+    // cross-thread bookkeeping on every wake-up.
+    let mut builder = match threads {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
+    if let Some(n) = threads.filter(|n| *n > 1) {
         builder.worker_threads(usize::from(n));
     }
     let runtime = builder
