@@ -5,7 +5,7 @@
 use bytes::Bytes;
 use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use crate::body::Body;
 
@@ -99,22 +99,27 @@ impl Problem {
 
     /// The JSON body.
     pub(crate) fn to_json(&self, problem_base: &str) -> Vec<u8> {
-        let mut m = Map::new();
-        m.insert(
-            "type".into(),
-            Value::from(format!("{problem_base}{}", self.kind)),
-        );
-        m.insert("title".into(), Value::from(self.title));
-        m.insert("status".into(), Value::from(self.status.as_u16()));
-        m.insert("detail".into(), Value::from(self.detail.as_str()));
+        // Written member by member into one buffer (no intermediate map): refusals are a hot
+        // path when a caller hammers past its quota.
+        let mut out = Vec::with_capacity(256 + self.detail.len());
+        let member = |out: &mut Vec<u8>, key: &str, value: &dyn erased::Json| {
+            out.push(if out.is_empty() { b'{' } else { b',' });
+            out.push(b'"');
+            out.extend_from_slice(key.as_bytes());
+            out.extend_from_slice(b"\":");
+            value.write(out);
+        };
+        member(&mut out, "type", &Joined(problem_base, self.kind));
+        member(&mut out, "title", &self.title);
+        member(&mut out, "status", &self.status.as_u16());
+        member(&mut out, "detail", &self.detail.as_str());
         for (k, v) in &self.extra {
-            m.insert((*k).into(), v.clone());
+            member(&mut out, k, v);
         }
         if let Some(s) = self.retry_after {
-            m.insert("retry_after".into(), Value::from(s));
+            member(&mut out, "retry_after", &s);
         }
-        let mut out = serde_json::to_vec(&Value::Object(m)).expect("a JSON map always serializes");
-        out.push(b'\n');
+        out.extend_from_slice(b"}\n");
         out
     }
 
@@ -132,6 +137,28 @@ impl Problem {
             h.insert(RETRY_AFTER, HeaderValue::from(s));
         }
         res
+    }
+}
+
+/// Two strings written as one JSON string.
+struct Joined<'a>(&'a str, &'a str);
+
+mod erased {
+    /// A value that writes itself as JSON (serde_json does the escaping).
+    pub(super) trait Json {
+        fn write(&self, out: &mut Vec<u8>);
+    }
+
+    impl<T: serde::Serialize> Json for T {
+        fn write(&self, out: &mut Vec<u8>) {
+            serde_json::to_writer(out, self).expect("writing JSON to a Vec cannot fail");
+        }
+    }
+}
+
+impl serde::Serialize for Joined<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&format_args!("{}{}", self.0, self.1))
     }
 }
 
