@@ -32,7 +32,7 @@ impl TestStore {
     fn apply(&self, text: &str) -> String {
         match self {
             TestStore::Memory => text.to_owned(),
-            TestStore::Redis(r) => format!("{text}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"1s\"\non_error = \"deny\"\n", r.url()),
+            TestStore::Redis(r) => format!("{text}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout = \"2s\"\non_error = \"deny\"\n", r.url()),
         }
     }
 }
