@@ -10,6 +10,7 @@ fn check_accepts_the_shipped_config_and_lists_routes_and_limits() {
     assert_eq!(code, 0, "stderr: {err}");
     assert!(out.contains("sluice.toml: ok"), "{out}");
     for expected in [
+        "store: memory (this instance counts alone)",
         "status           * /status cost 1 -> respond 200",
         "search           GET /v1/search cost 5 -> app (http://127.0.0.1:3000/)",
         "per-ip           token_bucket by ip 20 per 1s burst 40 on all routes, enforce",
@@ -109,4 +110,14 @@ fn demo_tells_the_seed_story_on_real_sockets() {
         assert!(out.contains(expected), "missing {expected:?} in:\n{out}");
     }
     assert!(out.trim_end().ends_with("last status 200"), "{out}");
+}
+
+#[test]
+fn check_describes_a_redis_store() {
+    let text = std::fs::read_to_string(SHIPPED).unwrap()
+        + "\n[store]\nkind = \"redis\"\nurl = \"redis://10.0.0.5:6379\"\ntimeout = \"25ms\"\non_error = \"local\"\ninstances = 3\n";
+    let file = TempFile::new("toml", &text);
+    let (code, out, err) = run_cli(&["check", "--config", file.0.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("store: redis redis://10.0.0.5:6379 (timeout 25ms, on_error Local, instances 3, secret from $SLUICE_HASH_SECRET)"), "{out}");
 }

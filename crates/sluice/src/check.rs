@@ -5,6 +5,7 @@ use std::path::Path;
 
 use sluice_config::{
     format_duration, Algorithm, Config, ConfigError, ConfigErrors, KeyPart, Mode, RouteAction,
+    Store,
 };
 
 /// A summary of the routes and limits `config` defines.
@@ -17,6 +18,18 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
         "listen {} (admin {}), max_in_flight {}",
         g.listen, config.admin.listen, g.max_in_flight
     );
+    let _ = match &config.store {
+        Store::Memory => writeln!(out, "store: memory (this instance counts alone)"),
+        Store::Redis(r) => writeln!(
+            out,
+            "store: redis {} (timeout {}, on_error {:?}, instances {}, secret from ${})",
+            r.url,
+            format_duration(r.timeout),
+            r.on_error,
+            r.instances,
+            r.hash_secret_env
+        ),
+    };
     let _ = writeln!(out, "routes:");
     for r in &config.routes {
         let methods = r.methods.as_ref().map_or("*".to_owned(), |m| {
