@@ -96,6 +96,11 @@ impl AccessLog {
     }
 }
 
+/// Whether access-log lines are written at all (level `info` for target `access`).
+pub(crate) fn enabled() -> bool {
+    tracing::enabled!(target: "access", tracing::Level::INFO)
+}
+
 fn ms_since(start: Instant) -> f64 {
     (start.elapsed().as_micros() as f64) / 1000.0
 }

@@ -15,7 +15,7 @@ use sluice_config::{Config, Respond, RetryRange, RouteAction};
 use sluice_limiter::{Clock, Report};
 use smallvec::SmallVec;
 
-use crate::access_log::AccessLog;
+use crate::access_log::{self, AccessLog};
 use crate::advertise;
 use crate::body::Body;
 use crate::capacity::Capacity;
@@ -103,7 +103,8 @@ async fn walk(
     log.route(shared.route_names[index].clone());
 
     // Identify.
-    let client = shared.identify.client_ip(peer, req.headers());
+    let peer_trusted = shared.identify.is_trusted(peer);
+    let client = shared.identify.client_ip(peer, peer_trusted, req.headers());
     log.client(client);
     let api_key = match shared.identify.api_key(req.headers(), req.uri()) {
         Ok(key) => key,
@@ -112,7 +113,8 @@ async fn walk(
             return Problem::bad_request(detail).into_response(&shared.problem_base);
         }
     };
-    if let Some(k) = &api_key {
+    // The fingerprint is a keyed hash: only worth computing when the access log is written.
+    if let Some(k) = api_key.as_deref().filter(|_| access_log::enabled()) {
         log.key(shared.quota.fingerprint(k));
     }
     let caller = Caller {
@@ -136,7 +138,7 @@ async fn walk(
     let mut res = match &route.action {
         RouteAction::Respond(r) => respond(r),
         RouteAction::Upstream(u) => {
-            prepare_request(&mut req, peer, shared.identify.is_trusted(peer));
+            prepare_request(&mut req, peer, peer_trusted);
             let sent = shared.upstreams[*u].send(req).await;
             log.upstream_done();
             match sent {

@@ -49,11 +49,17 @@ impl Identify {
         self.trusted.iter().any(|c| c.contains(ip))
     }
 
-    /// The client's address. Headers are believed only from trusted peers, and only as far as
-    /// the chain of trusted hops goes: an attacker-chosen string never becomes the answer.
-    pub(crate) fn client_ip(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {
+    /// The client's address. Headers are believed only from a trusted peer (`peer_trusted`,
+    /// from [`Identify::is_trusted`], computed once per request by the caller), and only as far
+    /// as the chain of trusted hops goes: an attacker-chosen string never becomes the answer.
+    pub(crate) fn client_ip(
+        &self,
+        peer: IpAddr,
+        peer_trusted: bool,
+        headers: &HeaderMap,
+    ) -> IpAddr {
         let peer = peer.to_canonical();
-        if self.trusted.is_empty() || !self.is_trusted(peer) {
+        if !peer_trusted {
             return peer;
         }
         let forwarded: Vec<&str> = headers
@@ -246,6 +252,10 @@ mod tests {
         h
     }
 
+    fn client(id: &Identify, peer: IpAddr, h: &HeaderMap) -> IpAddr {
+        id.client_ip(peer, id.is_trusted(peer), h)
+    }
+
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
     }
@@ -254,7 +264,7 @@ mod tests {
     fn spoofed_forwarded_for_from_untrusted_peer_is_ignored() {
         let id = identify(&["10.0.0.0/8"]);
         let h = headers(&[("x-forwarded-for", "1.2.3.4")]);
-        assert_eq!(id.client_ip(ip("192.0.2.9"), &h), ip("192.0.2.9"));
+        assert_eq!(client(&id, ip("192.0.2.9"), &h), ip("192.0.2.9"));
     }
 
     #[test]
@@ -262,7 +272,7 @@ mod tests {
         let id = identify(&["10.0.0.0/8", "127.0.0.1"]);
         let h = headers(&[("x-forwarded-for", "6.6.6.6, 203.0.113.5, 10.1.1.1")]);
         assert_eq!(
-            id.client_ip(ip("127.0.0.1"), &h),
+            client(&id, ip("127.0.0.1"), &h),
             ip("203.0.113.5"),
             "the spoofed leftmost entry is never reached"
         );
@@ -271,7 +281,7 @@ mod tests {
             ("x-forwarded-for", "10.2.2.2"),
         ]);
         assert_eq!(
-            id.client_ip(ip("10.0.0.1"), &h),
+            client(&id, ip("10.0.0.1"), &h),
             ip("6.6.6.6"),
             "header lines are one list"
         );
@@ -281,9 +291,9 @@ mod tests {
     fn malformed_entry_stops_at_the_last_validated_address() {
         let id = identify(&["10.0.0.0/8"]);
         let h = headers(&[("x-forwarded-for", "203.0.113.5, garbage, 10.1.1.1")]);
-        assert_eq!(id.client_ip(ip("10.0.0.1"), &h), ip("10.1.1.1"));
+        assert_eq!(client(&id, ip("10.0.0.1"), &h), ip("10.1.1.1"));
         let h = headers(&[("x-forwarded-for", "not-an-ip")]);
-        assert_eq!(id.client_ip(ip("10.0.0.1"), &h), ip("10.0.0.1"));
+        assert_eq!(client(&id, ip("10.0.0.1"), &h), ip("10.0.0.1"));
     }
 
     #[test]
@@ -293,12 +303,12 @@ mod tests {
             "forwarded",
             r#"for=192.0.2.60;proto=http, for="[2001:db8:cafe::17]:4711";by=10.0.0.2"#,
         )]);
-        assert_eq!(id.client_ip(ip("10.0.0.1"), &h), ip("2001:db8:cafe::17"));
+        assert_eq!(client(&id, ip("10.0.0.1"), &h), ip("2001:db8:cafe::17"));
         let h = headers(&[("forwarded", r#"for="198.51.100.3:8080""#)]);
-        assert_eq!(id.client_ip(ip("10.0.0.1"), &h), ip("198.51.100.3"));
+        assert_eq!(client(&id, ip("10.0.0.1"), &h), ip("198.51.100.3"));
         let h = headers(&[("forwarded", "for=unknown, for=10.3.3.3")]);
         assert_eq!(
-            id.client_ip(ip("10.0.0.1"), &h),
+            client(&id, ip("10.0.0.1"), &h),
             ip("10.3.3.3"),
             "unknown stops the walk"
         );
@@ -308,7 +318,7 @@ mod tests {
     fn ipv4_mapped_peers_are_normalised_and_ipv6_is_bucketed_per_prefix() {
         let id = identify(&[]);
         assert_eq!(
-            id.client_ip(ip("::ffff:192.0.2.1"), &HeaderMap::new()),
+            client(&id, ip("::ffff:192.0.2.1"), &HeaderMap::new()),
             ip("192.0.2.1")
         );
         assert_eq!(
