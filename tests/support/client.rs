@@ -53,7 +53,8 @@ pub async fn get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Repl
     send(addr, b.body(Empty::<Bytes>::new()).unwrap()).await
 }
 
-async fn connect<B>(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<B>
+/// Sends `req` on a new connection and returns the response head (the body still to read).
+async fn exchange<B>(addr: SocketAddr, req: Request<B>) -> http::Response<hyper::body::Incoming>
 where
     B: Body + Send + 'static,
     B::Data: Send,
@@ -62,11 +63,11 @@ where
     let stream = TcpStream::connect(addr)
         .await
         .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .expect("HTTP/1.1 handshake");
     tokio::spawn(conn);
-    sender
+    sender.send_request(req).await.expect("response head")
 }
 
 /// Sends `req` on a new connection and reads the whole response.
@@ -77,9 +78,7 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let fut = async {
-        let mut sender = connect(addr).await;
-        let res = sender.send_request(req).await.expect("response head");
-        let (parts, body) = res.into_parts();
+        let (parts, body) = exchange(addr, req).await.into_parts();
         let body = body.collect().await.expect("response body").to_bytes();
         Reply {
             status: parts.status,
@@ -100,8 +99,7 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let fut = async {
-        let mut sender = connect(addr).await;
-        let res = sender.send_request(req).await.expect("response head");
+        let res = exchange(addr, req).await;
         let status = res.status();
         let mut body = res.into_body();
         let mut n = 0u64;
