@@ -109,11 +109,7 @@ impl Drop for SlotGuard {
     fn drop(&mut self) {
         self.table.existing(self.key, |state| {
             // Not a plain decrement: a zero count must not wrap.
-            let _ = state.fetch_update(
-                std::sync::atomic::Ordering::AcqRel,
-                std::sync::atomic::Ordering::Acquire,
-                |n| n.checked_sub(1),
-            );
+            state.update(|n| n.checked_sub(1));
         });
     }
 }

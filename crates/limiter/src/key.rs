@@ -3,10 +3,6 @@
 //! The raw identity (an address, an API key) is never stored. The hash is keyed by a secret
 //! seed, so a caller cannot choose identities that collide in the table.
 
-use std::hash::Hasher as _;
-
-use siphasher::sip128::{Hasher128 as _, SipHasher13};
-
 /// The 128-bit identity of a caller within a limit. Never zero (zero marks a free table slot).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Key(pub(crate) [u64; 2]);
@@ -31,7 +27,8 @@ impl Key {
 /// Turns identity parts into [`Key`]s with SipHash-1-3-128 under a secret seed.
 #[derive(Clone)]
 pub struct KeyHasher {
-    seed: SipHasher13,
+    k0: u64,
+    k1: u64,
 }
 
 impl std::fmt::Debug for KeyHasher {
@@ -45,36 +42,116 @@ impl KeyHasher {
     /// A hasher with a seed drawn from the operating system's generator, fresh per process.
     pub fn new_random() -> Self {
         let (k0, k1): (u64, u64) = rand::random();
-        KeyHasher {
-            seed: SipHasher13::new_with_keys(k0, k1),
-        }
+        KeyHasher { k0, k1 }
     }
 
     /// A hasher whose seed is derived from `secret`, so every instance sharing the secret (e.g.
     /// gateways sharing a store) derives the same key for the same identity.
     pub fn with_secret(secret: &[u8]) -> Self {
-        let mut derive = SipHasher13::new_with_keys(0x736c_7569_6365_2d6b, 0x6579_2d73_6565_6431);
-        derive.write(b"sluice key seed v1");
-        derive.write_u64(secret.len() as u64);
-        derive.write(secret);
-        let h = derive.finish128();
-        KeyHasher {
-            seed: SipHasher13::new_with_keys(h.h1, h.h2),
-        }
+        let derive = KeyHasher {
+            k0: 0x736c_7569_6365_2d6b,
+            k1: 0x6579_2d73_6565_6431,
+        };
+        let [k0, k1] = derive.hash(&[b"sluice key seed v1", secret]);
+        KeyHasher { k0, k1 }
     }
 
     /// The key of an identity made of `parts`. Each part is framed by its length, so
     /// `["ab", "c"]` and `["a", "bc"]` give different keys.
+    #[inline]
     pub fn key(&self, parts: &[&[u8]]) -> Key {
-        let mut h = self.seed;
-        h.write_u64(parts.len() as u64);
-        for part in parts {
-            h.write_u64(part.len() as u64);
-            h.write(part);
-        }
-        let out = h.finish128();
+        let [h1, h2] = self.hash(parts);
         // Zero marks a free slot; a 2^-128 event, mapped away rather than ignored.
-        Key([out.h1 | u64::from(out.h1 == 0 && out.h2 == 0), out.h2])
+        Key([h1 | u64::from(h1 == 0 && h2 == 0), h2])
+    }
+
+    /// SipHash-1-3 with 128-bit output over the parts as whole 64-bit words: each part is its
+    /// length, then its bytes zero-padded to a multiple of 8 (uniquely decodable, so distinct
+    /// part lists are distinct messages). Written out instead of `siphasher`'s byte-buffering
+    /// `Hasher` because a key is hashed per limit per request and whole words need no tail
+    /// handling: ~2x faster on short identities. A test checks it against `siphasher`.
+    #[inline]
+    fn hash(&self, parts: &[&[u8]]) -> [u64; 2] {
+        let mut s = Sip::new(self.k0, self.k1);
+        for part in parts {
+            s.compress(part.len() as u64);
+            let mut words = part.chunks_exact(8);
+            for w in &mut words {
+                s.compress(u64::from_le_bytes(w.try_into().expect("8 bytes")));
+            }
+            let rest = words.remainder();
+            if !rest.is_empty() {
+                let mut word = [0u8; 8];
+                word[..rest.len()].copy_from_slice(rest);
+                s.compress(u64::from_le_bytes(word));
+            }
+        }
+        s.finish128()
+    }
+}
+
+/// SipHash-1-3-128 state over a stream of 64-bit words.
+struct Sip {
+    v: [u64; 4],
+    /// Words compressed so far.
+    words: u64,
+}
+
+impl Sip {
+    #[inline]
+    fn new(k0: u64, k1: u64) -> Self {
+        Sip {
+            v: [
+                k0 ^ 0x736f_6d65_7073_6575,
+                k1 ^ 0x646f_7261_6e64_6f6d ^ 0xee,
+                k0 ^ 0x6c79_6765_6e65_7261,
+                k1 ^ 0x7465_6462_7974_6573,
+            ],
+            words: 0,
+        }
+    }
+
+    #[inline(always)]
+    fn round(&mut self) {
+        let [v0, v1, v2, v3] = &mut self.v;
+        *v0 = v0.wrapping_add(*v1);
+        *v1 = v1.rotate_left(13) ^ *v0;
+        *v0 = v0.rotate_left(32);
+        *v2 = v2.wrapping_add(*v3);
+        *v3 = v3.rotate_left(16) ^ *v2;
+        *v0 = v0.wrapping_add(*v3);
+        *v3 = v3.rotate_left(21) ^ *v0;
+        *v2 = v2.wrapping_add(*v1);
+        *v1 = v1.rotate_left(17) ^ *v2;
+        *v2 = v2.rotate_left(32);
+    }
+
+    #[inline(always)]
+    fn compress(&mut self, m: u64) {
+        self.words += 1;
+        self.v[3] ^= m;
+        self.round();
+        self.v[0] ^= m;
+    }
+
+    #[inline]
+    fn finish128(mut self) -> [u64; 2] {
+        // The message is whole words: the last block is its length in bytes (mod 256) alone.
+        let b = self.words.wrapping_mul(8) << 56;
+        self.v[3] ^= b;
+        self.round();
+        self.v[0] ^= b;
+        self.v[2] ^= 0xee;
+        for _ in 0..3 {
+            self.round();
+        }
+        let h1 = self.v[0] ^ self.v[1] ^ self.v[2] ^ self.v[3];
+        self.v[1] ^= 0xdd;
+        for _ in 0..3 {
+            self.round();
+        }
+        let h2 = self.v[0] ^ self.v[1] ^ self.v[2] ^ self.v[3];
+        [h1, h2]
     }
 }
 
@@ -104,6 +181,35 @@ mod tests {
         assert_ne!(h.key(&[b"ab", b"c"]), h.key(&[b"a", b"bc"]));
         assert_ne!(h.key(&[b"abc"]), h.key(&[b"abc", b""]));
         assert_ne!(h.key(&[]), h.key(&[b""]));
+    }
+
+    #[test]
+    fn hash_is_siphash13_128_of_the_length_framed_padded_parts() {
+        use siphasher::sip128::{Hasher128 as _, SipHasher13};
+        use std::hash::Hasher as _;
+        let h = KeyHasher {
+            k0: 0x0706_0504_0302_0100,
+            k1: 0x0f0e_0d0c_0b0a_0908,
+        };
+        let long: Vec<u8> = (0..=255).collect();
+        let parts: [&[&[u8]]; 6] = [
+            &[],
+            &[b""],
+            &[b"1234567"],
+            &[b"12345678", b"9"],
+            &[b"abc", &long, b"", b"0123456789abcdef"],
+            &[&long[..13], &long[..3], &long[..8]],
+        ];
+        for p in parts {
+            let mut reference = SipHasher13::new_with_keys(h.k0, h.k1);
+            for part in p {
+                reference.write(&(part.len() as u64).to_le_bytes());
+                reference.write(part);
+                reference.write(&[0; 7][..(8 - part.len() % 8) % 8]);
+            }
+            let r = reference.finish128();
+            assert_eq!(h.hash(p), [r.h1, r.h2], "parts {p:?}");
+        }
     }
 
     #[test]

@@ -128,6 +128,22 @@ proptest! {
         agree(limit, model, start, &arrivals);
     }
 
+    /// A quota that divides the window keeps the state in a 64-bit word (nanosecond units).
+    #[test]
+    fn gcra_in_whole_nanoseconds_admits_what_a_rational_token_bucket_admits(
+        (quota, per_token, burst) in (1u32..40, 25u64..75_000, 1u32..20),
+        start in 0u64..u64::MAX / 2,
+        arrivals in arrivals(400_000, 22),
+    ) {
+        let window = u64::from(quota) * per_token;
+        let limit = bucket("b", quota, Duration::from_nanos(window), burst);
+        let model = RationalBucket {
+            quota: u128::from(quota), window: u128::from(window), burst: u128::from(burst),
+            tokens: 0, last: None,
+        };
+        agree(limit, model, start, &arrivals);
+    }
+
     #[test]
     fn fixed_window_admits_what_per_window_counts_admit(
         (quota, window) in (1u32..40, 1_000u64..3_000_000),

@@ -37,6 +37,13 @@ impl Gcra {
         }
     }
 
+    /// Whether every TAT fits in 64 bits until the year 2400: when the unit is the nanosecond
+    /// (the quota divides the window in nanoseconds, as round quotas do) and the bucket holds
+    /// less than 2^62 ns (146 years) of debt.
+    pub(crate) fn fits_narrow(&self) -> bool {
+        self.scale == 1 && self.tolerance <= 1 << 62
+    }
+
     /// Debt at `now` in units: how far the TAT is ahead of now.
     #[inline]
     fn debt(&self, tat: u128, now: u64) -> u128 {

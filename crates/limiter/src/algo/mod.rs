@@ -1,4 +1,5 @@
-//! The four algorithms as pure functions over one 128-bit state word per key.
+//! The four algorithms as pure functions over one state word per key (handled as a `u128`;
+//! stored in 64 bits where the rule's states fit).
 //!
 //! A state of zero is the fresh state of every algorithm, so a missing table entry and a zero
 //! entry mean the same thing. Times are integer nanoseconds since the Unix epoch.
@@ -73,6 +74,17 @@ impl Rule {
             Algorithm::FixedWindow => Rule::Fixed(FixedWindow::new(quota, window)),
             Algorithm::SlidingWindow => Rule::Sliding(SlidingWindow::new(quota, window)),
             Algorithm::Concurrency => Rule::Concurrency(Concurrency::new(quota)),
+        }
+    }
+
+    /// Whether this rule's states fit a 64-bit word (see `table`): token buckets counted in
+    /// whole nanoseconds, and concurrency counts. Window states pack an index and counts and
+    /// stay 128-bit.
+    pub(crate) fn fits_narrow(&self) -> bool {
+        match self {
+            Rule::Gcra(g) => g.fits_narrow(),
+            Rule::Concurrency(_) => true,
+            Rule::Fixed(_) | Rule::Sliding(_) => false,
         }
     }
 

@@ -1,7 +1,6 @@
 //! What a request that is not admitted reports: the refusing limit with the longest wait,
 //! every limit's figures, and blocks started. Off the admit path.
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::{Compiled, Limiter, Seen};
@@ -81,8 +80,9 @@ impl Limiter {
                         (Some((block_for, blocks)), true) => {
                             // The block covers the counters' wait too, so its end is a real retry time.
                             let until = now + (*block_for).max(wait.unwrap_or(0));
+                            let until_state = u128::from(until);
                             blocks.update(layer.key, |s| {
-                                s.fetch_max(u128::from(until), Ordering::AcqRel)
+                                s.update(|end| (until_state > end).then_some(until_state));
                             });
                             layer.block(until);
                             (Some(until - now), RefusalReason::Exhausted)

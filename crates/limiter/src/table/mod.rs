@@ -7,6 +7,10 @@
 //!
 //! Requests take a shard's read lock and update their key's state by compare-and-swap; only a
 //! new key, an eviction or a sweep takes the shard's write lock.
+//!
+//! A state is one atomic word: 64 bits where the algorithm's states provably fit (a token bucket
+//! whose time unit is the nanosecond, a concurrency count, a block's end), else 128. The narrow
+//! word is a plain `lock cmpxchg` (about half the cost of `cmpxchg16b`) and a 24-byte slot.
 
 mod slots;
 
@@ -17,6 +21,88 @@ use std::sync::RwLock;
 use crate::algo::{Algo, Rule};
 use crate::Key;
 use slots::{slots_for, Slots};
+
+/// An atomic state word, read and written as a `u128` whatever its width.
+pub(crate) trait Cell: Default + std::fmt::Debug + Send + Sync {
+    fn load(&self) -> u128;
+    fn get(&mut self) -> u128;
+    fn set(&mut self, state: u128);
+}
+
+/// A narrow word holds states below 2^64 only; the rules that use it never make larger ones
+/// (see `Rule::fits_narrow`), and a larger value saturates instead of wrapping.
+fn narrow(state: u128) -> u64 {
+    u64::try_from(state).unwrap_or(u64::MAX)
+}
+
+impl Cell for AtomicU64 {
+    #[inline]
+    fn load(&self) -> u128 {
+        u128::from(AtomicU64::load(self, Ordering::Acquire))
+    }
+    fn get(&mut self) -> u128 {
+        u128::from(*self.get_mut())
+    }
+    fn set(&mut self, state: u128) {
+        *self.get_mut() = narrow(state);
+    }
+}
+
+impl Cell for AtomicU128 {
+    #[inline]
+    fn load(&self) -> u128 {
+        AtomicU128::load(self, Ordering::Acquire)
+    }
+    fn get(&mut self) -> u128 {
+        *self.get_mut()
+    }
+    fn set(&mut self, state: u128) {
+        *self.get_mut() = state;
+    }
+}
+
+/// One key's state word in a table of either width.
+#[derive(Clone, Copy)]
+pub(crate) enum State<'a> {
+    Narrow(&'a AtomicU64),
+    Wide(&'a AtomicU128),
+}
+
+impl State<'_> {
+    #[inline]
+    pub(crate) fn load(self) -> u128 {
+        match self {
+            State::Narrow(s) => Cell::load(s),
+            State::Wide(s) => Cell::load(s),
+        }
+    }
+
+    /// A weak compare-and-swap: `Err` carries the value found.
+    #[inline]
+    pub(crate) fn compare_exchange_weak(self, current: u128, new: u128) -> Result<(), u128> {
+        let (acq_rel, acquire) = (Ordering::AcqRel, Ordering::Acquire);
+        match self {
+            State::Narrow(s) => s
+                .compare_exchange_weak(narrow(current), narrow(new), acq_rel, acquire)
+                .map(drop)
+                .map_err(u128::from),
+            State::Wide(s) => s
+                .compare_exchange_weak(current, new, acq_rel, acquire)
+                .map(drop),
+        }
+    }
+
+    /// Replaces the state with `f(state)` until that sticks; `None` leaves it as it is.
+    pub(crate) fn update(self, mut f: impl FnMut(u128) -> Option<u128>) {
+        let mut current = self.load();
+        while let Some(new) = f(current) {
+            match self.compare_exchange_weak(current, new) {
+                Ok(()) => return,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+}
 
 /// Shards per table (fewer for tiny caps, so each shard may hold at least one key).
 const MAX_SHARDS: usize = 64;
@@ -56,15 +142,79 @@ pub struct TableStats {
 
 #[derive(Debug)]
 #[repr(align(64))] // one cache line per shard lock: no false sharing between shards
-struct Shard {
-    slots: RwLock<Slots>,
+struct Shard<S> {
+    slots: RwLock<Slots<S>>,
     cap: usize,
 }
 
-/// A bounded map from [`Key`] to one 128-bit state.
+/// A bounded map from [`Key`] to one state word of either width.
 #[derive(Debug)]
-pub(crate) struct Table {
-    shards: Box<[Shard]>,
+pub(crate) enum Table {
+    Narrow(Words<AtomicU64>),
+    Wide(Words<AtomicU128>),
+}
+
+macro_rules! each {
+    ($self:ident, $t:ident => $e:expr) => {
+        match $self {
+            Table::Narrow($t) => $e,
+            Table::Wide($t) => $e,
+        }
+    };
+}
+
+impl Table {
+    /// A table of at most `max_keys` keys (split exactly across shards), walked by sweeps at
+    /// most once per `sweep_interval` nanoseconds, with narrow words if `narrow`.
+    pub(crate) fn new(max_keys: usize, expiry: Expiry, sweep_interval: u64, narrow: bool) -> Self {
+        if narrow {
+            Table::Narrow(Words::new(max_keys, expiry, sweep_interval))
+        } else {
+            Table::Wide(Words::new(max_keys, expiry, sweep_interval))
+        }
+    }
+
+    /// Runs `f` on `key`'s state, creating the entry (fresh) if absent; when the shard is full,
+    /// an approximately least recently used entry makes room.
+    #[inline]
+    pub(crate) fn update<R>(&self, key: Key, f: impl FnOnce(State<'_>) -> R) -> R {
+        match self {
+            Table::Narrow(t) => t.update(key, |s| f(State::Narrow(s))),
+            Table::Wide(t) => t.update(key, |s| f(State::Wide(s))),
+        }
+    }
+
+    /// Runs `f` on `key`'s state if the key is present.
+    #[inline]
+    pub(crate) fn existing<R>(&self, key: Key, f: impl FnOnce(State<'_>) -> R) -> Option<R> {
+        match self {
+            Table::Narrow(t) => t.existing(key, |s| f(State::Narrow(s))),
+            Table::Wide(t) => t.existing(key, |s| f(State::Wide(s))),
+        }
+    }
+
+    /// `key`'s state, fresh (zero) if absent.
+    #[inline]
+    pub(crate) fn load(&self, key: Key) -> u128 {
+        self.existing(key, |s| s.load()).unwrap_or(0)
+    }
+
+    /// Removes entries that are fresh at `now`, walking the whole table, unless a walk already
+    /// happened within the sweep interval. Returns whether it walked.
+    pub(crate) fn sweep(&self, now: u64) -> bool {
+        each!(self, t => t.sweep(now))
+    }
+
+    /// The table's counters.
+    pub(crate) fn stats(&self) -> TableStats {
+        each!(self, t => t.stats())
+    }
+}
+
+/// A table of one word width.
+#[derive(Debug)]
+pub(crate) struct Words<S> {
+    shards: Box<[Shard<S>]>,
     expiry: Expiry,
     sweep_interval: u64,
     next_walk: AtomicU64,
@@ -73,10 +223,8 @@ pub(crate) struct Table {
     evictions: AtomicU64,
 }
 
-impl Table {
-    /// A table of at most `max_keys` keys (split exactly across shards), walked by sweeps at
-    /// most once per `sweep_interval` nanoseconds.
-    pub(crate) fn new(max_keys: usize, expiry: Expiry, sweep_interval: u64) -> Self {
+impl<S: Cell> Words<S> {
+    fn new(max_keys: usize, expiry: Expiry, sweep_interval: u64) -> Self {
         let count = MAX_SHARDS.min(max_keys.next_power_of_two() / 2).max(1);
         let shards = (0..count)
             .map(|i| Shard {
@@ -84,7 +232,7 @@ impl Table {
                 cap: max_keys / count + usize::from(i < max_keys % count),
             })
             .collect();
-        Table {
+        Words {
             shards,
             expiry,
             sweep_interval: sweep_interval.max(1),
@@ -96,15 +244,13 @@ impl Table {
     }
 
     #[inline]
-    fn shard(&self, key: Key) -> &Shard {
+    fn shard(&self, key: Key) -> &Shard<S> {
         let i = (u128::from(key.0[1]) * self.shards.len() as u128) >> 64;
         &self.shards[i as usize]
     }
 
-    /// Runs `f` on `key`'s state, creating the entry (fresh) if absent; when the shard is full,
-    /// an approximately least recently used entry makes room.
     #[inline]
-    pub(crate) fn update<R>(&self, key: Key, f: impl FnOnce(&AtomicU128) -> R) -> R {
+    fn update<R>(&self, key: Key, f: impl FnOnce(&S) -> R) -> R {
         let shard = self.shard(key);
         {
             let slots = shard.slots.read().unwrap_or_else(|e| e.into_inner());
@@ -128,9 +274,8 @@ impl Table {
         f(&slots.slot(i).state)
     }
 
-    /// Runs `f` on `key`'s state if the key is present.
     #[inline]
-    pub(crate) fn existing<R>(&self, key: Key, f: impl FnOnce(&AtomicU128) -> R) -> Option<R> {
+    fn existing<R>(&self, key: Key, f: impl FnOnce(&S) -> R) -> Option<R> {
         let slots = self
             .shard(key)
             .slots
@@ -139,16 +284,7 @@ impl Table {
         slots.find(key.0).map(|i| f(&slots.slot(i).state))
     }
 
-    /// `key`'s state, fresh (zero) if absent.
-    #[inline]
-    pub(crate) fn load(&self, key: Key) -> u128 {
-        self.existing(key, |s| s.load(Ordering::Acquire))
-            .unwrap_or(0)
-    }
-
-    /// Removes entries that are fresh at `now`, walking the whole table, unless a walk already
-    /// happened within the sweep interval. Returns whether it walked.
-    pub(crate) fn sweep(&self, now: u64) -> bool {
+    fn sweep(&self, now: u64) -> bool {
         let due = self.next_walk.load(Ordering::Acquire);
         let next = now.saturating_add(self.sweep_interval);
         if now < due
@@ -169,8 +305,7 @@ impl Table {
         true
     }
 
-    /// The table's counters.
-    pub(crate) fn stats(&self) -> TableStats {
+    fn stats(&self) -> TableStats {
         let (mut keys, mut slots_total) = (0, 0);
         for shard in self.shards.iter() {
             let slots = shard.slots.read().unwrap_or_else(|e| e.into_inner());
@@ -182,8 +317,8 @@ impl Table {
             evictions: self.evictions.load(Ordering::Relaxed),
             walks: self.walks.load(Ordering::Relaxed),
             swept: self.swept.load(Ordering::Relaxed),
-            bytes: slots_total * std::mem::size_of::<slots::Slot>()
-                + self.shards.len() * std::mem::size_of::<Shard>(),
+            bytes: slots_total * std::mem::size_of::<slots::Slot<S>>()
+                + self.shards.len() * std::mem::size_of::<Shard<S>>(),
         }
     }
 }
@@ -193,6 +328,15 @@ mod tests {
     use super::*;
     use crate::KeyHasher;
 
+    fn put(state: State<'_>, value: u128) {
+        state.update(|_| Some(value));
+    }
+
+    /// Both widths of table, for tests that hold for either.
+    fn tables(max_keys: usize, sweep_interval: u64) -> [Table; 2] {
+        [false, true].map(|narrow| Table::new(max_keys, Expiry::Deadline, sweep_interval, narrow))
+    }
+
     fn keys(n: u64) -> impl Iterator<Item = Key> {
         let h = KeyHasher::with_secret(b"table");
         (0..n).map(move |i| h.key(&[&i.to_le_bytes()]))
@@ -200,59 +344,78 @@ mod tests {
 
     #[test]
     fn full_table_evicts_instead_of_growing() {
-        let t = Table::new(1_000, Expiry::Deadline, 1);
-        for (i, k) in keys(5_000).enumerate() {
-            t.update(k, |s| s.store(i as u128 + 1, Ordering::Relaxed));
+        for t in tables(1_000, 1) {
+            for (i, k) in keys(5_000).enumerate() {
+                t.update(k, |s| put(s, i as u128 + 1));
+            }
+            let stats = t.stats();
+            assert_eq!(stats.keys, 1_000);
+            assert_eq!(stats.evictions, 4_000);
         }
-        let stats = t.stats();
-        assert_eq!(stats.keys, 1_000);
-        assert_eq!(stats.evictions, 4_000);
     }
 
     #[test]
     fn eviction_prefers_entries_that_expire_soonest() {
-        let t = Table::new(6_400, Expiry::Deadline, 1);
-        let all: Vec<Key> = keys(6_400).collect();
-        for (i, k) in all.iter().enumerate() {
-            // Half expired long ago, half recent.
-            let deadline = if i % 2 == 0 { 1 } else { 1_000_000 };
-            t.update(*k, |s| s.store(deadline, Ordering::Relaxed));
+        for t in tables(6_400, 1) {
+            let all: Vec<Key> = keys(6_400).collect();
+            for (i, k) in all.iter().enumerate() {
+                // Half expired long ago, half recent.
+                let deadline = if i % 2 == 0 { 1 } else { 1_000_000 };
+                t.update(*k, |s| put(s, deadline));
+            }
+            for k in keys(7_040).skip(6_400) {
+                t.update(k, |s| put(s, 1_000_000));
+            }
+            let recent = all.iter().skip(1).step_by(2);
+            let recent_kept = recent.filter(|k| t.load(**k) != 0).count();
+            // Five samples all recent: about 1 eviction in 20 takes a recent entry.
+            assert!(
+                recent_kept >= 3_100,
+                "kept {recent_kept} of 3200 recent entries"
+            );
         }
-        for k in keys(7_040).skip(6_400) {
-            t.update(k, |s| s.store(1_000_000, Ordering::Relaxed));
-        }
-        let recent = all.iter().skip(1).step_by(2);
-        let recent_kept = recent.filter(|k| t.load(**k) != 0).count();
-        // Five samples all recent: about 1 eviction in 20 takes a recent entry.
-        assert!(
-            recent_kept >= 3_100,
-            "kept {recent_kept} of 3200 recent entries"
-        );
     }
 
     #[test]
     fn sweep_walks_at_most_once_per_interval_and_removes_fresh_entries() {
-        let t = Table::new(1_000, Expiry::Deadline, 100);
-        let ks: Vec<Key> = keys(10).collect();
-        for (i, k) in ks.iter().enumerate() {
-            t.update(*k, |s| {
-                s.store(if i < 4 { 50 } else { 500 }, Ordering::Relaxed)
-            });
+        for t in tables(1_000, 100) {
+            let ks: Vec<Key> = keys(10).collect();
+            for (i, k) in ks.iter().enumerate() {
+                t.update(*k, |s| put(s, if i < 4 { 50 } else { 500 }));
+            }
+            assert!(t.sweep(60));
+            assert!(!t.sweep(159));
+            assert!(t.sweep(160));
+            let stats = t.stats();
+            assert_eq!((stats.walks, stats.swept, stats.keys), (2, 4, 6));
         }
-        assert!(t.sweep(60));
-        assert!(!t.sweep(159));
-        assert!(t.sweep(160));
-        let stats = t.stats();
-        assert_eq!((stats.walks, stats.swept, stats.keys), (2, 4, 6));
     }
 
     #[test]
     fn tiny_caps_are_split_exactly() {
         for cap in [1, 2, 3, 7, 64, 65, 1000] {
-            let t = Table::new(cap, Expiry::Deadline, 1);
+            let t = Words::<AtomicU64>::new(cap, Expiry::Deadline, 1);
             let total: usize = t.shards.iter().map(|s| s.cap).sum();
             assert_eq!(total, cap);
             assert!(t.shards.iter().all(|s| s.cap >= 1));
         }
+    }
+
+    #[test]
+    fn narrow_words_hold_what_wide_ones_do_below_two_to_the_64() {
+        let [wide, narrow] = tables(100, 1);
+        let k = keys(1).next().unwrap();
+        for t in [&wide, &narrow] {
+            t.update(k, |s| put(s, u128::from(u64::MAX)));
+            assert_eq!(t.load(k), u128::from(u64::MAX));
+            // A compare-and-swap against a stale value fails and reports the current one.
+            let stale = t.update(k, |s| s.compare_exchange_weak(7, 8));
+            assert_eq!(stale, Err(u128::from(u64::MAX)));
+        }
+        // Beyond 64 bits a narrow word saturates rather than wrapping.
+        narrow.update(k, |s| put(s, u128::from(u64::MAX) + 5));
+        assert_eq!(narrow.load(k), u128::from(u64::MAX));
+        assert_eq!(std::mem::size_of::<slots::Slot<AtomicU64>>(), 24);
+        assert_eq!(std::mem::size_of::<slots::Slot<AtomicU128>>(), 32);
     }
 }

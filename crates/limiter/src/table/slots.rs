@@ -1,13 +1,13 @@
-//! One shard's open-addressing table: linear probing over 32-byte slots (16-byte key, 16-byte
-//! state), no per-entry heap node and no control bytes: a zero key marks a free slot.
+//! One shard's open-addressing table: linear probing over slots of a 16-byte key and an 8- or
+//! 16-byte state, no per-entry heap node and no control bytes: a zero key marks a free slot.
 //!
 //! Keys are already uniform keyed hashes, so a key's first word picks its home slot directly
 //! (multiply-shift onto any table size, no power-of-two rounding). Capacity grows by doubling
 //! but is clamped to what the shard's cap needs at 7/8 load, so a full table costs
-//! `32 * 8/7 = 36.6` bytes per key instead of a hash map's doubled worst case.
+//! `24 * 8/7 = 27.4` (narrow states) or `32 * 8/7 = 36.6` (wide) bytes per key instead of a hash
+//! map's doubled worst case.
 
-use portable_atomic::AtomicU128;
-use std::sync::atomic::Ordering;
+use super::Cell;
 
 /// The free-slot marker: [`crate::Key`] is never zero.
 const FREE: [u64; 2] = [0, 0];
@@ -18,15 +18,15 @@ const SAMPLES: usize = 5;
 
 /// One entry: the key and its algorithm state.
 #[derive(Debug, Default)]
-pub(crate) struct Slot {
+pub(crate) struct Slot<S> {
     key: [u64; 2],
-    pub(crate) state: AtomicU128,
+    pub(crate) state: S,
 }
 
 /// The slots of one shard.
 #[derive(Debug)]
-pub(crate) struct Slots {
-    slots: Box<[Slot]>,
+pub(crate) struct Slots<S> {
+    slots: Box<[Slot<S>]>,
     len: usize,
     rng: u64,
 }
@@ -36,7 +36,7 @@ pub(crate) fn slots_for(entries: usize) -> usize {
     (entries.saturating_mul(8) / 7 + 1).max(entries + 1)
 }
 
-impl Slots {
+impl<S: Cell> Slots<S> {
     pub(crate) fn new(seed: u64) -> Self {
         Slots {
             slots: Box::default(),
@@ -86,7 +86,7 @@ impl Slots {
         }
     }
 
-    pub(crate) fn slot(&self, i: usize) -> &Slot {
+    pub(crate) fn slot(&self, i: usize) -> &Slot<S> {
         &self.slots[i]
     }
 
@@ -103,7 +103,7 @@ impl Slots {
             i = self.next(i);
         }
         self.slots[i].key = key;
-        *self.slots[i].state.get_mut() = 0;
+        self.slots[i].state.set(0);
         self.len += 1;
         i
     }
@@ -125,14 +125,14 @@ impl Slots {
                 i < home || home <= j
             };
             if !stays {
-                let state = *self.slots[j].state.get_mut();
+                let state = self.slots[j].state.get();
                 self.slots[i].key = key;
-                *self.slots[i].state.get_mut() = state;
+                self.slots[i].state.set(state);
                 i = j;
             }
         }
         self.slots[i].key = FREE;
-        *self.slots[i].state.get_mut() = 0;
+        self.slots[i].state.set(0);
         self.len -= 1;
     }
 
@@ -155,14 +155,14 @@ impl Slots {
             while self.slots[i].key == FREE {
                 i = self.next(i);
             }
-            let e = expiry(*self.slots[i].state.get_mut());
+            let e = expiry(self.slots[i].state.get());
             if e != u64::MAX && !matches!(best, Some((b, _)) if b <= e) {
                 best = Some((e, i));
             }
         }
         if best.is_none() {
             for i in 0..n {
-                let e = expiry(*self.slots[i].state.get_mut());
+                let e = expiry(self.slots[i].state.get());
                 if self.slots[i].key != FREE
                     && e != u64::MAX
                     && !matches!(best, Some((b, _)) if b <= e)
@@ -180,7 +180,7 @@ impl Slots {
         let survivors = self
             .slots
             .iter()
-            .filter(|s| s.key != FREE && keep(s.state.load(Ordering::Relaxed)))
+            .filter(|s| s.key != FREE && keep(s.state.load()))
             .count();
         let removed = self.len - survivors;
         if removed > 0 {
@@ -196,14 +196,14 @@ impl Slots {
 
     /// Moves the kept entries into a fresh array of `size` slots.
     fn rebuild(&mut self, size: usize, keep: impl Fn(u128) -> bool) {
-        let fresh: Box<[Slot]> = (0..size).map(|_| Slot::default()).collect();
+        let fresh: Box<[Slot<S>]> = (0..size).map(|_| Slot::default()).collect();
         let old = std::mem::replace(&mut self.slots, fresh);
         self.len = 0;
         for mut slot in old.into_vec() {
-            let state = *slot.state.get_mut();
+            let state = slot.state.get();
             if slot.key != FREE && keep(state) {
                 let i = self.insert_unchecked(slot.key);
-                *self.slots[i].state.get_mut() = state;
+                self.slots[i].state.set(state);
             }
         }
     }
@@ -220,13 +220,17 @@ impl Slots {
 
     #[cfg(test)]
     fn state(&self, i: usize) -> u128 {
-        self.slots[i].state.load(Ordering::Acquire)
+        self.slots[i].state.load()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use portable_atomic::AtomicU128;
+    use std::sync::atomic::Ordering;
+
+    type Wide = Slots<AtomicU128>;
 
     fn key(i: u64) -> [u64; 2] {
         // Spread like a hash, but crowd homes to exercise wrap-around and shifting.
@@ -235,7 +239,7 @@ mod tests {
 
     #[test]
     fn removal_keeps_every_other_key_findable() {
-        let mut s = Slots::new(7);
+        let mut s = Wide::new(7);
         for i in 0..1000 {
             s.insert(key(i), usize::MAX);
         }
@@ -251,7 +255,7 @@ mod tests {
 
     #[test]
     fn growth_is_clamped_to_the_cap_at_seven_eighths_load() {
-        let mut s = Slots::new(7);
+        let mut s = Wide::new(7);
         let max = slots_for(100);
         for i in 0..100 {
             s.insert(key(i), max);
@@ -262,7 +266,7 @@ mod tests {
 
     #[test]
     fn retain_shrinks_and_keeps_survivors() {
-        let mut s = Slots::new(7);
+        let mut s = Wide::new(7);
         for i in 0..500 {
             let at = s.insert(key(i), usize::MAX);
             s.slot(at).state.store(u128::from(i), Ordering::Relaxed);
@@ -276,7 +280,7 @@ mod tests {
 
     #[test]
     fn victim_is_never_a_pinned_entry() {
-        let mut s = Slots::new(7);
+        let mut s = Wide::new(7);
         for i in 0..50 {
             let at = s.insert(key(i), usize::MAX);
             let pinned = if i == 42 { 0 } else { u128::MAX };
