@@ -35,6 +35,7 @@ struct State {
     release: Semaphore,
     holding: AtomicUsize,
     requests: AtomicUsize,
+    connections: AtomicUsize,
 }
 
 impl MockUpstream {
@@ -48,6 +49,7 @@ impl MockUpstream {
             release: Semaphore::new(0),
             holding: AtomicUsize::new(0),
             requests: AtomicUsize::new(0),
+            connections: AtomicUsize::new(0),
         });
         let st = state.clone();
         let task = tokio::spawn(async move {
@@ -55,6 +57,7 @@ impl MockUpstream {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
+                st.connections.fetch_add(1, Ordering::SeqCst);
                 let st = st.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| serve(st.clone(), req));
@@ -85,6 +88,11 @@ impl MockUpstream {
     /// Requests received so far.
     pub fn requests(&self) -> usize {
         self.state.requests.load(Ordering::SeqCst)
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.state.connections.load(Ordering::SeqCst)
     }
 
     /// Waits (bounded) until `n` requests are held.

@@ -41,6 +41,31 @@ upstream = "app"
 }
 
 #[tokio::test]
+async fn upstream_connections_are_kept_alive_and_reused() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    for _ in 0..20 {
+        assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
+    }
+    assert_eq!(up.connections(), 1, "one after another: one connection");
+    // Eight at once need eight connections (HTTP/1.1 sends one request at a time)...
+    let held: Vec<_> = (0..8)
+        .map(|_| tokio::spawn(get(gw.main, "/api/hold", &[])))
+        .collect();
+    up.wait_holding(8).await;
+    up.release(8);
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    assert_eq!(up.connections(), 8);
+    // ...and all of them are kept for what follows.
+    for _ in 0..20 {
+        assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
+    }
+    assert_eq!(up.connections(), 8, "no new connection once the pool is warm");
+}
+
+#[tokio::test]
 async fn methods_headers_and_bodies_reach_the_upstream() {
     let up = MockUpstream::start().await;
     let gw = Sluice::start(&config(&up.url(), "5s"));

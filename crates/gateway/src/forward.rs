@@ -1,19 +1,21 @@
 //! The forwarding step: rewrite the request for the upstream, send it over a pooled
 //! keep-alive connection, and map failures to 502 / 504. Bodies stream both ways.
 
+use std::collections::VecDeque;
 use std::error::Error as StdError;
 use std::io;
 use std::net::IpAddr;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use http::header::{HeaderName, HeaderValue, HOST};
-use http::uri::{Authority, PathAndQuery, Scheme};
+use http::uri::{Authority, PathAndQuery};
 use http::{HeaderMap, Request, Response, Uri};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
 use sluice_config::Upstream;
+use tokio::net::TcpStream;
 
 use crate::problem::Problem;
 
@@ -24,35 +26,45 @@ static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-prot
 /// are listed in `is_hop_by_hop`.
 const HOP_BY_HOP: [&str; 2] = ["keep-alive", "proxy-connection"];
 
-/// One upstream service and its connection pool.
+/// Connections kept for reuse per upstream; more are closed once their exchange ends.
+const MAX_IDLE: usize = 1024;
+
+/// Pooled connections looked at for a ready one before opening a new connection.
+const CHECKOUT_TRIES: usize = 4;
+
+/// One upstream service and its pool of keep-alive HTTP/1.1 connections.
+///
+/// Not hyper-util's pooled client: a checkout here is a lock and a pop, with no pool key to
+/// hash, no connector service and no task spawned per request to wait for readiness. A
+/// connection goes back to the pool as soon as its response head arrives (HTTP/1.1 cannot
+/// send the next request before the body ends, so a checkout skips connections that are
+/// still busy and opens a new one when none is ready).
 #[derive(Debug)]
 pub(crate) struct UpstreamClient {
-    scheme: Scheme,
     authority: Authority,
     timeout: Duration,
-    client: Client<HttpConnector, Incoming>,
+    connect_timeout: Duration,
+    idle: Mutex<VecDeque<SendRequest<Incoming>>>,
+}
+
+/// Why an exchange failed, before it becomes a problem response.
+enum Failure {
+    ConnectTimeout,
+    Connect(io::Error),
+    Http(hyper::Error),
 }
 
 impl UpstreamClient {
     pub(crate) fn new(u: &Upstream) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(u.connect_timeout));
-        connector.set_nodelay(true);
-        connector.enforce_http(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .timer(TokioTimer::new())
-            .build(connector);
         Self {
-            scheme: u.url.scheme().cloned().unwrap_or(Scheme::HTTP),
             authority: u
                 .url
                 .authority()
                 .cloned()
                 .expect("validated upstream URLs have a host"),
             timeout: u.timeout,
-            client,
+            connect_timeout: u.connect_timeout,
+            idle: Mutex::new(VecDeque::new()),
         }
     }
 
@@ -66,22 +78,89 @@ impl UpstreamClient {
             .path_and_query()
             .cloned()
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
-        *req.uri_mut() = Uri::builder()
-            .scheme(self.scheme.clone())
-            .authority(self.authority.clone())
-            .path_and_query(path)
-            .build()
-            .map_err(|_| Problem::bad_request("The request target cannot be forwarded."))?;
+        *req.uri_mut() = Uri::from(path);
         *req.version_mut() = http::Version::HTTP_11;
-        match tokio::time::timeout(self.timeout, self.client.request(req)).await {
-            Err(_elapsed) => Err(Problem::upstream_timeout()),
+        match tokio::time::timeout(self.timeout, self.exchange(req)).await {
+            Err(_) | Ok(Err(Failure::ConnectTimeout)) => Err(Problem::upstream_timeout()),
             Ok(Ok(res)) => Ok(res),
-            Ok(Err(e)) if caused_by_timeout(&e) => Err(Problem::upstream_timeout()),
-            Ok(Err(e)) => {
+            Ok(Err(Failure::Connect(e))) => {
+                tracing::debug!(upstream = %self.authority, error = %e, "cannot connect to the upstream");
+                Err(Problem::upstream_unavailable())
+            }
+            Ok(Err(Failure::Http(e))) if caused_by_timeout(&e) => Err(Problem::upstream_timeout()),
+            Ok(Err(Failure::Http(e))) => {
                 tracing::debug!(error = %display_chain(&e), "upstream request failed");
                 Err(Problem::upstream_unavailable())
             }
         }
+    }
+
+    async fn exchange(&self, mut req: Request<Incoming>) -> Result<Response<Incoming>, Failure> {
+        loop {
+            let (mut sender, pooled) = match self.checkout() {
+                Some(sender) => (sender, true),
+                None => (self.connect().await?, false),
+            };
+            match sender.try_send_request(req).await {
+                Ok(res) => {
+                    self.checkin(sender);
+                    return Ok(res);
+                }
+                Err(mut e) => match e.take_message() {
+                    // A pooled connection closed under us before anything was sent: the
+                    // request is intact, so it goes out on another connection.
+                    Some(unsent) if pooled => req = unsent,
+                    _ => return Err(Failure::Http(e.into_error())),
+                },
+            }
+        }
+    }
+
+    /// A pooled connection ready for a request, if one is found within a few tries. Closed
+    /// connections are dropped; busy ones (response body still streaming) go to the back.
+    fn checkout(&self) -> Option<SendRequest<Incoming>> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        for _ in 0..CHECKOUT_TRIES {
+            let sender = idle.pop_front()?;
+            if sender.is_ready() {
+                return Some(sender);
+            }
+            if !sender.is_closed() {
+                idle.push_back(sender);
+            }
+        }
+        None
+    }
+
+    fn checkin(&self, sender: SendRequest<Incoming>) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < MAX_IDLE {
+            idle.push_back(sender);
+        }
+    }
+
+    async fn connect(&self) -> Result<SendRequest<Incoming>, Failure> {
+        let addr = (
+            self.authority.host(),
+            self.authority.port_u16().unwrap_or(80),
+        );
+        let stream =
+            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr)).await {
+                Err(_elapsed) => return Err(Failure::ConnectTimeout),
+                Ok(Err(e)) => return Err(Failure::Connect(e)),
+                Ok(Ok(stream)) => stream,
+            };
+        let _ = stream.set_nodelay(true);
+        let (sender, conn) = http1::Builder::new()
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(Failure::Http)?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %display_chain(&e), "upstream connection ended with an error");
+            }
+        });
+        Ok(sender)
     }
 }
 
