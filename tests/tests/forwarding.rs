@@ -62,7 +62,50 @@ async fn upstream_connections_are_kept_alive_and_reused() {
     for _ in 0..20 {
         assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
     }
-    assert_eq!(up.connections(), 8, "no new connection once the pool is warm");
+    assert_eq!(
+        up.connections(),
+        8,
+        "no new connection once the pool is warm"
+    );
+}
+
+/// Listening sockets on `port` in /proc/net/tcp (state 0A), across the whole host.
+fn listening_sockets(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("read /proc/net/tcp");
+    table
+        .lines()
+        .skip(1)
+        .filter(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            fields.get(3) == Some(&"0A")
+                && fields.get(1).and_then(|a| a.rsplit(':').next())
+                    == Some(format!("{port:04X}").as_str())
+        })
+        .count()
+}
+
+#[tokio::test]
+async fn each_thread_listens_on_the_main_address_with_its_own_socket() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start_with_args(&config(&up.url(), "5s"), &["--threads", "3"]);
+    assert_eq!(listening_sockets(gw.main.port()), 3);
+    let names: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", gw.pid()))
+        .expect("list threads")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|n| n.trim().to_owned())
+        .collect();
+    for worker in ["sluice-worker-1", "sluice-worker-2"] {
+        assert!(names.iter().any(|n| n == worker), "{worker} in {names:?}");
+    }
+    // Connections land on any of the sockets; every one is served.
+    let replies: Vec<_> = (0..48)
+        .map(|_| tokio::spawn(get(gw.main, "/api/echo", &[])))
+        .collect();
+    for r in replies {
+        assert_eq!(r.await.unwrap().status, 200);
+    }
+    let single = Sluice::start_with_args(&config(&up.url(), "5s"), &["--threads", "1"]);
+    assert_eq!(listening_sockets(single.main.port()), 1);
 }
 
 #[tokio::test]

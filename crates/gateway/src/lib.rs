@@ -3,7 +3,10 @@
 //! A request walks one way (see `handle`): health -> route -> identify -> quota -> capacity
 //! -> forward -> headers -> log.
 //! [`Gateway::bind`] opens the listeners; [`Gateway::run`] serves until told to stop, then
-//! drains.
+//! drains. [`Gateway::bind_workers`] adds worker threads, each a single-threaded runtime with
+//! its own listening socket on the same address (`SO_REUSEPORT`, the kernel spreads
+//! connections): a request never crosses threads, which costs less than a work-stealing
+//! scheduler's wake-ups.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -64,6 +67,8 @@ pub struct Gateway {
     shared: Arc<Shared>,
     main: TcpListener,
     admin: TcpListener,
+    /// The listening sockets of the worker threads, one each.
+    workers: Vec<std::net::TcpListener>,
     header_timeout: Duration,
     shutdown_grace: Duration,
 }
@@ -88,6 +93,38 @@ impl Gateway {
         };
         let main = bind("gateway.listen", config.gateway.listen).await?;
         let admin = bind("admin.listen", config.admin.listen).await?;
+        Self::with_listeners(config, clock, main, admin, Vec::new()).await
+    }
+
+    /// Like [`bind`](Gateway::bind), and [`run`](Gateway::run) will also serve the main
+    /// address on `extra` more threads, each with its own current-thread runtime and its own
+    /// listening socket (`SO_REUSEPORT`). The admin listener, the sweeper and the store's
+    /// connection stay on the calling runtime, which serves the main address too.
+    pub async fn bind_workers(config: &Config, extra: usize) -> Result<Self, GatewayError> {
+        let err = |what, addr| move |source| GatewayError::Bind { what, addr, source };
+        let listen = config.gateway.listen;
+        let main = reuse_port_listener(listen).map_err(err("gateway.listen", listen))?;
+        // Port 0 picked a port for the first socket: the others share it.
+        let addr = main.local_addr().map_err(err("gateway.listen", listen))?;
+        let workers = (0..extra)
+            .map(|_| reuse_port_listener(addr).map_err(err("gateway.listen", addr)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let main = TcpListener::from_std(main).map_err(err("gateway.listen", listen))?;
+        let admin_addr = config.admin.listen;
+        let admin = TcpListener::bind(admin_addr)
+            .await
+            .map_err(err("admin.listen", admin_addr))?;
+        let clock = Arc::new(SystemClock::new());
+        Self::with_listeners(config, clock, main, admin, workers).await
+    }
+
+    async fn with_listeners(
+        config: &Config,
+        clock: Arc<dyn Clock>,
+        main: TcpListener,
+        admin: TcpListener,
+        workers: Vec<std::net::TcpListener>,
+    ) -> Result<Self, GatewayError> {
         Ok(Self {
             shared: Arc::new(
                 Shared::new(config, clock)
@@ -96,6 +133,7 @@ impl Gateway {
             ),
             main,
             admin,
+            workers,
             header_timeout: config.gateway.header_timeout,
             shutdown_grace: config.gateway.shutdown_grace,
         })
@@ -123,9 +161,25 @@ impl Gateway {
             shared,
             main,
             admin,
+            workers,
             header_timeout,
             shutdown_grace,
         } = self;
+        let (stop_workers, workers_stopped) = watch::channel(false);
+        let workers: Vec<_> = workers
+            .into_iter()
+            .enumerate()
+            .map(|(i, listener)| {
+                let worker = Worker {
+                    shared: shared.clone(),
+                    listener,
+                    header_timeout,
+                    shutdown_grace,
+                    stop: workers_stopped.clone(),
+                };
+                worker.start(i + 1)
+            })
+            .collect();
         let (stop_admin, admin_stopped) = watch::channel(false);
         let admin_task = {
             let shared = shared.clone();
@@ -170,9 +224,13 @@ impl Gateway {
             drain,
         )
         .await;
-        let finished = tokio::time::timeout(shutdown_grace, graceful.shutdown())
+        let _ = stop_workers.send(true);
+        let mut finished = tokio::time::timeout(shutdown_grace, graceful.shutdown())
             .await
             .is_ok();
+        for worker in workers {
+            finished &= worker.await.unwrap_or(false);
+        }
         if !finished {
             tracing::warn!(
                 in_flight = shared.capacity.in_flight(),
@@ -183,6 +241,82 @@ impl Gateway {
         let _ = stop_admin.send(true);
         let _ = admin_task.await;
         finished
+    }
+}
+
+/// A listening socket on `addr` that other sockets may share (`SO_REUSEPORT`).
+fn reuse_port_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    Ok(socket.into())
+}
+
+/// One worker thread's share of the main listener.
+struct Worker {
+    shared: Arc<Shared>,
+    listener: std::net::TcpListener,
+    header_timeout: Duration,
+    shutdown_grace: Duration,
+    stop: watch::Receiver<bool>,
+}
+
+impl Worker {
+    /// Starts the thread; the receiver says whether its connections all finished in time
+    /// after the stop (`false` too if the thread could not run).
+    fn start(self, n: usize) -> tokio::sync::oneshot::Receiver<bool> {
+        let (done, finished) = tokio::sync::oneshot::channel();
+        let spawned = std::thread::Builder::new()
+            .name(format!("sluice-worker-{n}"))
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                let ok = match runtime {
+                    Ok(rt) => rt.block_on(self.serve()),
+                    Err(e) => {
+                        tracing::error!(worker = n, error = %e, "cannot start a worker runtime");
+                        false
+                    }
+                };
+                let _ = done.send(ok);
+            });
+        if let Err(e) = spawned {
+            tracing::error!(worker = n, error = %e, "cannot start a worker thread");
+        }
+        finished
+    }
+
+    async fn serve(self) -> bool {
+        let listener = match TcpListener::from_std(self.listener) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "worker cannot listen");
+                return false;
+            }
+        };
+        let graceful = GracefulShutdown::new();
+        let mut stop = self.stop;
+        let stopped = async move {
+            let _ = stop.wait_for(|stop| *stop).await;
+        };
+        let (shared, timeout) = (self.shared, self.header_timeout);
+        accept_loop(
+            listener,
+            Listener::Main,
+            shared,
+            timeout,
+            &graceful,
+            stopped,
+        )
+        .await;
+        tokio::time::timeout(self.shutdown_grace, graceful.shutdown())
+            .await
+            .is_ok()
     }
 }
 
