@@ -2,272 +2,381 @@
 -- The contract (KEYS, ARGV, reply) is documented in script.rs; the math mirrors
 -- crates/limiter/src/algo/*.rs in microseconds. Every value stays an integer below 2^53
 -- (RemoteLimit::new refuses limits that could exceed it), so doubles are exact.
+--
+-- Redis runs this whole chunk on every EVALSHA, on its only thread, so it is written for what
+-- things cost there (measured with crates/store-redis/examples/evalsha_cost.rs): a closure or
+-- a table costs as much as dozens of arithmetic steps, each field of a table a few more, a
+-- global read a table lookup, a decimal number read or written (strtod, printf) about as much
+-- as a small table, and a write that sets an expiry as much again as one that keeps it. Hence
+-- two functions that branch on the algorithm rather than tables of closures per algorithm,
+-- integer division inline, one table per layer built at once with only the fields it uses,
+-- each layer's parameters and each state in binary (one struct.unpack, one struct.pack), the
+-- reply written once per layer into a table made large enough up front, and expiries moved
+-- only when they fall short.
+
+local call, tonumber, byte, pack, unpack = redis.call, tonumber, string.byte, struct.pack,
+  struct.unpack
+local KEYS, ARGV = KEYS, ARGV
 
 local mode, cost, lease = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local lease_ttl = tonumber(ARGV[4])
 local now
 if ARGV[5] ~= '' then
   now = tonumber(ARGV[5]) -- tests only: a pinned clock
 else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local t = call('TIME')
+  now = t[1] * 1000000 + t[2]
 end
-local BASE, FIELDS = 5, 9
+local BASE = 5 -- ARGV[BASE + i]: layer i's parameters; ARGV[BASE + n + i]: its refund tag
+local write = mode == 'd'
+local n = #KEYS
 
--- floor(a / b) for integers below 2^53, corrected for the rounding of the division.
-local function idiv(a, b)
-  local q = math.floor(a / b)
-  if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
-  return q
-end
-local function cdiv(a, b) local q = idiv(a, b); if q * b < a then q = q + 1 end; return q end
-local function fmt(n) return string.format('%.0f', n) end -- tostring would print 1.7e+15
+-- Integer division, written inline (a call costs more than the arithmetic): floor(a / b) is
+-- (a - a % b) / b and ceil(a / b) is (a + -a % b) / b, Lua's a % b being a - floor(a / b) * b.
+-- Exact for the non-negative integers here: when a + b <= 2^53 the division cannot round to
+-- the next integer, and every dividend and divisor below stays within 2^52 (RemoteLimit::new
+-- checks the limits' products; `now` reaches 2^52 us in the year 2112).
 
-local A = {}
+-- A layer's state is stored as a byte 0 then its fields (below) as little-endian doubles,
+-- written by one struct.pack and read by one struct.unpack: turning numbers into decimal and
+-- back (printf, strtod) costs Redis several times as much. Earlier versions stored the fields
+-- in decimal, separated by spaces, trailing ones possibly left out (read as 0); such a state,
+-- which starts with a digit, is still read.
+--   g  token bucket (GCRA): a = TAT in whole us, b = its fraction in 1/scale us, blk, exp
+--   f  fixed window:        a = window index, b = count, blk, exp
+--   s  sliding window:      a = window index, b = previous count, c = current count, blk, exp
+-- blk is the end of the layer's block (0: none); exp the time until which the key's expiry is
+-- known to keep it (0: unknown). Windows are aligned to multiples of the window since the
+-- epoch.
+-- Each layer also keeps its usage at `now`, from which every figure follows: u is the GCRA
+-- debt (units of 1/scale us), the fixed window's count, the sliding window's current count
+-- (p its previous one, el the time elapsed in its window) or the concurrency leases held.
+-- Its `quota` is the headers' quota and the most one request may cost: a bucket's burst.
 
--- GCRA. The TAT is (w, f): w whole microseconds plus f < scale units of 1/scale us.
-A.g = {}
-function A.g.debt(L, s)
-  if s[1] < now then return 0 end
-  return (s[1] - now) * L.scale + s[2]
-end
-function A.g.eval(L, s)
-  local d = A.g.debt(L, s) + cost * L.interval
-  if d > L.tol then return nil end
-  local whole = idiv(d, L.scale)
-  return { now + whole, d - whole * L.scale, s[3] }, 0
-end
-function A.g.wait(L, s, c)
-  local need = A.g.debt(L, s) + c * L.interval - L.tol
-  if need <= 0 then return 0 end
-  return cdiv(need, L.scale)
-end
-function A.g.remaining(L, s)
-  local room = L.tol - A.g.debt(L, s)
-  if room <= 0 then return 0 end
-  return idiv(room, L.interval)
-end
-function A.g.expiry(L, s) if s[2] > 0 then return s[1] + 1 end return s[1] end
-function A.g.undo(L, s, c)
-  local d = A.g.debt(L, s) - c * L.interval
-  if d <= 0 then return { 0, 0, s[3] } end -- at or before now: a full bucket
-  local whole = idiv(d, L.scale)
-  return { now + whole, d - whole * L.scale, s[3] }
-end
-
--- Fixed window: (index, count), windows aligned to multiples of the window since the epoch.
-A.f = {}
-function A.f.count(L, s) if s[1] == idiv(now, L.window) then return s[2] end return 0 end
-function A.f.eval(L, s)
-  local c = A.f.count(L, s) + cost
-  if c > L.quota then return nil end
-  local index = idiv(now, L.window)
-  return { index, c, s[3] }, index
-end
-function A.f.wait(L, s, c)
-  if A.f.count(L, s) + c <= L.quota then return 0 end
-  return L.window - (now - idiv(now, L.window) * L.window)
-end
-function A.f.remaining(L, s) return math.max(0, L.quota - A.f.count(L, s)) end
-function A.f.expiry(L, s) if s[2] == 0 then return 0 end return (s[1] + 1) * L.window end
-function A.f.undo(L, s, c, tag)
-  if s[1] == tag then return { s[1], math.max(0, s[2] - c), s[3] } end
-  return s
-end
-
--- Sliding window: (index, previous, current); estimate previous * (w - elapsed) + current * w.
-A.s = {}
-function A.s.counts(L, s)
-  local index = idiv(now, L.window)
-  if s[1] == index then return s[2], s[3] end
-  if s[1] + 1 == index then return s[3], 0 end
-  return 0, 0
-end
-function A.s.used(L, p, c)
-  local w = L.window
-  return p * (w - (now - idiv(now, w) * w)) + c * w
-end
-function A.s.eval(L, s)
-  local p, c = A.s.counts(L, s)
-  if A.s.used(L, p, c) + cost * L.window > L.quota * L.window then return nil end
-  local index = idiv(now, L.window)
-  return { index, p, c + cost, s[4] }, index
-end
-function A.s.first_fit(L, weight, room)
-  if weight == 0 then return 0 end
-  return L.window - math.min(idiv(room * L.window, weight), L.window)
-end
-function A.s.wait(L, s, n)
-  local p, c = A.s.counts(L, s)
-  local q, w = L.quota, L.window
-  if A.s.used(L, p, c) + n * w <= q * w then return 0 end
-  local elapsed = now - idiv(now, w) * w
-  if q - c - n >= 0 then
-    local at = A.s.first_fit(L, p, q - c - n)
-    if at < w then return at - elapsed end
+-- A layer's report at its usage: what is left, in requests of cost 1, and the wait until n more
+-- fit: 0 if they fit now, nil if they never will. Without n, the figures after a charge: the
+-- wait for one more than is left, 0 when all is left. (One function for both: a call costs.)
+local function figures(L, n)
+  local algo, u, q, left = L.algo, L.u, L.quota, 0
+  if algo == 'g' then
+    local interval = L.interval
+    local tol = q * interval
+    local room = tol - u
+    if room > 0 then left = (room - room % interval) / interval end
+    if not n then
+      if left >= q then return left, 0 end
+      n = left + 1
+    end
+    local need = u + n * interval - tol
+    if need <= 0 then return left, 0 end
+    local scale = L.scale
+    return left, (need + -need % scale) / scale
+  elseif algo == 's' then
+    -- The estimate is previous * (w - elapsed) + current * w against quota * w.
+    local p, w, el = L.p, L.window, L.el
+    local room = q * w - (p * (w - el) + u * w)
+    if room > 0 then left = (room - room % w) / w end
+    if not n then
+      if left >= q then return left, 0 end
+      n = left + 1
+    end
+    if room >= n * w then return left, 0 end
+    -- First fit: the earliest elapsed time at which `weight` counts leave `room`.
+    room = q - u - n
+    if room >= 0 then
+      local at = 0
+      if p > 0 then at = w - math.min((room * w - room * w % p) / p, w) end
+      if at < w then return left, at - el end
+    end
+    if q - n < 0 then return left, nil end
+    local at = 0
+    if u > 0 then
+      local x = (q - n) * w
+      at = w - math.min((x - x % u) / u, w)
+    end
+    return left, w - el + at
   end
-  if q - n < 0 then return nil end
-  return w - elapsed + math.min(A.s.first_fit(L, c, q - n), w)
-end
-function A.s.remaining(L, s)
-  local p, c = A.s.counts(L, s)
-  local room = L.quota * L.window - A.s.used(L, p, c)
-  if room <= 0 then return 0 end
-  return idiv(room, L.window)
-end
-function A.s.expiry(L, s)
-  local left = 0
-  if s[3] > 0 then left = 2 elseif s[2] > 0 then left = 1 end
-  if left == 0 then return 0 end
-  return (s[1] + left) * L.window
-end
-function A.s.undo(L, s, c, tag)
-  if s[1] == tag then return { s[1], s[2], math.max(0, s[3] - c), s[4] } end
-  if tag + 1 == s[1] then return { s[1], math.max(0, s[2] - c), s[3], s[4] } end
-  return s
+  -- A count against the quota: fixed window and concurrency.
+  if u < q then left = q - u end
+  if not n then
+    if left >= q then return left, 0 end
+    n = left + 1
+  end
+  if algo == 'f' then
+    if u + n <= q then return left, 0 end
+    return left, L.window - L.el
+  end
+  -- Concurrency: one slot per request, whatever its cost.
+  if u < q then return left, 0 end
+  return left, nil
 end
 
--- Concurrency: a ZSET of lease ids scored by expiry; the state is the count of live leases.
-A.c = {}
-function A.c.eval(L, s) if s[1] < L.quota then return { s[1] + 1 }, 0 end return nil end
-function A.c.wait(L, s) if s[1] < L.quota then return 0 end return nil end
-function A.c.remaining(L, s) return math.max(0, L.quota - s[1]) end
+-- Writes a window or bucket state that lives at least until the later of its return to fresh
+-- and its block's end; a state that is already fresh is deleted. Setting an expiry costs
+-- Redis as much again as the write, so a key that already lives long enough keeps its expiry
+-- (SET KEEPTTL): within a window its need does not move, and a bucket's expiry, when it has
+-- to move, is set past the need by the bucket's refill time, at most a second, so that the
+-- next writes of a busy key keep it. A key thus outlives its state by at most that second.
+local function save(L, a, b, c, blk)
+  local algo, fresh = L.algo, 0
+  if algo == 'g' then
+    fresh = a
+    if b > 0 then fresh = a + 1 end
+  elseif algo == 's' and c > 0 then
+    fresh = (a + 2) * L.window
+  elseif b > 0 then
+    fresh = (a + 1) * L.window
+  end
+  local until_ = fresh
+  if blk > until_ then until_ = blk end
+  if until_ <= now then call('DEL', L.key); return end
+  local exp = L.exp
+  if until_ <= exp then
+    if algo == 's' then call('SET', L.key, pack('<Bddddd', 0, a, b, c, blk, exp), 'KEEPTTL')
+    else call('SET', L.key, pack('<Bdddd', 0, a, b, blk, exp), 'KEEPTTL') end
+    return
+  end
+  if algo == 'g' then
+    local tol, scale = L.quota * L.interval, L.scale
+    local slack = (tol - tol % scale) / scale -- the refill time, in whole us
+    if slack > 1000000 then slack = 1000000 end
+    if fresh + slack > until_ then until_ = fresh + slack end
+  end
+  -- The key lives ms after Redis's clock, which is at least `now` (TIME; a clock pinned by tests
+  -- runs ahead of it): through now + ms * 1000.
+  local us = until_ - now
+  local ms = (us + -us % 1000) / 1000
+  exp = now + ms * 1000
+  local v
+  if algo == 's' then v = pack('<Bddddd', 0, a, b, c, blk, exp)
+  else v = pack('<Bdddd', 0, a, b, blk, exp) end
+  call('SET', L.key, v, 'PX', ms)
+end
 
-local layers = {}
-for i = 1, #KEYS do
-  local o = BASE + (i - 1) * FIELDS
-  local L = {
-    key = KEYS[i], algo = ARGV[o + 1], quota = tonumber(ARGV[o + 2]),
-    window = tonumber(ARGV[o + 3]), scale = tonumber(ARGV[o + 4]),
-    interval = tonumber(ARGV[o + 5]), burst = tonumber(ARGV[o + 6]),
-    block = tonumber(ARGV[o + 7]), dry = ARGV[o + 8] == '1', tag = tonumber(ARGV[o + 9]),
-  }
-  L.tol = L.burst * L.interval
-  L.f = A[L.algo]
-  if L.algo == 'c' then
-    L.st = { redis.call('ZCOUNT', L.key, '(' .. fmt(now), '+inf') }
+-- Reads every layer's parameters, state and usage at `now` into one table per layer, built at
+-- once with only the fields its algorithm uses: a table costs more the more fields it has,
+-- and more again when a field added later grows it. A refund reads only the layers it charged.
+-- Also notes, for the enforced layers and the dry-run ones, the first whose capacity is below
+-- the cost (cap_e, cap_d) and whether all are free to take it (fit_e, fit_d).
+local layers, has_dry = { false, false, false, false }, false -- room for four, as `out` below
+local cap_e, cap_d, fit_e, fit_d = nil, nil, true, true
+for i = 1, n do
+  local algo, dry, quota, w, scale, interval = unpack('<c1c1dddd', ARGV[BASE + i])
+  -- fits: whether `cost` fits now, as figures(L, cost) would say with a zero wait (written
+  -- out here, per algorithm, as it is needed for every layer).
+  local key, L, fits = KEYS[i], nil, false
+  dry = dry == '1'
+  has_dry = has_dry or dry
+  if algo == 'c' then
+    local u = 0
+    if mode ~= 'r' then u = call('ZCOUNT', key, string.format('(%.0f', now), '+inf') end
+    L = { key = key, algo = algo, dry = dry, quota = quota, u = u, blk = 0 }
+    fits = u < quota -- one slot per request, whatever its cost
   else
-    local size = (L.algo == 's') and 4 or 3
-    local s, v = {}, redis.call('GET', L.key)
-    if v then for x in string.gmatch(v, '%S+') do s[#s + 1] = tonumber(x) end end
-    for j = #s + 1, size do s[j] = 0 end
-    L.st = s
-    if s[size] > now then L.blocked = s[size] end
+    local a, b, c, blk, exp = 0, 0, 0, 0, 0
+    if mode ~= 'r' or ARGV[BASE + n + i] ~= '-1' then
+      local v = call('GET', key)
+      -- A state of another length, or that does not parse, is another algorithm's (the limit
+      -- was changed) or none: the layer starts fresh.
+      if v and byte(v) == 0 then
+        if algo == 's' then
+          if #v == 41 then a, b, c, blk, exp = unpack('<xddddd', v) end
+        elseif #v == 33 then
+          a, b, blk, exp = unpack('<xdddd', v)
+        end
+      elseif v then
+        -- Written by an earlier version: decimal, a lone number or up to four fields.
+        local x = tonumber(v)
+        if x then
+          a = x
+        else
+          local y, z
+          a, x, y, z = string.match(v, '^(%S+) ?(%S*) ?(%S*) ?(%S*)$')
+          a, b, y, z = tonumber(a) or 0, tonumber(x) or 0, tonumber(y) or 0, tonumber(z) or 0
+          if algo == 's' then c, blk = y, z else blk = y end
+        end
+      end
+    end
+    if algo == 'g' then
+      local u = 0
+      if a >= now then u = (a - now) * scale + b end
+      L = { key = key, algo = algo, dry = dry, quota = quota, u = u, blk = blk, a = a, b = b,
+        scale = scale, interval = interval, exp = exp }
+      fits = u + cost * interval <= quota * interval
+    else
+      local index = (now - now % w) / w
+      local p, u = 0, 0
+      if a == index then
+        if algo == 'f' then u = b else p, u = b, c end
+      elseif algo == 's' and a + 1 == index then
+        p = c
+      end
+      local el = now - index * w
+      L = { key = key, algo = algo, dry = dry, quota = quota, u = u, blk = blk, a = a, b = b,
+        c = c, p = p, window = w, el = el, exp = exp }
+      if algo == 'f' then fits = u + cost <= quota
+      else fits = p * (w - el) + (u + cost) * w <= quota * w end
+    end
   end
   layers[i] = L
-end
-
--- Writes a window or bucket state with an expiry at the later of its return to fresh and its
--- block's end; a state that is already fresh is deleted.
-local function save(L)
-  local s = L.st
-  local until_ = math.max(L.f.expiry(L, s), s[#s])
-  if until_ <= now then redis.call('DEL', L.key); return end
-  local parts = {}
-  for j = 1, #s do parts[j] = fmt(s[j]) end
-  redis.call('SET', L.key, table.concat(parts, ' '), 'PX', cdiv(until_ - now, 1000))
+  if mode ~= 'r' then
+    -- Concurrency has no capacity (one slot per request); a blocked layer refuses.
+    fits = fits and L.blk <= now
+    if dry then
+      if not cap_d and cost > quota and algo ~= 'c' then cap_d = i end
+      fit_d = fit_d and fits
+    else
+      if not cap_e and cost > quota and algo ~= 'c' then cap_e = i end
+      fit_e = fit_e and fits
+    end
+  end
 end
 
 if mode == 'r' then
-  for _, L in ipairs(layers) do
-    if L.tag >= 0 then
-      if L.algo == 'c' then redis.call('ZREM', L.key, lease)
-      else L.st = L.f.undo(L, L.st, cost, L.tag); save(L) end
+  -- Takes back `cost` from each charged layer, in the window it was charged in.
+  for i = 1, n do
+    local L = layers[i]
+    local tag = tonumber(ARGV[BASE + n + i])
+    if tag >= 0 then
+      local algo, a, b, c = L.algo, L.a, L.b, L.c or 0
+      if algo == 'c' then
+        call('ZREM', L.key, lease)
+      else
+        if algo == 'g' then
+          local d, scale = L.u - cost * L.interval, L.scale
+          if d <= 0 then
+            a, b = 0, 0 -- at or before now: a full bucket
+          else
+            b = d % scale
+            a = now + (d - b) / scale
+          end
+        elseif algo == 'f' then
+          if a == tag then b = math.max(0, b - cost) end
+        elseif a == tag then
+          c = math.max(0, c - cost)
+        elseif tag + 1 == a then
+          b = math.max(0, b - cost)
+        end
+        save(L, a, b, c, L.blk)
+      end
     end
   end
   return { 3 }
 end
 
-local function charge(L)
-  if L.algo == 'c' then
-    redis.call('ZREMRANGEBYSCORE', L.key, '-inf', fmt(now))
-    redis.call('ZADD', L.key, fmt(now + lease_ttl), lease)
-    redis.call('PEXPIRE', L.key, cdiv(lease_ttl, 1000))
-  else
-    L.st = L.next; save(L)
-  end
-end
+-- The reply: the header, then 5 per layer. Made with room for four layers, as a table grown
+-- one element at a time is reallocated at every power of two; Redis ends the reply at the
+-- first nil.
+local out = { 1, 0, -1, 0, 0, now, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+out[7 + 5 * n] = nil
 
--- Decides one group of layers, all or nothing. Returns 0 when admitted; 'cap' and the layer
--- when the cost can never fit; else the refusing layer with the longest wait, its wait (or
--- nil) and the end of its block when it refused because of an earlier block.
-local function decide(group, write)
-  for _, L in ipairs(group) do
-    local cap = (L.algo == 'g' and L.burst) or (L.algo ~= 'c' and L.quota) or nil
-    if cap and cost > cap then return 'cap', L end
+-- Decides the enforced layers, all or nothing; then, if they admit and this charges, the
+-- dry-run ones, likewise. Written inline rather than as a function called twice: a function
+-- would be a closure made on every call, with all the locals it uses as upvalues.
+-- A charged layer is reported at once (its group admitted: adm_e, adm_d); a refusing one notes
+-- its own wait (`own`: -1 for never) or its new block (`blk`), and the loop at the end reports
+-- the rest.
+local adm_e, adm_d = false, false
+for pass = 1, 2 do
+  local dry, cap, ok = pass == 2, cap_e, fit_e
+  if dry then
+    if not (has_dry and write and out[1] == 1) then break end
+    cap, ok = cap_d, fit_d
   end
-  local ok = true
-  for _, L in ipairs(group) do
-    if L.blocked then ok = false; break end
-    L.next, L.charge_tag = L.f.eval(L, L.st)
-    if not L.next then ok = false; break end
-  end
-  if ok then
-    for _, L in ipairs(group) do
-      L.admitted = true
-      if write then charge(L); L.charged = true end
-    end
-    return 0
-  end
-  local worst, wrank, wwait, wreason = nil, -1, nil, 0
-  for _, L in ipairs(group) do
-    local wait, reason, refuses = nil, 0, true
-    if L.blocked then
-      wait, reason = L.blocked - now, L.blocked
-    elseif L.f.eval(L, L.st) then
-      refuses = false
-    else
-      wait = L.f.wait(L, L.st, cost)
-      if L.block > 0 and write then
-        -- The block covers the counters' wait too, so its end is a real retry time.
-        local until_ = now + math.max(L.block, wait or 0)
-        L.st[#L.st] = math.max(L.st[#L.st], until_)
-        save(L)
-        L.new_block = until_
-        wait = until_ - now
+  if cap then
+    -- The cost can never fit that layer: nothing is charged, nobody refuses.
+    if not dry then return { 2, cap, -1, 0, 0, now } end
+    out[5] = cap
+  elseif ok then
+    -- Charges every layer (when writing) and reports the figures after the charge, with the
+    -- charge's window index for a refund (-1: nothing written).
+    for i = 1, n do
+      local L = layers[i]
+      if L.dry == dry then
+        local algo, tag = L.algo, 0
+        if algo == 'c' then
+          L.u = L.u + 1
+          if write then
+            local ttl = tonumber(ARGV[4])
+            call('ZREMRANGEBYSCORE', L.key, '-inf', now)
+            call('ZADD', L.key, now + ttl, lease)
+            call('PEXPIRE', L.key, (ttl + -ttl % 1000) / 1000)
+          end
+        elseif algo == 'g' then
+          local d, scale = L.u + cost * L.interval, L.scale
+          L.u = d
+          if write then
+            local frac = d % scale
+            save(L, now + (d - frac) / scale, frac, 0, L.blk)
+          end
+        else
+          local w = L.window
+          tag = (now - now % w) / w
+          L.u = L.u + cost
+          if write then
+            if algo == 'f' then save(L, tag, L.u, 0, L.blk) else save(L, tag, L.p, L.u, L.blk) end
+          end
+        end
+        if not write then tag = -1 end
+        local left, reset = figures(L)
+        local o = 1 + 5 * i
+        out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = left, reset or -1, tag, -2, 0
       end
     end
-    if refuses then
-      L.own_wait = wait or -1
-      local rank = wait and wait + 1 or 0
-      if rank > wrank then worst, wrank, wwait, wreason = L, rank, wait, reason end
+    if dry then adm_d = true else adm_e = true end
+  else
+    -- Refused: the refusing layer with the longest wait (nil: never, the shortest) is named,
+    -- with the end of its block when it refused because of an earlier block.
+    local worst, wrank, wwait, wreason = 0, -1, nil, 0
+    for i = 1, n do
+      local L = layers[i]
+      if L.dry == dry then
+        local blk, w, reason = L.blk, nil, 0
+        if blk > now then
+          w, reason = blk - now, blk
+        else
+          local _
+          _, w = figures(L, cost)
+          -- Concurrency limits have no `block_for` (theirs is 0), a dry-run check none.
+          local block = 0
+          if w ~= 0 and write then
+            block = select(7, unpack('<c1c1ddddd', ARGV[BASE + i]))
+          end
+          if block > 0 then
+            -- The block covers the counters' wait too, so its end is a real retry time.
+            local until_ = now + math.max(block, w or 0)
+            L.blk = until_ -- later than the old block, which has ended
+            save(L, L.a, L.b, L.c or 0, until_)
+            w = until_ - now
+          end
+        end
+        if w ~= 0 then
+          L.own = w or -1
+          local rank = w and w + 1 or 0
+          if rank > wrank then worst, wrank, wwait, wreason = i, rank, w, reason end
+        end
+      end
+    end
+    if dry then
+      out[5] = worst
+    else
+      out[1], out[2], out[3], out[4] = 0, worst, wwait or -1, wreason
     end
   end
-  return worst, wwait, wreason
 end
 
-local enforced, dry = {}, {}
-for i, L in ipairs(layers) do
-  L.index = i
-  if L.dry then dry[#dry + 1] = L else enforced[#enforced + 1] = L end
-end
-
-local write = mode == 'd'
-local out = { 1, 0, -1, 0, 0, now }
-local r, wait, reason = decide(enforced, write)
-if r == 'cap' then
-  return { 2, wait.index, -1, 0, 0, now }
-elseif r ~= 0 then
-  out[1], out[2], out[3], out[4] = 0, r.index, wait or -1, reason
-elseif write and #dry > 0 then
-  local d, dl = decide(dry, true)
-  if d == 'cap' then out[5] = dl.index elseif d ~= 0 then out[5] = d.index end
-end
-
-for _, L in ipairs(layers) do
-  local remaining, reset, blocked = 0, -1, L.new_block or L.blocked or 0
-  if L.admitted then
-    remaining = L.f.remaining(L, L.next)
-    if remaining >= ((L.algo == 'g') and L.burst or L.quota) then reset = 0
-    else reset = L.f.wait(L, L.next, remaining + 1) or -1 end
-  elseif blocked > 0 then
-    reset = blocked - now
-  else
-    remaining, reset = L.f.remaining(L, L.st), L.f.wait(L, L.st, cost) or -1
-  end
-  local tag = L.charged and L.charge_tag or -1
-  for _, v in ipairs({ remaining, reset, tag, L.own_wait or -2, blocked }) do
-    out[#out + 1] = v
+-- Every layer not charged: what is left and when `cost` fits, or its block, and its own wait
+-- if it refuses.
+for i = 1, n do
+  local L = layers[i]
+  local dry = L.dry
+  if not (dry and adm_d or not dry and adm_e) then
+    local o, blk, own = 1 + 5 * i, L.blk, L.own or -2
+    if blk > now then
+      out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = 0, blk - now, -1, own, blk
+    else
+      local left, w = figures(L, cost)
+      out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = left, w or -1, -1, own, 0
+    end
   end
 end
 return out

@@ -38,12 +38,29 @@ pub struct RemoteLimit {
     /// Key prefix: `sluice:<name>:`.
     prefix: String,
     pub(crate) code: &'static str,
-    pub(crate) window_us: u64,
-    pub(crate) block_us: u64,
     /// GCRA: units per microsecond, emission interval in units, bucket size.
     pub(crate) scale: u64,
     pub(crate) interval: u64,
     pub(crate) burst: u32,
+    /// The script's argument for this limit's parameters, enforced (`[0]`) or dry-run (`[1]`):
+    /// see [`spec`].
+    pub(crate) spec: [Vec<u8>; 2],
+}
+
+/// A layer's parameters as the script reads them with one `struct.unpack('<c1c1ddddd', ..)`:
+/// the algorithm's letter, `1` for a dry-run layer (else `0`), then as little-endian doubles
+/// (exact: all are below 2^53) the quota advertised (a token bucket's burst, also the most one
+/// request may cost), the window, the GCRA scale and interval, and `block_for` (0: none), times
+/// in microseconds.
+fn spec(code: &str, dry_run: bool, quota: u32, window_us: u64, rest: [u64; 3]) -> Vec<u8> {
+    let [scale, interval, block_us] = rest;
+    let mut out = Vec::with_capacity(2 + 5 * 8);
+    out.extend_from_slice(code.as_bytes());
+    out.push(if dry_run { b'1' } else { b'0' });
+    for v in [u64::from(quota), window_us, scale, interval, block_us] {
+        out.extend_from_slice(&(v as f64).to_le_bytes());
+    }
+    out
 }
 
 fn micros(name: &str, what: &'static str, d: Duration) -> Result<u64, LimitTooLarge> {
@@ -101,15 +118,16 @@ impl RemoteLimit {
             }
             Algorithm::Concurrency => "c",
         };
+        let advertised = if code == "g" { burst } else { quota };
+        let rest = [scale, interval, block_us];
         Ok(RemoteLimit {
             limit: limit.clone(),
             prefix: format!("sluice:{name}:"),
             code,
-            window_us,
-            block_us,
             scale,
             interval,
             burst,
+            spec: [false, true].map(|dry| spec(code, dry, advertised, window_us, rest)),
         })
     }
 

@@ -2,7 +2,8 @@
 //!
 //! `EVALSHA <sha> <n> KEYS... ARGV...` with one key per layer, `sluice:<limit>:<hex>`.
 //!
-//! ARGV (all decimal strings; times in microseconds since the Unix epoch):
+//! ARGV (decimal strings, but for the layers' parameters; times in microseconds since the Unix
+//! epoch):
 //!
 //! | # | value |
 //! |---|-------|
@@ -12,9 +13,13 @@
 //! | 4 | lease TTL |
 //! | 5 | `now` pinned by tests, or empty: the script reads Redis `TIME` |
 //!
-//! then 9 per layer, in KEYS order: algorithm (`g` token bucket, `f` fixed window, `s` sliding
-//! window, `c` concurrency), quota, window, GCRA scale (units per us), GCRA interval (units),
-//! burst, `block_for` (0: none), dry-run (`1`/`0`), refund tag (`-1`: not charged).
+//! then one per layer, in KEYS order: its parameters, one binary string read with a single
+//! `struct.unpack` (cheaper in Redis than parsing several decimal arguments): the algorithm
+//! (`g` token bucket, `f` fixed window, `s` sliding window, `c` concurrency) and dry-run (`1`/`0`)
+//! as one byte each, then five little-endian doubles: the quota advertised (a token bucket's
+//! burst, the most one request may cost), the window, the GCRA scale (units per us), the GCRA
+//! interval (units) and `block_for` (0: none). [`RemoteLimit`](crate::RemoteLimit) computes both
+//! forms once. In refund mode only, then one per layer: its refund tag (`-1`: not charged).
 //!
 //! Reply (integers): `[outcome, layer, wait, blocked_until, dry_refused, now]` then 5 per layer:
 //! `[remaining, reset, tag, own_wait, blocked_until]`.
@@ -25,8 +30,17 @@
 //!   earlier block (`RefusalReason::Blocked`); dry_refused: 1-based dry-run layer, 0 none;
 //! - tag: the charge's window index for a refund, -1 if this layer was not charged.
 //!
-//! Keys: window and bucket states are strings of space-separated integers, the last one the
-//! block's end, written with `PX` until the later of their return to fresh and that end.
+//! Keys: a window or bucket state is a byte 0 then its fields as little-endian doubles (one
+//! `struct.pack`): token bucket `[TAT in whole us, its fraction in 1/scale us, block end, exp]`,
+//! fixed window `[window index, count, block end, exp]`, sliding window `[window index, previous
+//! count, current count, block end, exp]`; block end 0 for none. States written by earlier
+//! versions (decimal integers separated by spaces, a missing trailing field read as 0) are still
+//! read; those versions read this form as a fresh state, so while both run beside each other a
+//! caller's state written by one is ignored by the other. A state lives at least until the later of its return to fresh and its block's end (it
+//! is deleted once fresh); `exp` is the time until which its key's expiry is known to keep it.
+//! A write that needs no later expiry keeps the key's (`SET .. KEEPTTL`, half the cost of
+//! setting one); otherwise it sets `PX`, for a bucket past the need by its refill time (at most
+//! 1 s) so that a busy key's next writes keep it. A key may so outlive its state by up to 1 s.
 //! Concurrency keys are ZSETs of lease ids scored by expiry, trimmed when charged, `PEXPIRE`d
 //! by the lease TTL.
 
@@ -64,18 +78,13 @@ pub(crate) fn invocation(
         .arg(lease.0)
         .arg(lease.1.as_micros().to_string())
         .arg(now);
-    for (i, layer) in layers.iter().enumerate() {
-        let l = layer.limit;
-        let tag = tags.and_then(|t| t[i]).map_or(-1, |t| t as i64);
-        cmd.arg(l.code)
-            .arg(l.limit().quota().get())
-            .arg(l.window_us)
-            .arg(l.scale)
-            .arg(l.interval)
-            .arg(l.burst)
-            .arg(l.block_us)
-            .arg(if layer.dry_run { "1" } else { "0" })
-            .arg(tag);
+    for layer in layers {
+        cmd.arg(&layer.limit.spec[usize::from(layer.dry_run)][..]);
+    }
+    if let Some(tags) = tags {
+        for tag in tags {
+            cmd.arg(tag.map_or(-1, |t| t as i64));
+        }
     }
 }
 
