@@ -36,8 +36,9 @@
 //! count, current count, block end, exp]`; block end 0 for none. States written by earlier
 //! versions (decimal integers separated by spaces, a missing trailing field read as 0) are still
 //! read; those versions read this form as a fresh state, so while both run beside each other a
-//! caller's state written by one is ignored by the other. A state lives at least until the later of its return to fresh and its block's end (it
-//! is deleted once fresh); `exp` is the time until which its key's expiry is known to keep it.
+//! caller's state written by one is ignored by the other. A state lives at least until the
+//! later of its return to fresh and its block's end (it is deleted once fresh); `exp` is the
+//! time until which its key's expiry is known to keep it.
 //! A write that needs no later expiry keeps the key's (`SET .. KEEPTTL`, half the cost of
 //! setting one); otherwise it sets `PX`, for a bucket past the need by its refill time (at most
 //! 1 s) so that a busy key's next writes keep it. A key may so outlive its state by up to 1 s.
