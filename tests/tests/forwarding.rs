@@ -43,7 +43,8 @@ upstream = "app"
 #[tokio::test]
 async fn upstream_connections_are_kept_alive_and_reused() {
     let up = MockUpstream::start().await;
-    let gw = Sluice::start(&config(&up.url(), "5s"));
+    // One serving thread: with more, each keeps its own connections (as nginx workers do).
+    let gw = Sluice::start_with_args(&config(&up.url(), "5s"), &["--threads", "1"]);
     for _ in 0..20 {
         assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
     }

@@ -1,6 +1,7 @@
 //! The forwarding step: rewrite the request for the upstream, send it over a pooled
 //! keep-alive connection, and map failures to 502 / 504. Bodies stream both ways.
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::error::Error as StdError;
 use std::io;
@@ -32,7 +33,23 @@ const MAX_IDLE: usize = 1024;
 /// Pooled connections looked at for a ready one before opening a new connection.
 const CHECKOUT_TRIES: usize = 4;
 
-/// One upstream service and its pool of keep-alive HTTP/1.1 connections.
+/// Pools per upstream: one per serving thread (threads beyond this share).
+const POOLS: usize = 64;
+
+thread_local! {
+    /// Which pool this thread uses: a connection's I/O runs on the runtime that opened it, so
+    /// each serving thread keeps its own connections and a request never waits on another
+    /// thread's runtime (nor on one that is shutting down).
+    static POOL: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Makes the calling thread use pool `n` (the serving thread's number).
+pub(crate) fn use_pool(n: usize) {
+    POOL.with(|p| p.set(n % POOLS));
+}
+
+/// One upstream service and its pools of keep-alive HTTP/1.1 connections, one per serving
+/// thread.
 ///
 /// Not hyper-util's pooled client: a checkout here is a lock and a pop, with no pool key to
 /// hash, no connector service and no task spawned per request to wait for readiness. A
@@ -44,7 +61,7 @@ pub(crate) struct UpstreamClient {
     authority: Authority,
     timeout: Duration,
     connect_timeout: Duration,
-    idle: Mutex<VecDeque<SendRequest<Incoming>>>,
+    idle: Box<[Mutex<VecDeque<SendRequest<Incoming>>>]>,
 }
 
 /// Why an exchange failed, before it becomes a problem response.
@@ -64,7 +81,7 @@ impl UpstreamClient {
                 .expect("validated upstream URLs have a host"),
             timeout: u.timeout,
             connect_timeout: u.connect_timeout,
-            idle: Mutex::new(VecDeque::new()),
+            idle: (0..POOLS).map(|_| Mutex::default()).collect(),
         }
     }
 
@@ -119,7 +136,7 @@ impl UpstreamClient {
     /// A pooled connection ready for a request, if one is found within a few tries. Closed
     /// connections are dropped; busy ones (response body still streaming) go to the back.
     fn checkout(&self) -> Option<SendRequest<Incoming>> {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut idle = self.pool().lock().unwrap_or_else(|e| e.into_inner());
         for _ in 0..CHECKOUT_TRIES {
             let sender = idle.pop_front()?;
             if sender.is_ready() {
@@ -132,8 +149,13 @@ impl UpstreamClient {
         None
     }
 
+    /// This thread's pool.
+    fn pool(&self) -> &Mutex<VecDeque<SendRequest<Incoming>>> {
+        &self.idle[POOL.with(Cell::get)]
+    }
+
     fn checkin(&self, sender: SendRequest<Incoming>) {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut idle = self.pool().lock().unwrap_or_else(|e| e.into_inner());
         if idle.len() < MAX_IDLE {
             idle.push_back(sender);
         }

@@ -273,6 +273,7 @@ impl Worker {
         let spawned = std::thread::Builder::new()
             .name(format!("sluice-worker-{n}"))
             .spawn(move || {
+                forward::use_pool(n);
                 let runtime = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build();
