@@ -149,6 +149,16 @@ async fn main() {
         figures[0],
         figures[figures.len() - 1]
     );
+    // A clean exit, so that a profiler wrapped around redis-server writes its results.
+    if let Ok(mut admin) = redis::Client::open(url.as_str()).and_then(|c| c.get_connection()) {
+        let _: redis::RedisResult<()> = redis::cmd("SHUTDOWN").arg("NOSAVE").query(&mut admin);
+    }
+    for _ in 0..500 {
+        if let Ok(Some(_)) = server.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let _ = server.kill();
     let _ = server.wait();
 }
