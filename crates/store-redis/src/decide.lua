@@ -1,34 +1,27 @@
--- sluice: one all-or-nothing decision over every (limit, key) layer of a request.
+-- sluice: all-or-nothing decisions, each over every (limit, key) layer of one request. One
+-- EVALSHA carries one request or several (the store sends together the requests that wait at
+-- the same moment): they are decided in order, each as if alone, at one reading of Redis TIME,
+-- and each key is read at most once and written at most once per EVALSHA.
 -- The contract (KEYS, ARGV, reply) is documented in script.rs; the math mirrors
 -- crates/limiter/src/algo/*.rs in microseconds. Every value stays an integer below 2^53
 -- (RemoteLimit::new refuses limits that could exceed it), so doubles are exact.
 --
 -- Redis runs this whole chunk on every EVALSHA, on its only thread, so it is written for what
--- things cost there (measured with crates/store-redis/examples/evalsha_cost.rs): a closure or
--- a table costs as much as dozens of arithmetic steps, each field of a table a few more, a
--- global read a table lookup, a decimal number read or written (strtod, printf) about as much
--- as a small table, and a write that sets an expiry as much again as one that keeps it. Hence
--- two functions that branch on the algorithm rather than tables of closures per algorithm,
--- integer division inline, one table per layer built at once with only the fields it uses,
--- each layer's parameters and each state in binary (one struct.unpack, one struct.pack), the
--- reply written once per layer into a table made large enough up front, and expiries moved
--- only when they fall short.
+-- things cost there (measured with crates/store-redis/examples/evalsha_cost.rs and callgrind):
+-- a redis.call costs thousands of instructions (a write about three times a read), a table a
+-- thousand and more with each named field, a closure or a decimal number read or written
+-- (strtod, printf) hundreds. Hence one read and one write per key per EVALSHA, whatever the
+-- number of requests sharing it, a single reading of the clock, two functions that branch on
+-- the algorithm rather than tables of closures per algorithm, integer division inline, one
+-- table per layer built at once with only the fields it uses, each layer's parameters and each
+-- state in binary (one struct.unpack, one struct.pack), and expiries moved only when they fall
+-- short.
 
 local call, tonumber, byte, pack, unpack = redis.call, tonumber, string.byte, struct.pack,
   struct.unpack
 local KEYS, ARGV = KEYS, ARGV
-
-local mode, cost, lease = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local now
-if ARGV[5] ~= '' then
-  now = tonumber(ARGV[5]) -- tests only: a pinned clock
-else
-  local t = call('TIME')
-  now = t[1] * 1000000 + t[2]
-end
-local BASE = 5 -- ARGV[BASE + i]: layer i's parameters; ARGV[BASE + n + i]: its refund tag
-local write = mode == 'd'
-local n = #KEYS
+local lease_ttl = tonumber(ARGV[1])
+local clock -- Redis TIME in us, read when a request first needs it
 
 -- Integer division, written inline (a call costs more than the arithmetic): floor(a / b) is
 -- (a - a % b) / b and ceil(a / b) is (a + -a % b) / b, Lua's a % b being a - floor(a / b) * b.
@@ -110,13 +103,59 @@ local function figures(L, n)
   return left, nil
 end
 
+-- The states of this EVALSHA's keys, each read on first use and written back once at the end
+-- (`flush`): key -> { a, b, c, blk, exp, L, now }, L being the last layer that changed it
+-- (false: none) and now that request's clock; an array rather than named fields, as a table's
+-- named fields cost Redis several times as much to make. `dirty` lists the changed ones in
+-- the order they were first changed.
+local entries, dirty = {}, {}
+
+-- A key's state: its fields (see above), 0 for a fresh one. A state of another length, or that
+-- does not parse, is another algorithm's (the limit was changed) or none: it starts fresh.
+local function entry(key, algo)
+  local e = entries[key]
+  if e then return e end
+  local a, b, c, blk, exp = 0, 0, 0, 0, 0
+  local v = call('GET', key)
+  if v and byte(v) == 0 then
+    if algo == 's' then
+      if #v == 41 then a, b, c, blk, exp = unpack('<xddddd', v) end
+    elseif #v == 33 then
+      a, b, blk, exp = unpack('<xdddd', v)
+    end
+  elseif v then
+    -- Written by an earlier version: decimal, a lone number or up to four fields.
+    local x = tonumber(v)
+    if x then
+      a = x
+    else
+      local y, z
+      a, x, y, z = string.match(v, '^(%S+) ?(%S*) ?(%S*) ?(%S*)$')
+      a, b, y, z = tonumber(a) or 0, tonumber(x) or 0, tonumber(y) or 0, tonumber(z) or 0
+      if algo == 's' then c, blk = y, z else blk = y end
+    end
+  end
+  e = { a, b, c, blk, exp, false, 0 }
+  entries[key] = e
+  return e
+end
+
+-- Records layer L's new state at `now`, to be written by `flush`.
+local function save(L, a, b, c, blk, now)
+  local e = entries[L.key]
+  e[1], e[2], e[3], e[4] = a, b, c, blk
+  if not e[6] then dirty[#dirty + 1] = e end
+  e[6], e[7] = L, now
+end
+
 -- Writes a window or bucket state that lives at least until the later of its return to fresh
 -- and its block's end; a state that is already fresh is deleted. Setting an expiry costs
 -- Redis as much again as the write, so a key that already lives long enough keeps its expiry
 -- (SET KEEPTTL): within a window its need does not move, and a bucket's expiry, when it has
 -- to move, is set past the need by the bucket's refill time, at most a second, so that the
 -- next writes of a busy key keep it. A key thus outlives its state by at most that second.
-local function save(L, a, b, c, blk)
+local function flush(e)
+  local a, b, c, blk, exp, L, now = e[1], e[2], e[3], e[4], e[5], e[6], e[7]
   local algo, fresh = L.algo, 0
   if algo == 'g' then
     fresh = a
@@ -129,7 +168,6 @@ local function save(L, a, b, c, blk)
   local until_ = fresh
   if blk > until_ then until_ = blk end
   if until_ <= now then call('DEL', L.key); return end
-  local exp = L.exp
   if until_ <= exp then
     if algo == 's' then call('SET', L.key, pack('<Bddddd', 0, a, b, c, blk, exp), 'KEEPTTL')
     else call('SET', L.key, pack('<Bdddd', 0, a, b, blk, exp), 'KEEPTTL') end
@@ -152,231 +190,240 @@ local function save(L, a, b, c, blk)
   call('SET', L.key, v, 'PX', ms)
 end
 
--- Reads every layer's parameters, state and usage at `now` into one table per layer, built at
--- once with only the fields its algorithm uses: a table costs more the more fields it has,
--- and more again when a field added later grows it. A refund reads only the layers it charged.
--- Also notes, for the enforced layers and the dry-run ones, the first whose capacity is below
--- the cost (cap_e, cap_d) and whether all are free to take it (fit_e, fit_d).
-local layers, has_dry = { false, false, false, false }, false -- room for four, as `out` below
-local cap_e, cap_d, fit_e, fit_d = nil, nil, true, true
-for i = 1, n do
-  local algo, dry, quota, w, scale, interval = unpack('<c1c1dddd', ARGV[BASE + i])
-  -- fits: whether `cost` fits now, as figures(L, cost) would say with a zero wait (written
-  -- out here, per algorithm, as it is needed for every layer).
-  local key, L, fits = KEYS[i], nil, false
-  dry = dry == '1'
-  has_dry = has_dry or dry
-  if algo == 'c' then
-    local u = 0
-    if mode ~= 'r' then u = call('ZCOUNT', key, string.format('(%.0f', now), '+inf') end
-    L = { key = key, algo = algo, dry = dry, quota = quota, u = u, blk = 0 }
-    fits = u < quota -- one slot per request, whatever its cost
+-- Decides the request whose arguments start at ARGV[p] and whose keys follow KEYS[k]:
+-- ARGV[p .. p + 4] = mode, cost, lease id, pinned clock (or empty), layers n; then each
+-- layer's parameters; in refund mode, then each layer's refund tag. Returns its reply, n, and
+-- the position of the next request's arguments.
+local function decide(k, p)
+  local mode, cost, lease, pinned, n = ARGV[p], tonumber(ARGV[p + 1]), ARGV[p + 2], ARGV[p + 3],
+    tonumber(ARGV[p + 4])
+  local specs = p + 4 -- ARGV[specs + i]: layer i's parameters
+  local tags = specs + n -- ARGV[tags + i]: in refund mode, layer i's refund tag
+  local now
+  if pinned ~= '' then
+    now = tonumber(pinned) -- tests only: a pinned clock
   else
-    local a, b, c, blk, exp = 0, 0, 0, 0, 0
-    if mode ~= 'r' or ARGV[BASE + n + i] ~= '-1' then
-      local v = call('GET', key)
-      -- A state of another length, or that does not parse, is another algorithm's (the limit
-      -- was changed) or none: the layer starts fresh.
-      if v and byte(v) == 0 then
-        if algo == 's' then
-          if #v == 41 then a, b, c, blk, exp = unpack('<xddddd', v) end
-        elseif #v == 33 then
-          a, b, blk, exp = unpack('<xdddd', v)
-        end
-      elseif v then
-        -- Written by an earlier version: decimal, a lone number or up to four fields.
-        local x = tonumber(v)
-        if x then
-          a = x
-        else
-          local y, z
-          a, x, y, z = string.match(v, '^(%S+) ?(%S*) ?(%S*) ?(%S*)$')
-          a, b, y, z = tonumber(a) or 0, tonumber(x) or 0, tonumber(y) or 0, tonumber(z) or 0
-          if algo == 's' then c, blk = y, z else blk = y end
-        end
-      end
+    if not clock then
+      local t = call('TIME')
+      clock = t[1] * 1000000 + t[2]
     end
-    if algo == 'g' then
-      local u = 0
-      if a >= now then u = (a - now) * scale + b end
-      L = { key = key, algo = algo, dry = dry, quota = quota, u = u, blk = blk, a = a, b = b,
-        scale = scale, interval = interval, exp = exp }
-      fits = u + cost * interval <= quota * interval
-    else
-      local index = (now - now % w) / w
-      local p, u = 0, 0
-      if a == index then
-        if algo == 'f' then u = b else p, u = b, c end
-      elseif algo == 's' and a + 1 == index then
-        p = c
-      end
-      local el = now - index * w
-      L = { key = key, algo = algo, dry = dry, quota = quota, u = u, blk = blk, a = a, b = b,
-        c = c, p = p, window = w, el = el, exp = exp }
-      if algo == 'f' then fits = u + cost <= quota
-      else fits = p * (w - el) + (u + cost) * w <= quota * w end
-    end
+    now = clock
   end
-  layers[i] = L
-  if mode ~= 'r' then
-    -- Concurrency has no capacity (one slot per request); a blocked layer refuses.
-    fits = fits and L.blk <= now
-    if dry then
-      if not cap_d and cost > quota and algo ~= 'c' then cap_d = i end
-      fit_d = fit_d and fits
-    else
-      if not cap_e and cost > quota and algo ~= 'c' then cap_e = i end
-      fit_e = fit_e and fits
-    end
-  end
-end
+  local write = mode == 'd'
 
-if mode == 'r' then
-  -- Takes back `cost` from each charged layer, in the window it was charged in.
+  local layers, has_dry = { false, false, false, false }, false -- room for four, as `out` below
+  local cap_e, cap_d, fit_e, fit_d = nil, nil, true, true
+  for i = 1, n do
+    local algo, dry, quota, w, scale, interval = unpack('<c1c1dddd', ARGV[specs + i])
+    -- fits: whether `cost` fits now, as figures(L, cost) would say with a zero wait (written
+    -- out here, per algorithm, as it is needed for every layer).
+    local key, L, fits = KEYS[k + i], nil, false
+    dry = dry == '1'
+    has_dry = has_dry or dry
+    if algo == 'c' then
+      local u = 0
+      if mode ~= 'r' then u = call('ZCOUNT', key, string.format('(%.0f', now), '+inf') end
+      L = { key = key, algo = algo, dry = dry, quota = quota, u = u, blk = 0 }
+      fits = u < quota -- one slot per request, whatever its cost
+    else
+      local a, b, c, blk = 0, 0, 0, 0
+      if mode ~= 'r' or ARGV[tags + i] ~= '-1' then
+        local e = entry(key, algo)
+        a, b, c, blk = e[1], e[2], e[3], e[4]
+      end
+      if algo == 'g' then
+        local u = 0
+        if a >= now then u = (a - now) * scale + b end
+        L = { key = key, algo = algo, dry = dry, quota = quota, u = u, blk = blk, a = a, b = b,
+          scale = scale, interval = interval }
+        fits = u + cost * interval <= quota * interval
+      else
+        local index = (now - now % w) / w
+        local p, u = 0, 0
+        if a == index then
+          if algo == 'f' then u = b else p, u = b, c end
+        elseif algo == 's' and a + 1 == index then
+          p = c
+        end
+        local el = now - index * w
+        L = { key = key, algo = algo, dry = dry, quota = quota, u = u, blk = blk, a = a, b = b,
+          c = c, p = p, window = w, el = el }
+        if algo == 'f' then fits = u + cost <= quota
+        else fits = p * (w - el) + (u + cost) * w <= quota * w end
+      end
+    end
+    layers[i] = L
+    if mode ~= 'r' then
+      -- Concurrency has no capacity (one slot per request); a blocked layer refuses.
+      fits = fits and L.blk <= now
+      if dry then
+        if not cap_d and cost > quota and algo ~= 'c' then cap_d = i end
+        fit_d = fit_d and fits
+      else
+        if not cap_e and cost > quota and algo ~= 'c' then cap_e = i end
+        fit_e = fit_e and fits
+      end
+    end
+  end
+
+  if mode == 'r' then
+    -- Takes back `cost` from each charged layer, in the window it was charged in.
+    for i = 1, n do
+      local L = layers[i]
+      local tag = tonumber(ARGV[tags + i])
+      if tag >= 0 then
+        local algo, a, b, c = L.algo, L.a, L.b, L.c or 0
+        if algo == 'c' then
+          call('ZREM', L.key, lease)
+        else
+          if algo == 'g' then
+            local d, scale = L.u - cost * L.interval, L.scale
+            if d <= 0 then
+              a, b = 0, 0 -- at or before now: a full bucket
+            else
+              b = d % scale
+              a = now + (d - b) / scale
+            end
+          elseif algo == 'f' then
+            if a == tag then b = math.max(0, b - cost) end
+          elseif a == tag then
+            c = math.max(0, c - cost)
+          elseif tag + 1 == a then
+            b = math.max(0, b - cost)
+          end
+          save(L, a, b, c, L.blk, now)
+        end
+      end
+    end
+    return { 3 }, n, tags + n + 1
+  end
+
+  -- The reply: the header, then 5 per layer. Made with room for four layers, as a table grown
+  -- one element at a time is reallocated at every power of two; Redis ends the reply at the
+  -- first nil.
+  local out = { 1, 0, -1, 0, 0, now, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+  out[7 + 5 * n] = nil
+
+  -- Decides the enforced layers, all or nothing; then, if they admit and this charges, the
+  -- dry-run ones, likewise. Written inline rather than as a function called twice: a function
+  -- would be a closure made on every call, with all the locals it uses as upvalues.
+  -- A charged layer is reported at once (its group admitted: adm_e, adm_d); a refusing one notes
+  -- its own wait (`own`: -1 for never) or its new block (`blk`), and the loop at the end reports
+  -- the rest.
+  local adm_e, adm_d = false, false
+  for pass = 1, 2 do
+    local dry, cap, ok = pass == 2, cap_e, fit_e
+    if dry then
+      if not (has_dry and write and out[1] == 1) then break end
+      cap, ok = cap_d, fit_d
+    end
+    if cap then
+      -- The cost can never fit that layer: nothing is charged, nobody refuses.
+      if not dry then return { 2, cap, -1, 0, 0, now }, n, tags + 1 end
+      out[5] = cap
+    elseif ok then
+      -- Charges every layer (when writing) and reports the figures after the charge, with the
+      -- charge's window index for a refund (-1: nothing written).
+      for i = 1, n do
+        local L = layers[i]
+        if L.dry == dry then
+          local algo, tag = L.algo, 0
+          if algo == 'c' then
+            L.u = L.u + 1
+            if write then
+              local ttl = lease_ttl
+              call('ZREMRANGEBYSCORE', L.key, '-inf', now)
+              call('ZADD', L.key, now + ttl, lease)
+              call('PEXPIRE', L.key, (ttl + -ttl % 1000) / 1000)
+            end
+          elseif algo == 'g' then
+            local d, scale = L.u + cost * L.interval, L.scale
+            L.u = d
+            if write then
+              local frac = d % scale
+              save(L, now + (d - frac) / scale, frac, 0, L.blk, now)
+            end
+          else
+            local w = L.window
+            tag = (now - now % w) / w
+            L.u = L.u + cost
+            if write then
+              if algo == 'f' then save(L, tag, L.u, 0, L.blk, now)
+              else save(L, tag, L.p, L.u, L.blk, now) end
+            end
+          end
+          if not write then tag = -1 end
+          local left, reset = figures(L)
+          local o = 1 + 5 * i
+          out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = left, reset or -1, tag, -2, 0
+        end
+      end
+      if dry then adm_d = true else adm_e = true end
+    else
+      -- Refused: the refusing layer with the longest wait (nil: never, the shortest) is named,
+      -- with the end of its block when it refused because of an earlier block.
+      local worst, wrank, wwait, wreason = 0, -1, nil, 0
+      for i = 1, n do
+        local L = layers[i]
+        if L.dry == dry then
+          local blk, w, reason = L.blk, nil, 0
+          if blk > now then
+            w, reason = blk - now, blk
+          else
+            local _
+            _, w = figures(L, cost)
+            -- Concurrency limits have no `block_for` (theirs is 0), a dry-run check none.
+            local block = 0
+            if w ~= 0 and write then
+              block = select(7, unpack('<c1c1ddddd', ARGV[specs + i]))
+            end
+            if block > 0 then
+              -- The block covers the counters' wait too, so its end is a real retry time.
+              local until_ = now + math.max(block, w or 0)
+              L.blk = until_ -- later than the old block, which has ended
+              save(L, L.a, L.b, L.c or 0, until_, now)
+              w = until_ - now
+            end
+          end
+          if w ~= 0 then
+            L.own = w or -1
+            local rank = w and w + 1 or 0
+            if rank > wrank then worst, wrank, wwait, wreason = i, rank, w, reason end
+          end
+        end
+      end
+      if dry then
+        out[5] = worst
+      else
+        out[1], out[2], out[3], out[4] = 0, worst, wwait or -1, wreason
+      end
+    end
+  end
+
+  -- Every layer not charged: what is left and when `cost` fits, or its block, and its own wait
+  -- if it refuses.
   for i = 1, n do
     local L = layers[i]
-    local tag = tonumber(ARGV[BASE + n + i])
-    if tag >= 0 then
-      local algo, a, b, c = L.algo, L.a, L.b, L.c or 0
-      if algo == 'c' then
-        call('ZREM', L.key, lease)
+    local dry = L.dry
+    if not (dry and adm_d or not dry and adm_e) then
+      local o, blk, own = 1 + 5 * i, L.blk, L.own or -2
+      if blk > now then
+        out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = 0, blk - now, -1, own, blk
       else
-        if algo == 'g' then
-          local d, scale = L.u - cost * L.interval, L.scale
-          if d <= 0 then
-            a, b = 0, 0 -- at or before now: a full bucket
-          else
-            b = d % scale
-            a = now + (d - b) / scale
-          end
-        elseif algo == 'f' then
-          if a == tag then b = math.max(0, b - cost) end
-        elseif a == tag then
-          c = math.max(0, c - cost)
-        elseif tag + 1 == a then
-          b = math.max(0, b - cost)
-        end
-        save(L, a, b, c, L.blk)
+        local left, w = figures(L, cost)
+        out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = left, w or -1, -1, own, 0
       end
     end
   end
-  return { 3 }
+  return out, n, tags + 1
 end
 
--- The reply: the header, then 5 per layer. Made with room for four layers, as a table grown
--- one element at a time is reallocated at every power of two; Redis ends the reply at the
--- first nil.
-local out = { 1, 0, -1, 0, 0, now, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
-out[7 + 5 * n] = nil
-
--- Decides the enforced layers, all or nothing; then, if they admit and this charges, the
--- dry-run ones, likewise. Written inline rather than as a function called twice: a function
--- would be a closure made on every call, with all the locals it uses as upvalues.
--- A charged layer is reported at once (its group admitted: adm_e, adm_d); a refusing one notes
--- its own wait (`own`: -1 for never) or its new block (`blk`), and the loop at the end reports
--- the rest.
-local adm_e, adm_d = false, false
-for pass = 1, 2 do
-  local dry, cap, ok = pass == 2, cap_e, fit_e
-  if dry then
-    if not (has_dry and write and out[1] == 1) then break end
-    cap, ok = cap_d, fit_d
-  end
-  if cap then
-    -- The cost can never fit that layer: nothing is charged, nobody refuses.
-    if not dry then return { 2, cap, -1, 0, 0, now } end
-    out[5] = cap
-  elseif ok then
-    -- Charges every layer (when writing) and reports the figures after the charge, with the
-    -- charge's window index for a refund (-1: nothing written).
-    for i = 1, n do
-      local L = layers[i]
-      if L.dry == dry then
-        local algo, tag = L.algo, 0
-        if algo == 'c' then
-          L.u = L.u + 1
-          if write then
-            local ttl = tonumber(ARGV[4])
-            call('ZREMRANGEBYSCORE', L.key, '-inf', now)
-            call('ZADD', L.key, now + ttl, lease)
-            call('PEXPIRE', L.key, (ttl + -ttl % 1000) / 1000)
-          end
-        elseif algo == 'g' then
-          local d, scale = L.u + cost * L.interval, L.scale
-          L.u = d
-          if write then
-            local frac = d % scale
-            save(L, now + (d - frac) / scale, frac, 0, L.blk)
-          end
-        else
-          local w = L.window
-          tag = (now - now % w) / w
-          L.u = L.u + cost
-          if write then
-            if algo == 'f' then save(L, tag, L.u, 0, L.blk) else save(L, tag, L.p, L.u, L.blk) end
-          end
-        end
-        if not write then tag = -1 end
-        local left, reset = figures(L)
-        local o = 1 + 5 * i
-        out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = left, reset or -1, tag, -2, 0
-      end
-    end
-    if dry then adm_d = true else adm_e = true end
-  else
-    -- Refused: the refusing layer with the longest wait (nil: never, the shortest) is named,
-    -- with the end of its block when it refused because of an earlier block.
-    local worst, wrank, wwait, wreason = 0, -1, nil, 0
-    for i = 1, n do
-      local L = layers[i]
-      if L.dry == dry then
-        local blk, w, reason = L.blk, nil, 0
-        if blk > now then
-          w, reason = blk - now, blk
-        else
-          local _
-          _, w = figures(L, cost)
-          -- Concurrency limits have no `block_for` (theirs is 0), a dry-run check none.
-          local block = 0
-          if w ~= 0 and write then
-            block = select(7, unpack('<c1c1ddddd', ARGV[BASE + i]))
-          end
-          if block > 0 then
-            -- The block covers the counters' wait too, so its end is a real retry time.
-            local until_ = now + math.max(block, w or 0)
-            L.blk = until_ -- later than the old block, which has ended
-            save(L, L.a, L.b, L.c or 0, until_)
-            w = until_ - now
-          end
-        end
-        if w ~= 0 then
-          L.own = w or -1
-          local rank = w and w + 1 or 0
-          if rank > wrank then worst, wrank, wwait, wreason = i, rank, w, reason end
-        end
-      end
-    end
-    if dry then
-      out[5] = worst
-    else
-      out[1], out[2], out[3], out[4] = 0, worst, wwait or -1, wreason
-    end
-  end
+-- Every request in order, one reply each; then every changed key is written once.
+local reply, k, p = {}, 0, 3
+for q = 1, tonumber(ARGV[2]) do
+  local n
+  reply[q], n, p = decide(k, p)
+  k = k + n
 end
-
--- Every layer not charged: what is left and when `cost` fits, or its block, and its own wait
--- if it refuses.
-for i = 1, n do
-  local L = layers[i]
-  local dry = L.dry
-  if not (dry and adm_d or not dry and adm_e) then
-    local o, blk, own = 1 + 5 * i, L.blk, L.own or -2
-    if blk > now then
-      out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = 0, blk - now, -1, own, blk
-    else
-      local left, w = figures(L, cost)
-      out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = left, w or -1, -1, own, 0
-    end
-  end
-end
-return out
+for i = 1, #dirty do flush(dirty[i]) end
+return reply

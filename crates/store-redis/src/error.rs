@@ -19,3 +19,18 @@ pub enum StoreError {
     #[error("invalid layers: {0}")]
     Layers(&'static str),
 }
+
+impl StoreError {
+    /// The same failure, for another request of the same call (a Redis error's kind and
+    /// message are kept; `RedisError` cannot be cloned).
+    pub(crate) fn share(&self) -> StoreError {
+        match self {
+            StoreError::Timeout(d) => StoreError::Timeout(*d),
+            StoreError::Redis(e) => {
+                StoreError::Redis(redis::RedisError::from((e.kind(), "redis", e.to_string())))
+            }
+            StoreError::Reply(s) => StoreError::Reply(s.clone()),
+            StoreError::Layers(s) => StoreError::Layers(s),
+        }
+    }
+}

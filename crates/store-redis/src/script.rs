@@ -1,17 +1,19 @@
 //! The decision script's contract: what goes in, what comes back.
 //!
-//! `EVALSHA <sha> <n> KEYS... ARGV...` with one key per layer, `sluice:<limit>:<hex>`.
+//! One `EVALSHA <sha> <numkeys> KEYS... ARGV...` decides one request or several, in order: the
+//! store sends together the requests that are waiting at the same moment (see `store.rs`).
+//! KEYS are every request's keys in turn, one per layer, `sluice:<limit>:<hex>`.
 //!
 //! ARGV (decimal strings, but for the layers' parameters; times in microseconds since the Unix
-//! epoch):
+//! epoch): `[lease TTL, number of requests]`, then for each request:
 //!
 //! | # | value |
 //! |---|-------|
 //! | 1 | mode: `d` decide and charge, `c` check only (nothing written), `r` refund |
 //! | 2 | cost |
 //! | 3 | lease id (the ZSET member of concurrency layers; empty if none) |
-//! | 4 | lease TTL |
-//! | 5 | `now` pinned by tests, or empty: the script reads Redis `TIME` |
+//! | 4 | `now` pinned by tests, or empty: the script reads Redis `TIME` (once per call) |
+//! | 5 | n, its number of layers (and of its keys) |
 //!
 //! then one per layer, in KEYS order: its parameters, one binary string read with a single
 //! `struct.unpack` (cheaper in Redis than parsing several decimal arguments): the algorithm
@@ -21,14 +23,20 @@
 //! interval (units) and `block_for` (0: none). [`RemoteLimit`](crate::RemoteLimit) computes both
 //! forms once. In refund mode only, then one per layer: its refund tag (`-1`: not charged).
 //!
-//! Reply (integers): `[outcome, layer, wait, blocked_until, dry_refused, now]` then 5 per layer:
+//! Reply: an array with one array of integers per request, in order:
+//! `[outcome, layer, wait, blocked_until, dry_refused, now]` then 5 per layer:
 //! `[remaining, reset, tag, own_wait, blocked_until]`.
-//! - outcome: 1 admitted, 0 refused, 2 cost too large, 3 refunded (refund mode: nothing else);
+//! - outcome: 1 admitted, 0 refused, 2 cost too large (the header only), 3 refunded (refund
+//!   mode: nothing else);
 //! - layer: 1-based refusing layer (the longest wait) or the layer whose capacity is too small;
 //! - wait / reset: -1 for none; own_wait: -2 not refusing, -1 refusing without a wait;
 //! - blocked_until: 0 for none; in the header, non-zero when the refusal is due to an
 //!   earlier block (`RefusalReason::Blocked`); dry_refused: 1-based dry-run layer, 0 none;
 //! - tag: the charge's window index for a refund, -1 if this layer was not charged.
+//!
+//! Requests in one call are decided as if each had its own, in order: a later one sees the
+//! earlier ones' charges. Each key is read once (`GET`) when first needed and written once at
+//! the end of the call, whatever the number of requests sharing it.
 //!
 //! Keys: a window or bucket state is a byte 0 then its fields as little-endian doubles (one
 //! `struct.pack`): token bucket `[TAT in whole us, its fraction in 1/scale us, block end, exp]`,
@@ -59,34 +67,81 @@ pub(crate) const SOURCE: &str = include_str!("decide.lua");
 const HEADER: usize = 6;
 const PER_LAYER: usize = 5;
 
-/// Builds `EVALSHA`'s keys and arguments.
-pub(crate) fn invocation(
-    cmd: &mut redis::Cmd,
-    layers: &[Layer<'_>],
-    mode: &str,
-    cost: u32,
-    lease: (&str, Duration),
-    now: Option<Nanos>,
-    tags: Option<&[Option<u64>]>,
-) {
-    cmd.arg(layers.len());
-    for layer in layers {
-        cmd.arg(layer.limit.key_name(layer.key));
+/// One request's part of an `EVALSHA`: its keys and its arguments (see the module's doc).
+#[derive(Debug, Default)]
+pub(crate) struct Part {
+    pub(crate) keys: Vec<String>,
+    /// The arguments, one after the other; `ends[i]` is where argument `i` ends.
+    args: Vec<u8>,
+    ends: Vec<usize>,
+}
+
+impl Part {
+    /// A request's part: its layers' keys, mode, cost, lease, pinned clock, parameters and,
+    /// when refunding, the charges' tags.
+    pub(crate) fn new(
+        layers: &[Layer<'_>],
+        mode: &str,
+        cost: u32,
+        lease: &str,
+        now: Option<Nanos>,
+        tags: Option<&[Option<u64>]>,
+    ) -> Self {
+        let mut part = Part {
+            keys: layers.iter().map(|l| l.limit.key_name(l.key)).collect(),
+            args: Vec::with_capacity(64 + 42 * layers.len()),
+            ends: Vec::with_capacity(5 + 2 * layers.len()),
+        };
+        part.arg(mode.as_bytes());
+        part.arg(cost.to_string().as_bytes());
+        part.arg(lease.as_bytes());
+        match now {
+            Some(now) => part.arg((now.0 / 1_000).to_string().as_bytes()),
+            None => part.arg(b""),
+        }
+        part.arg(layers.len().to_string().as_bytes());
+        for layer in layers {
+            part.arg(&layer.limit.spec[usize::from(layer.dry_run)]);
+        }
+        for tag in tags.unwrap_or_default() {
+            part.arg(tag.map_or(-1, |t| t as i64).to_string().as_bytes());
+        }
+        part
     }
-    let now = now.map(|n| (n.0 / 1_000).to_string()).unwrap_or_default();
-    cmd.arg(mode)
-        .arg(cost)
-        .arg(lease.0)
-        .arg(lease.1.as_micros().to_string())
-        .arg(now);
-    for layer in layers {
-        cmd.arg(&layer.limit.spec[usize::from(layer.dry_run)][..]);
+
+    fn arg(&mut self, bytes: &[u8]) {
+        self.args.extend_from_slice(bytes);
+        self.ends.push(self.args.len());
     }
-    if let Some(tags) = tags {
-        for tag in tags {
-            cmd.arg(tag.map_or(-1, |t| t as i64));
+
+    fn args(&self) -> impl Iterator<Item = &[u8]> {
+        let starts = std::iter::once(0).chain(self.ends.iter().copied());
+        starts.zip(&self.ends).map(|(s, &e)| &self.args[s..e])
+    }
+}
+
+/// Builds the `EVALSHA` of `parts`, decided in that order.
+pub(crate) fn invocation<'a>(
+    sha: &str,
+    lease_ttl: Duration,
+    parts: impl Iterator<Item = &'a Part> + Clone,
+) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(sha);
+    cmd.arg(parts.clone().map(|p| p.keys.len()).sum::<usize>());
+    for part in parts.clone() {
+        for key in &part.keys {
+            cmd.arg(key);
         }
     }
+    cmd.arg(lease_ttl.as_micros().to_string())
+        .arg(parts.clone().count());
+    for part in parts {
+        for arg in part.args() {
+            cmd.arg(arg);
+        }
+    }
+    cmd
 }
 
 fn micros(v: i64) -> Option<Duration> {

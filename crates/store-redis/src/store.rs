@@ -1,5 +1,12 @@
 //! The store: a multiplexed, reconnecting connection, the script's SHA, and the calls that
 //! use them, each bounded by the store's timeout.
+//!
+//! Decisions and refunds go through one task, the batcher: it takes every request waiting at
+//! that moment (up to [`MAX_BATCH`]) into one `EVALSHA`, sends it without waiting for the
+//! previous ones to answer, and hands each request its part of the reply. A request alone
+//! still costs one round trip; under load, requests share them, and Redis reads and writes
+//! each key once per call instead of once per request. Nothing waits for a batch to fill: a
+//! request that arrives while Redis is idle is sent at once.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -7,9 +14,15 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use sluice_limiter::{Key, Nanos};
+use tokio::sync::{mpsc, oneshot};
 
 use crate::decision::{Lease, RemoteDecision};
+use crate::script::Part;
 use crate::{script, RemoteAdmission, RemoteLimit, StoreError};
+
+/// The most requests one `EVALSHA` carries: it bounds the time Redis spends in one call (a few
+/// milliseconds at most) and the size of its arguments.
+pub(crate) const MAX_BATCH: usize = 64;
 
 /// How the store talks to Redis.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,7 +89,8 @@ impl<'a> Layer<'a> {
     }
 }
 
-/// A Redis-backed decision store. Cheap to clone: clones share one multiplexed connection.
+/// A Redis-backed decision store. Cheap to clone: clones share one multiplexed connection
+/// and one batcher.
 #[derive(Clone)]
 pub struct RedisStore {
     conn: ConnectionManager,
@@ -85,6 +99,14 @@ pub struct RedisStore {
     /// Lease ids: this store's random prefix and a counter.
     instance: u64,
     leases: Arc<AtomicU64>,
+    /// To the batcher (see the module's doc); it stops when every clone is dropped.
+    calls: mpsc::UnboundedSender<Call>,
+}
+
+/// A request waiting for its part of an `EVALSHA`.
+struct Call {
+    part: Part,
+    reply: oneshot::Sender<Result<Vec<i64>, StoreError>>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -112,12 +134,16 @@ impl RedisStore {
         let (conn, sha) = tokio::time::timeout(options.connect_timeout, start)
             .await
             .map_err(|_| StoreError::Timeout(options.connect_timeout))??;
+        let sha: Arc<str> = Arc::from(sha);
+        let (calls, queue) = mpsc::unbounded_channel();
+        tokio::spawn(batcher(conn.clone(), Arc::clone(&sha), options, queue));
         Ok(RedisStore {
             conn,
-            sha: Arc::from(sha),
+            sha,
             options,
             instance: rand::random(),
             leases: Arc::new(AtomicU64::new(0)),
+            calls,
         })
     }
 
@@ -159,11 +185,9 @@ impl RedisStore {
             String::new()
         };
         let code = if mode == Mode::Charge { "d" } else { "c" };
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&*self.sha);
-        let lease = (lease_id.as_str(), self.options.lease_ttl);
-        script::invocation(&mut cmd, layers, code, cost, lease, now, None);
-        let reply = self.eval(&cmd).await?;
+        let reply = self
+            .call(Part::new(layers, code, cost, &lease_id, now, None))
+            .await?;
         let mut decision = script::decision(&reply, layers, cost)?;
         if let RemoteDecision::Admitted(a) = &mut decision {
             let keys: Vec<String> = layers
@@ -206,12 +230,9 @@ impl RedisStore {
             lease.store = None; // the refund removes it; no release on drop
             lease_id = std::mem::take(&mut lease.id);
         }
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&*self.sha);
-        let lease = (lease_id.as_str(), self.options.lease_ttl);
         let tags = Some(admission.tags.as_slice());
-        script::invocation(&mut cmd, layers, "r", admission.cost, lease, None, tags);
-        match self.eval(&cmd).await?.first() {
+        let part = Part::new(layers, "r", admission.cost, &lease_id, None, tags);
+        match self.call(part).await?.first() {
             Some(3) => Ok(()),
             _ => Err(StoreError::Reply("refund not confirmed".into())),
         }
@@ -231,22 +252,79 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Runs `cmd` (an `EVALSHA`), loading the script again if Redis lost it (`NOSCRIPT`, e.g.
-    /// after a restart or `SCRIPT FLUSH`), all within the timeout.
-    async fn eval(&self, cmd: &redis::Cmd) -> Result<Vec<i64>, StoreError> {
-        let call = async {
-            let mut conn = self.conn.clone();
-            match cmd.query_async(&mut conn).await {
-                Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
-                    load(&mut conn).await?;
-                    Ok(cmd.query_async(&mut conn).await?)
-                }
-                other => Ok(other?),
-            }
-        };
-        tokio::time::timeout(self.options.timeout, call)
+    /// Has the batcher decide `part` in the next `EVALSHA`, within the timeout.
+    async fn call(&self, part: Part) -> Result<Vec<i64>, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let stopped = || StoreError::Reply("the store's batcher has stopped".into());
+        self.calls
+            .send(Call { part, reply })
+            .map_err(|_| stopped())?;
+        tokio::time::timeout(self.options.timeout, answer)
             .await
             .map_err(|_| StoreError::Timeout(self.options.timeout))?
+            .map_err(|_| stopped())?
+    }
+}
+
+/// The batcher: takes the requests waiting at that moment into one `EVALSHA` and sends it,
+/// without waiting for the answer to the previous one, until every store clone is dropped.
+async fn batcher(
+    conn: ConnectionManager,
+    sha: Arc<str>,
+    options: StoreOptions,
+    mut queue: mpsc::UnboundedReceiver<Call>,
+) {
+    let mut waiting = Vec::with_capacity(MAX_BATCH);
+    while queue.recv_many(&mut waiting, MAX_BATCH).await > 0 {
+        let batch = std::mem::replace(&mut waiting, Vec::with_capacity(MAX_BATCH));
+        tokio::spawn(send(conn.clone(), Arc::clone(&sha), options, batch));
+    }
+}
+
+/// Sends one batch and answers each of its requests.
+async fn send(mut conn: ConnectionManager, sha: Arc<str>, options: StoreOptions, batch: Vec<Call>) {
+    // A request whose caller stopped waiting (timed out or dropped) is left out.
+    let batch: Vec<Call> = batch.into_iter().filter(|c| !c.reply.is_closed()).collect();
+    if batch.is_empty() {
+        return;
+    }
+    let cmd = script::invocation(&sha, options.lease_ttl, batch.iter().map(|c| &c.part));
+    let call = eval(&mut conn, &cmd);
+    let result = match tokio::time::timeout(options.timeout, call).await {
+        Ok(result) => result,
+        Err(_) => Err(StoreError::Timeout(options.timeout)),
+    };
+    let replies = result.and_then(|replies| match replies.len() == batch.len() {
+        true => Ok(replies),
+        false => Err(StoreError::Reply(format!(
+            "{} replies for {} requests",
+            replies.len(),
+            batch.len()
+        ))),
+    });
+    match replies {
+        Ok(replies) => {
+            for (call, reply) in batch.into_iter().zip(replies) {
+                let _ = call.reply.send(Ok(reply));
+            }
+        }
+        Err(e) => {
+            for call in batch {
+                let _ = call.reply.send(Err(e.share()));
+            }
+        }
+    }
+}
+
+/// Runs `cmd` (an `EVALSHA`), loading the script again if Redis lost it (`NOSCRIPT`, e.g.
+/// after a restart or `SCRIPT FLUSH`).
+async fn eval(conn: &mut ConnectionManager, cmd: &redis::Cmd) -> Result<Vec<Vec<i64>>, StoreError> {
+    match cmd.query_async(conn).await {
+        Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
+            load(conn).await?;
+            Ok(cmd.query_async(conn).await?)
+        }
+        other => Ok(other?),
     }
 }
 

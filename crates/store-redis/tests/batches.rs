@@ -1,0 +1,255 @@
+//! Requests waiting at the same moment share one `EVALSHA`: each key is read and written once
+//! per call, and every request is decided exactly as it would have been alone, in order.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use sluice_limiter::RefusalReason;
+use sluice_store_redis::{Layer, Mode, RedisStore, RemoteDecision, RemoteLimit};
+
+const SECOND: Duration = Duration::from_secs(1);
+
+/// `calls` of one command in `INFO commandstats` (0 if never called); the commands a script
+/// runs are counted too.
+async fn calls(server: &RedisServer, command: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut server.admin().await)
+        .await
+        .unwrap();
+    let prefix = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+#[tokio::test]
+async fn requests_sent_together_share_one_evalsha_that_reads_and_writes_each_key_once() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limits = [
+        remote(&fixed("fixed", 20, SECOND)),
+        remote(&sliding("sliding", 20, SECOND)),
+        remote(&bucket("bucket", 20, SECOND, 20)),
+    ];
+    let k = key("everyone");
+    let layers: Vec<_> = limits.iter().map(|l| Layer::enforced(l, k)).collect();
+    // Thirty decisions started in the same poll: all are waiting when the batcher runs.
+    let decisions = futures_join_all(
+        (0..30)
+            .map(|_| Box::pin(store.decide_at(&layers, 1, Mode::Charge, at(0))))
+            .collect(),
+    )
+    .await;
+    let admitted: Vec<bool> = decisions
+        .iter()
+        .map(|d| d.as_ref().unwrap().is_admitted())
+        .collect();
+    let expected: Vec<bool> = (0..30).map(|i| i < 20).collect();
+    assert_eq!(admitted, expected, "in order: the first 20 pass");
+    assert_eq!(calls(&server, "evalsha").await, 1);
+    assert_eq!(calls(&server, "get").await, 3, "each key read once");
+    assert_eq!(calls(&server, "set").await, 3, "each key written once");
+    // And the state written is the state after all thirty.
+    let alone = store
+        .decide_at(&layers, 1, Mode::CheckOnly, at(0))
+        .await
+        .unwrap();
+    let RemoteDecision::Refused(refusal) = alone else {
+        panic!("the quota is spent: {alone:?}")
+    };
+    assert!(refusal.reports.iter().all(|r| r.remaining == 0));
+}
+
+/// Polls every future in turn until all are done, so that they all send before any answer
+/// comes (what `futures::future::join_all` does, without the dependency).
+async fn futures_join_all<F: std::future::Future + Unpin>(mut futures: Vec<F>) -> Vec<F::Output> {
+    let mut out: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in futures.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match std::pin::Pin::new(&mut *f).poll(cx) {
+                    std::task::Poll::Ready(v) => *o = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().map(Option::unwrap).collect()
+}
+
+/// Everything a decision reports except its lease id.
+fn summary(d: &RemoteDecision) -> String {
+    match d {
+        RemoteDecision::Admitted(a) => format!(
+            "admitted {:?} dry-run refused {:?} at {:?} leases {}",
+            a.reports,
+            a.dry_run_refused,
+            a.now,
+            a.lease.as_ref().map_or(0, |l| l.id().len().min(1))
+        ),
+        RemoteDecision::Refused(r) => format!(
+            "refused by {} wait {:?} reason {:?} {:?} at {:?}",
+            r.layer, r.wait, r.reason, r.reports, r.now
+        ),
+        RemoteDecision::CostTooLarge { layer } => format!("too large for {layer}"),
+    }
+}
+
+/// The same five limits under names starting with `prefix`, so two families share no key.
+fn family(prefix: &str) -> Vec<RemoteLimit> {
+    let name = |n: &str| format!("{prefix}-{n}");
+    let blocking = bucket(&name("blocking"), 2, SECOND, 2).with_block_for(SECOND / 2);
+    [
+        fixed(&name("fixed"), 5, SECOND),
+        sliding(&name("sliding"), 6, SECOND),
+        bucket(&name("bucket"), 4, SECOND, 3),
+        blocking.unwrap(),
+        concurrency(&name("conc"), 3),
+    ]
+    .iter()
+    .map(remote)
+    .collect()
+}
+
+/// A request: its limits (positions in a family), caller, cost, mode, and whether its layers
+/// after the first are dry-run.
+type Shape = (Vec<usize>, sluice_limiter::Key, u32, Mode, bool);
+
+fn layers_of<'a>(family: &'a [RemoteLimit], shapes: &[Shape]) -> Vec<Vec<Layer<'a>>> {
+    let layers = shapes.iter().map(|(picked, caller, _, _, dry)| {
+        let layers = picked
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| match *dry && i > 0 {
+                true => Layer::dry_run(&family[l], *caller),
+                false => Layer::enforced(&family[l], *caller),
+            });
+        layers.collect()
+    });
+    layers.collect()
+}
+
+#[tokio::test]
+async fn a_batch_decides_every_request_as_it_would_alone_in_order() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let (batched, alone) = (family("batched"), family("alone"));
+    let callers = [key("a"), key("b"), key("c")];
+    let mut rng = Rng(0x5eed_ba7c);
+    let (mut now_us, mut batches, mut requests) = (0, 0, 0);
+    // Admissions are kept to the end so that concurrency leases stay held on both sides.
+    let mut held = Vec::new();
+    let mut seen = [0; 4];
+    for step in 0..60 {
+        now_us += rng.below(400_000);
+        // A batch of 1-12 requests, each with 1-3 distinct limits, a caller, a cost, a mode.
+        let mut shapes: Vec<Shape> = Vec::new();
+        for _ in 0..=rng.below(12) {
+            let mut picked: Vec<usize> = Vec::new();
+            for _ in 0..=rng.below(3) {
+                let l = rng.below(batched.len() as u64) as usize;
+                if !picked.contains(&l) {
+                    picked.push(l);
+                }
+            }
+            let caller = callers[rng.below(3) as usize];
+            let cost = rng.below(4) as u32;
+            let mode = match rng.below(5) {
+                0 => Mode::CheckOnly,
+                _ => Mode::Charge,
+            };
+            let dry = rng.below(6) == 0;
+            shapes.push((picked, caller, cost, mode, dry));
+        }
+        let (ours, theirs) = (layers_of(&batched, &shapes), layers_of(&alone, &shapes));
+        let together = futures_join_all(
+            ours.iter()
+                .zip(&shapes)
+                .map(|(layers, (_, _, cost, mode, _))| {
+                    Box::pin(store.decide_at(layers, *cost, *mode, at(now_us)))
+                })
+                .collect(),
+        )
+        .await;
+        for (i, (layers, (_, _, cost, mode, _))) in theirs.iter().zip(&shapes).enumerate() {
+            let one = store.decide_at(layers, *cost, *mode, at(now_us)).await;
+            let (one, together) = (one.unwrap(), together[i].as_ref().unwrap());
+            assert_eq!(
+                summary(together),
+                summary(&one),
+                "step {step}, request {i} of {}",
+                shapes.len()
+            );
+            let outcome = match &one {
+                RemoteDecision::Admitted(_) => 0,
+                RemoteDecision::Refused(r) if r.reason == RefusalReason::Exhausted => 1,
+                RemoteDecision::Refused(_) => 2,
+                RemoteDecision::CostTooLarge { .. } => 3,
+            };
+            seen[outcome] += 1;
+            held.push(one);
+        }
+        batches += 1;
+        requests += shapes.len();
+        held.extend(together.into_iter().map(Result::unwrap));
+    }
+    // The sequence went through every outcome: admitted, refused, refused while blocked,
+    // too large.
+    assert!(seen.iter().all(|&n| n > 0), "{seen:?}");
+    let evalsha = calls(&server, "evalsha").await;
+    assert_eq!(
+        evalsha,
+        (batches + requests) as u64,
+        "one EVALSHA per batch, one per request alone"
+    );
+    drop(held);
+}
+
+#[tokio::test]
+async fn a_failing_call_fails_every_request_in_it_and_the_next_ones_recover() {
+    let server = RedisServer::start();
+    let store: RedisStore = server.store().await;
+    let limit = remote(&fixed("f", 100, SECOND));
+    let layers = [Layer::enforced(&limit, key("x"))];
+    let mut admin = server.admin().await;
+    // The script gone and a key of the wrong type: NOSCRIPT is handled by reloading, then the
+    // GET of a hash fails the whole call.
+    let name = limit.key_name(key("x"));
+    let _: () = redis::cmd("HSET")
+        .arg(&name)
+        .arg("f")
+        .arg("v")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let failed = futures_join_all(
+        (0..5)
+            .map(|_| Box::pin(store.decide_at(&layers, 1, Mode::Charge, at(0))))
+            .collect(),
+    )
+    .await;
+    assert!(failed.iter().all(Result::is_err), "{failed:?}");
+    let _: () = redis::cmd("DEL")
+        .arg(&name)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let ok = store.decide_at(&layers, 1, Mode::Charge, at(0)).await;
+    assert!(ok.unwrap().is_admitted());
+}
