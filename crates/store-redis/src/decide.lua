@@ -22,6 +22,7 @@ local call, tonumber, byte, pack, unpack = redis.call, tonumber, string.byte, st
 local KEYS, ARGV = KEYS, ARGV
 local lease_ttl = tonumber(ARGV[1])
 local clock -- Redis TIME in us, read when a request first needs it
+local batched -- whether this EVALSHA carries several requests
 
 -- Integer division, written inline (a call costs more than the arithmetic): floor(a / b) is
 -- (a - a % b) / b and ceil(a / b) is (a + -a % b) / b, Lua's a % b being a - floor(a / b) * b.
@@ -49,9 +50,9 @@ local clock -- Redis TIME in us, read when a request first needs it
 -- fit: 0 if they fit now, nil if they never will. Without n, the figures after a charge: the
 -- wait for one more than is left, 0 when all is left. (One function for both: a call costs.)
 local function figures(L, n)
-  local algo, u, q, left = L.algo, L.u, L.quota, 0
+  local algo, u, q, left = L[2], L[5], L[4], 0
   if algo == 'g' then
-    local interval = L.interval
+    local interval = L[12]
     local tol = q * interval
     local room = tol - u
     if room > 0 then left = (room - room % interval) / interval end
@@ -61,11 +62,11 @@ local function figures(L, n)
     end
     local need = u + n * interval - tol
     if need <= 0 then return left, 0 end
-    local scale = L.scale
+    local scale = L[11]
     return left, (need + -need % scale) / scale
   elseif algo == 's' then
     -- The estimate is previous * (w - elapsed) + current * w against quota * w.
-    local p, w, el = L.p, L.window, L.el
+    local p, w, el = L[10], L[11], L[12]
     local room = q * w - (p * (w - el) + u * w)
     if room > 0 then left = (room - room % w) / w end
     if not n then
@@ -96,56 +97,29 @@ local function figures(L, n)
   end
   if algo == 'f' then
     if u + n <= q then return left, 0 end
-    return left, L.window - L.el
+    return left, L[11] - L[12]
   end
   -- Concurrency: one slot per request, whatever its cost.
   if u < q then return left, 0 end
   return left, nil
 end
 
--- The states of this EVALSHA's keys, each read on first use and written back once at the end
--- (`flush`): key -> { a, b, c, blk, exp, L, now }, L being the last layer that changed it
--- (false: none) and now that request's clock; an array rather than named fields, as a table's
--- named fields cost Redis several times as much to make. `dirty` lists the changed ones in
--- the order they were first changed.
-local entries, dirty = {}, {}
+-- A layer is one array, built at once: a table's named fields cost Redis several times as
+-- much to make. Its fields, by position (the code indexes them with these literals: a local
+-- per name would cost every closure made on each call an upvalue):
+--   1 key, 2 algo, 3 dry-run, 4 quota, 5 u, 6 blk, 7 a, 8 b, 9 c, 10 p,
+--   11 the GCRA scale or the window, 12 the GCRA interval or el,
+--   13 own (its own wait when it refuses; false until then),
+--   14 exp, 15 the clock of its last change, 16 whether it changed (to be written by flush).
+-- A concurrency layer has only the first six.
+-- `entries` holds, per key, the last layer that read it in this EVALSHA: the next request with
+-- the same key starts from that layer's state (changes included) instead of reading Redis,
+-- and `flush` writes each changed key once at the end.
+local entries = {}
 
--- A key's state: its fields (see above), 0 for a fresh one. A state of another length, or that
--- does not parse, is another algorithm's (the limit was changed) or none: it starts fresh.
-local function entry(key, algo)
-  local e = entries[key]
-  if e then return e end
-  local a, b, c, blk, exp = 0, 0, 0, 0, 0
-  local v = call('GET', key)
-  if v and byte(v) == 0 then
-    if algo == 's' then
-      if #v == 41 then a, b, c, blk, exp = unpack('<xddddd', v) end
-    elseif #v == 33 then
-      a, b, blk, exp = unpack('<xdddd', v)
-    end
-  elseif v then
-    -- Written by an earlier version: decimal, a lone number or up to four fields.
-    local x = tonumber(v)
-    if x then
-      a = x
-    else
-      local y, z
-      a, x, y, z = string.match(v, '^(%S+) ?(%S*) ?(%S*) ?(%S*)$')
-      a, b, y, z = tonumber(a) or 0, tonumber(x) or 0, tonumber(y) or 0, tonumber(z) or 0
-      if algo == 's' then c, blk = y, z else blk = y end
-    end
-  end
-  e = { a, b, c, blk, exp, false, 0 }
-  entries[key] = e
-  return e
-end
-
--- Records layer L's new state at `now`, to be written by `flush`.
+-- Records layer L's new state at `now`, for the next request with its key and for `flush`.
 local function save(L, a, b, c, blk, now)
-  local e = entries[L.key]
-  e[1], e[2], e[3], e[4] = a, b, c, blk
-  if not e[6] then dirty[#dirty + 1] = e end
-  e[6], e[7] = L, now
+  L[7], L[8], L[9], L[6], L[15], L[16] = a, b, c, blk, now, true
 end
 
 -- Writes a window or bucket state that lives at least until the later of its return to fresh
@@ -154,27 +128,27 @@ end
 -- (SET KEEPTTL): within a window its need does not move, and a bucket's expiry, when it has
 -- to move, is set past the need by the bucket's refill time, at most a second, so that the
 -- next writes of a busy key keep it. A key thus outlives its state by at most that second.
-local function flush(e)
-  local a, b, c, blk, exp, L, now = e[1], e[2], e[3], e[4], e[5], e[6], e[7]
-  local algo, fresh = L.algo, 0
+local function flush(L)
+  local a, b, c, blk, exp, now = L[7], L[8], L[9], L[6], L[14], L[15]
+  local algo, fresh = L[2], 0
   if algo == 'g' then
     fresh = a
     if b > 0 then fresh = a + 1 end
   elseif algo == 's' and c > 0 then
-    fresh = (a + 2) * L.window
+    fresh = (a + 2) * L[11]
   elseif b > 0 then
-    fresh = (a + 1) * L.window
+    fresh = (a + 1) * L[11]
   end
   local until_ = fresh
   if blk > until_ then until_ = blk end
-  if until_ <= now then call('DEL', L.key); return end
+  if until_ <= now then call('DEL', L[1]); return end
   if until_ <= exp then
-    if algo == 's' then call('SET', L.key, pack('<Bddddd', 0, a, b, c, blk, exp), 'KEEPTTL')
-    else call('SET', L.key, pack('<Bdddd', 0, a, b, blk, exp), 'KEEPTTL') end
+    if algo == 's' then call('SET', L[1], pack('<Bddddd', 0, a, b, c, blk, exp), 'KEEPTTL')
+    else call('SET', L[1], pack('<Bdddd', 0, a, b, blk, exp), 'KEEPTTL') end
     return
   end
   if algo == 'g' then
-    local tol, scale = L.quota * L.interval, L.scale
+    local tol, scale = L[4] * L[12], L[11]
     local slack = (tol - tol % scale) / scale -- the refill time, in whole us
     if slack > 1000000 then slack = 1000000 end
     if fresh + slack > until_ then until_ = fresh + slack end
@@ -187,7 +161,7 @@ local function flush(e)
   local v
   if algo == 's' then v = pack('<Bddddd', 0, a, b, c, blk, exp)
   else v = pack('<Bdddd', 0, a, b, blk, exp) end
-  call('SET', L.key, v, 'PX', ms)
+  call('SET', L[1], v, 'PX', ms)
 end
 
 -- Decides the request whose arguments start at ARGV[p] and whose keys follow KEYS[k]:
@@ -223,19 +197,41 @@ local function decide(k, p)
     if algo == 'c' then
       local u = 0
       if mode ~= 'r' then u = call('ZCOUNT', key, string.format('(%.0f', now), '+inf') end
-      L = { key = key, algo = algo, dry = dry, quota = quota, u = u, blk = 0 }
+      L = { key, algo, dry, quota, u, 0 }
       fits = u < quota -- one slot per request, whatever its cost
     else
-      local a, b, c, blk = 0, 0, 0, 0
-      if mode ~= 'r' or ARGV[tags + i] ~= '-1' then
-        local e = entry(key, algo)
-        a, b, c, blk = e[1], e[2], e[3], e[4]
+      local prev, a, b, c, blk, exp, at, changed = entries[key], 0, 0, 0, 0, 0, 0, false
+      if prev then
+        a, b, c, blk, exp, at, changed = prev[7], prev[8], prev[9], prev[6], prev[14], prev[15],
+          prev[16]
+      elseif mode ~= 'r' or ARGV[tags + i] ~= '-1' then
+        -- From Redis: a state of another length, or that does not parse, is another
+        -- algorithm's (the limit was changed) or none: it starts fresh.
+        local v = call('GET', key)
+        if v and byte(v) == 0 then
+          if algo == 's' then
+            if #v == 41 then a, b, c, blk, exp = unpack('<xddddd', v) end
+          elseif #v == 33 then
+            a, b, blk, exp = unpack('<xdddd', v)
+          end
+        elseif v then
+          -- Written by an earlier version: decimal, a lone number or up to four fields.
+          local x = tonumber(v)
+          if x then
+            a = x
+          else
+            local y, z
+            a, x, y, z = string.match(v, '^(%S+) ?(%S*) ?(%S*) ?(%S*)$')
+            a, b, y, z = tonumber(a) or 0, tonumber(x) or 0, tonumber(y) or 0, tonumber(z) or 0
+            if algo == 's' then c, blk = y, z else blk = y end
+          end
+        end
+        prev = true
       end
       if algo == 'g' then
         local u = 0
         if a >= now then u = (a - now) * scale + b end
-        L = { key = key, algo = algo, dry = dry, quota = quota, u = u, blk = blk, a = a, b = b,
-          scale = scale, interval = interval }
+        L = { key, algo, dry, quota, u, blk, a, b, 0, 0, scale, interval, false, exp, at, changed }
         fits = u + cost * interval <= quota * interval
       else
         local index = (now - now % w) / w
@@ -246,16 +242,16 @@ local function decide(k, p)
           p = c
         end
         local el = now - index * w
-        L = { key = key, algo = algo, dry = dry, quota = quota, u = u, blk = blk, a = a, b = b,
-          c = c, p = p, window = w, el = el }
+        L = { key, algo, dry, quota, u, blk, a, b, c, p, w, el, false, exp, at, changed }
         if algo == 'f' then fits = u + cost <= quota
         else fits = p * (w - el) + (u + cost) * w <= quota * w end
       end
+      if prev and batched then entries[key] = L end
     end
     layers[i] = L
     if mode ~= 'r' then
       -- Concurrency has no capacity (one slot per request); a blocked layer refuses.
-      fits = fits and L.blk <= now
+      fits = fits and L[6] <= now
       if dry then
         if not cap_d and cost > quota and algo ~= 'c' then cap_d = i end
         fit_d = fit_d and fits
@@ -272,12 +268,12 @@ local function decide(k, p)
       local L = layers[i]
       local tag = tonumber(ARGV[tags + i])
       if tag >= 0 then
-        local algo, a, b, c = L.algo, L.a, L.b, L.c or 0
+        local algo, a, b, c = L[2], L[7], L[8], L[9]
         if algo == 'c' then
-          call('ZREM', L.key, lease)
+          call('ZREM', L[1], lease)
         else
           if algo == 'g' then
-            local d, scale = L.u - cost * L.interval, L.scale
+            local d, scale = L[5] - cost * L[12], L[11]
             if d <= 0 then
               a, b = 0, 0 -- at or before now: a full bucket
             else
@@ -291,11 +287,11 @@ local function decide(k, p)
           elseif tag + 1 == a then
             b = math.max(0, b - cost)
           end
-          save(L, a, b, c, L.blk, now)
+          save(L, a, b, c, L[6], now)
         end
       end
     end
-    return { 3 }, n, tags + n + 1
+    return { 3 }, n, tags + n + 1, layers
   end
 
   -- The reply: the header, then 5 per layer. Made with room for four layers, as a table grown
@@ -319,37 +315,37 @@ local function decide(k, p)
     end
     if cap then
       -- The cost can never fit that layer: nothing is charged, nobody refuses.
-      if not dry then return { 2, cap, -1, 0, 0, now }, n, tags + 1 end
+      if not dry then return { 2, cap, -1, 0, 0, now }, n, tags + 1, layers end
       out[5] = cap
     elseif ok then
       -- Charges every layer (when writing) and reports the figures after the charge, with the
       -- charge's window index for a refund (-1: nothing written).
       for i = 1, n do
         local L = layers[i]
-        if L.dry == dry then
-          local algo, tag = L.algo, 0
+        if L[3] == dry then
+          local algo, tag = L[2], 0
           if algo == 'c' then
-            L.u = L.u + 1
+            L[5] = L[5] + 1
             if write then
               local ttl = lease_ttl
-              call('ZREMRANGEBYSCORE', L.key, '-inf', now)
-              call('ZADD', L.key, now + ttl, lease)
-              call('PEXPIRE', L.key, (ttl + -ttl % 1000) / 1000)
+              call('ZREMRANGEBYSCORE', L[1], '-inf', now)
+              call('ZADD', L[1], now + ttl, lease)
+              call('PEXPIRE', L[1], (ttl + -ttl % 1000) / 1000)
             end
           elseif algo == 'g' then
-            local d, scale = L.u + cost * L.interval, L.scale
-            L.u = d
+            local d, scale = L[5] + cost * L[12], L[11]
+            L[5] = d
             if write then
               local frac = d % scale
-              save(L, now + (d - frac) / scale, frac, 0, L.blk, now)
+              save(L, now + (d - frac) / scale, frac, 0, L[6], now)
             end
           else
-            local w = L.window
+            local w = L[11]
             tag = (now - now % w) / w
-            L.u = L.u + cost
+            L[5] = L[5] + cost
             if write then
-              if algo == 'f' then save(L, tag, L.u, 0, L.blk, now)
-              else save(L, tag, L.p, L.u, L.blk, now) end
+              if algo == 'f' then save(L, tag, L[5], 0, L[6], now)
+              else save(L, tag, L[10], L[5], L[6], now) end
             end
           end
           if not write then tag = -1 end
@@ -365,8 +361,8 @@ local function decide(k, p)
       local worst, wrank, wwait, wreason = 0, -1, nil, 0
       for i = 1, n do
         local L = layers[i]
-        if L.dry == dry then
-          local blk, w, reason = L.blk, nil, 0
+        if L[3] == dry then
+          local blk, w, reason = L[6], nil, 0
           if blk > now then
             w, reason = blk - now, blk
           else
@@ -380,13 +376,13 @@ local function decide(k, p)
             if block > 0 then
               -- The block covers the counters' wait too, so its end is a real retry time.
               local until_ = now + math.max(block, w or 0)
-              L.blk = until_ -- later than the old block, which has ended
-              save(L, L.a, L.b, L.c or 0, until_, now)
+              L[6] = until_ -- later than the old block, which has ended
+              save(L, L[7], L[8], L[9], until_, now)
               w = until_ - now
             end
           end
           if w ~= 0 then
-            L.own = w or -1
+            L[13] = w or -1
             local rank = w and w + 1 or 0
             if rank > wrank then worst, wrank, wwait, wreason = i, rank, w, reason end
           end
@@ -404,9 +400,9 @@ local function decide(k, p)
   -- if it refuses.
   for i = 1, n do
     local L = layers[i]
-    local dry = L.dry
+    local dry = L[3]
     if not (dry and adm_d or not dry and adm_e) then
-      local o, blk, own = 1 + 5 * i, L.blk, L.own or -2
+      local o, blk, own = 1 + 5 * i, L[6], L[13] or -2
       if blk > now then
         out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = 0, blk - now, -1, own, blk
       else
@@ -415,15 +411,28 @@ local function decide(k, p)
       end
     end
   end
-  return out, n, tags + 1
+  return out, n, tags + 1, layers
 end
 
 -- Every request in order, one reply each; then every changed key is written once.
-local reply, k, p = {}, 0, 3
-for q = 1, tonumber(ARGV[2]) do
-  local n
-  reply[q], n, p = decide(k, p)
-  k = k + n
+local reply, k, p, requests = {}, 0, 3, tonumber(ARGV[2])
+batched = requests > 1
+if batched then
+  for q = 1, requests do
+    local n
+    reply[q], n, p = decide(k, p)
+    k = k + n
+  end
+  for _, L in pairs(entries) do
+    if L[16] then flush(L) end
+  end
+else
+  -- One request: its layers are the only ones, no need to find them by key.
+  local out, n, _, layers = decide(k, p)
+  reply[1] = out
+  for i = 1, n do
+    local L = layers[i]
+    if L[16] then flush(L) end
+  end
 end
-for i = 1, #dirty do flush(dirty[i]) end
 return reply
