@@ -281,31 +281,35 @@ async fn batcher(
     }
 }
 
-/// Sends one batch and answers each of its requests.
+/// Sends one batch and answers each of its requests. If Redis refuses the call (an error
+/// from the script, e.g. a key of the wrong type), each request is sent again alone, so that
+/// one request's failure is not its neighbours'.
 async fn send(mut conn: ConnectionManager, sha: Arc<str>, options: StoreOptions, batch: Vec<Call>) {
     // A request whose caller stopped waiting (timed out or dropped) is left out.
     let batch: Vec<Call> = batch.into_iter().filter(|c| !c.reply.is_closed()).collect();
     if batch.is_empty() {
         return;
     }
-    let cmd = script::invocation(&sha, options.lease_ttl, batch.iter().map(|c| &c.part));
-    let call = eval(&mut conn, &cmd);
-    let result = match tokio::time::timeout(options.timeout, call).await {
-        Ok(result) => result,
-        Err(_) => Err(StoreError::Timeout(options.timeout)),
-    };
-    let replies = result.and_then(|replies| match replies.len() == batch.len() {
-        true => Ok(replies),
-        false => Err(StoreError::Reply(format!(
-            "{} replies for {} requests",
-            replies.len(),
-            batch.len()
-        ))),
-    });
-    match replies {
+    let result = call_script(&mut conn, &sha, options, &batch).await;
+    match result {
         Ok(replies) => {
             for (call, reply) in batch.into_iter().zip(replies) {
                 let _ = call.reply.send(Ok(reply));
+            }
+        }
+        Err(StoreError::Redis(e)) if batch.len() > 1 && refused_by_redis(&e) => {
+            let alone = batch.into_iter().map(|call| {
+                let mut conn = conn.clone();
+                let sha = Arc::clone(&sha);
+                async move {
+                    let one = std::slice::from_ref(&call);
+                    let result = call_script(&mut conn, &sha, options, one).await;
+                    let _ = call.reply.send(result.map(|mut r| r.remove(0)));
+                }
+            });
+            let alone: Vec<_> = alone.map(tokio::spawn).collect();
+            for task in alone {
+                let _ = task.await;
             }
         }
         Err(e) => {
@@ -314,6 +318,35 @@ async fn send(mut conn: ConnectionManager, sha: Arc<str>, options: StoreOptions,
             }
         }
     }
+}
+
+/// Whether Redis itself answered with an error (rather than the connection failing).
+fn refused_by_redis(e: &redis::RedisError) -> bool {
+    matches!(
+        e.kind(),
+        redis::ErrorKind::ResponseError | redis::ErrorKind::ExtensionError
+    )
+}
+
+/// One `EVALSHA` of `calls`, within the timeout: one reply per call.
+async fn call_script(
+    conn: &mut ConnectionManager,
+    sha: &str,
+    options: StoreOptions,
+    calls: &[Call],
+) -> Result<Vec<Vec<i64>>, StoreError> {
+    let cmd = script::invocation(sha, options.lease_ttl, calls.iter().map(|c| &c.part));
+    let replies = match tokio::time::timeout(options.timeout, eval(conn, &cmd)).await {
+        Ok(result) => result?,
+        Err(_) => return Err(StoreError::Timeout(options.timeout)),
+    };
+    if replies.len() != calls.len() {
+        let (got, sent) = (replies.len(), calls.len());
+        return Err(StoreError::Reply(format!(
+            "{got} replies for {sent} requests"
+        )));
+    }
+    Ok(replies)
 }
 
 /// Runs `cmd` (an `EVALSHA`), loading the script again if Redis lost it (`NOSCRIPT`, e.g.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::*;
 use sluice_limiter::RefusalReason;
-use sluice_store_redis::{Layer, Mode, RedisStore, RemoteDecision, RemoteLimit};
+use sluice_store_redis::{Layer, Mode, RedisStore, RemoteDecision, RemoteLimit, StoreError};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -217,15 +217,17 @@ async fn a_batch_decides_every_request_as_it_would_alone_in_order() {
 }
 
 #[tokio::test]
-async fn a_failing_call_fails_every_request_in_it_and_the_next_ones_recover() {
+async fn a_request_that_fails_in_redis_fails_alone_and_its_neighbours_are_decided() {
     let server = RedisServer::start();
     let store: RedisStore = server.store().await;
     let limit = remote(&fixed("f", 100, SECOND));
-    let layers = [Layer::enforced(&limit, key("x"))];
+    let (good, bad) = (
+        [Layer::enforced(&limit, key("good"))],
+        [Layer::enforced(&limit, key("bad"))],
+    );
+    // A key of the wrong type: the script's GET of it fails, and with it the whole call.
     let mut admin = server.admin().await;
-    // The script gone and a key of the wrong type: NOSCRIPT is handled by reloading, then the
-    // GET of a hash fails the whole call.
-    let name = limit.key_name(key("x"));
+    let name = limit.key_name(key("bad"));
     let _: () = redis::cmd("HSET")
         .arg(&name)
         .arg("f")
@@ -233,23 +235,25 @@ async fn a_failing_call_fails_every_request_in_it_and_the_next_ones_recover() {
         .query_async(&mut admin)
         .await
         .unwrap();
-    let _: () = redis::cmd("SCRIPT")
-        .arg("FLUSH")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
-    let failed = futures_join_all(
-        (0..5)
-            .map(|_| Box::pin(store.decide_at(&layers, 1, Mode::Charge, at(0))))
-            .collect(),
-    )
-    .await;
-    assert!(failed.iter().all(Result::is_err), "{failed:?}");
-    let _: () = redis::cmd("DEL")
-        .arg(&name)
-        .query_async(&mut admin)
-        .await
-        .unwrap();
-    let ok = store.decide_at(&layers, 1, Mode::Charge, at(0)).await;
-    assert!(ok.unwrap().is_admitted());
+    let mut requests = Vec::new();
+    for i in 0..6 {
+        let layers: &[Layer<'_>] = if i == 3 { &bad } else { &good };
+        requests.push(Box::pin(store.decide_at(layers, 1, Mode::Charge, at(0))));
+    }
+    let results = futures_join_all(requests).await;
+    for (i, r) in results.iter().enumerate() {
+        match (i, r) {
+            (3, r) => assert!(matches!(r, Err(StoreError::Redis(_))), "{r:?}"),
+            (_, Ok(d)) => assert!(d.is_admitted(), "request {i}: {d:?}"),
+            (_, Err(e)) => panic!("request {i} failed with its neighbour: {e}"),
+        }
+    }
+    // One call for the six, then one each when it failed.
+    assert_eq!(calls(&server, "evalsha").await, 1 + 6);
+    // And the five were charged once each: a check reports what would be left after it.
+    let d = store.decide_at(&good, 1, Mode::CheckOnly, at(0)).await;
+    let RemoteDecision::Admitted(a) = d.unwrap() else {
+        panic!("admitted")
+    };
+    assert_eq!(a.reports[0].remaining, 100 - 5 - 1);
 }
