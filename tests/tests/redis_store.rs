@@ -149,6 +149,17 @@ window = "1m"
     }
     assert_eq!(redis.calls("evalsha") - before, 20);
     assert_eq!(redis.calls("eval"), 0);
+    // Requests waiting at the same moment may share a call, never take more than one each.
+    let before = redis.calls("evalsha");
+    let main = gw.main;
+    let together: Vec<_> = (0..40)
+        .map(|_| tokio::spawn(async move { call(main, "/v1/search", "k").await.status }))
+        .collect();
+    for r in together {
+        assert_eq!(r.await.unwrap(), 200);
+    }
+    let shared = redis.calls("evalsha") - before;
+    assert!((1..=40).contains(&shared), "{shared} calls for 40 requests");
     let keys = redis.cli(&["--scan", "--pattern", "sluice:*"]);
     assert_eq!(keys.lines().count(), 3, "one key per limit: {keys}");
     assert!(
