@@ -17,8 +17,8 @@
 -- state in binary (one struct.unpack, one struct.pack), and expiries moved only when they fall
 -- short.
 
-local call, tonumber, byte, pack, unpack = redis.call, tonumber, string.byte, struct.pack,
-  struct.unpack
+local call, tonumber, byte, pack, unpack, spread = redis.call, tonumber, string.byte,
+  struct.pack, struct.unpack, unpack
 local KEYS, ARGV = KEYS, ARGV
 local lease_ttl = tonumber(ARGV[1])
 local clock -- Redis TIME in us, read when a request first needs it
@@ -166,8 +166,8 @@ end
 
 -- Decides the request whose arguments start at ARGV[p] and whose keys follow KEYS[k]:
 -- ARGV[p .. p + 4] = mode, cost, lease id, pinned clock (or empty), layers n; then each
--- layer's parameters; in refund mode, then each layer's refund tag. Returns its reply, n, and
--- the position of the next request's arguments.
+-- layer's parameters; in refund mode, then each layer's refund tag. Returns its reply (the
+-- figures packed as doubles), n, and the position of the next request's arguments.
 local function decide(k, p)
   local mode, cost, lease, pinned, n = ARGV[p], tonumber(ARGV[p + 1]), ARGV[p + 2], ARGV[p + 3],
     tonumber(ARGV[p + 4])
@@ -291,14 +291,14 @@ local function decide(k, p)
         end
       end
     end
-    return { 3 }, n, tags + n + 1, layers
+    return pack('<d', 3), n, tags + n + 1, layers
   end
 
-  -- The reply: the header, then 5 per layer. Made with room for four layers, as a table grown
-  -- one element at a time is reallocated at every power of two; Redis ends the reply at the
-  -- first nil.
+  -- The reply: the header, then 5 per layer, sent as little-endian doubles (one struct.pack):
+  -- a bulk string costs Redis less to send than integers one by one, and the gateway far
+  -- less to parse. Made with room for four layers, as a table grown one element at a time is
+  -- reallocated at every power of two.
   local out = { 1, 0, -1, 0, 0, now, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
-  out[7 + 5 * n] = nil
 
   -- Decides the enforced layers, all or nothing; then, if they admit and this charges, the
   -- dry-run ones, likewise. Written inline rather than as a function called twice: a function
@@ -315,7 +315,7 @@ local function decide(k, p)
     end
     if cap then
       -- The cost can never fit that layer: nothing is charged, nobody refuses.
-      if not dry then return { 2, cap, -1, 0, 0, now }, n, tags + 1, layers end
+      if not dry then return pack('<dddddd', 2, cap, -1, 0, 0, now), n, tags + 1, layers end
       out[5] = cap
     elseif ok then
       -- Charges every layer (when writing) and reports the figures after the charge, with the
@@ -411,7 +411,13 @@ local function decide(k, p)
       end
     end
   end
-  return out, n, tags + 1, layers
+  -- The format as a literal (a constant of the chunk, made once) for up to three layers.
+  local format
+  if n == 3 then format = '<ddddddddddddddddddddd'
+  elseif n == 1 then format = '<ddddddddddd'
+  elseif n == 2 then format = '<dddddddddddddddd'
+  else format = '<' .. string.rep('d', 6 + 5 * n) end
+  return pack(format, spread(out, 1, 6 + 5 * n)), n, tags + 1, layers
 end
 
 -- Every request in order, one reply each; then every changed key is written once.

@@ -346,12 +346,12 @@ async fn call_script(
             "{got} replies for {sent} requests"
         )));
     }
-    Ok(replies)
+    replies.iter().map(|r| script::unpack(r)).collect()
 }
 
 /// Runs `cmd` (an `EVALSHA`), loading the script again if Redis lost it (`NOSCRIPT`, e.g.
 /// after a restart or `SCRIPT FLUSH`).
-async fn eval(conn: &mut ConnectionManager, cmd: &redis::Cmd) -> Result<Vec<Vec<i64>>, StoreError> {
+async fn eval(conn: &mut ConnectionManager, cmd: &redis::Cmd) -> Result<Vec<Vec<u8>>, StoreError> {
     match cmd.query_async(conn).await {
         Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
             load(conn).await?;
