@@ -117,10 +117,6 @@ end
 -- and `flush` writes each changed key once at the end.
 local entries = {}
 
--- Records layer L's new state at `now`, for the next request with its key and for `flush`.
-local function save(L, a, b, c, blk, now)
-  L[7], L[8], L[9], L[6], L[15], L[16] = a, b, c, blk, now, true
-end
 
 -- Writes a window or bucket state that lives at least until the later of its return to fresh
 -- and its block's end; a state that is already fresh is deleted. Setting an expiry costs
@@ -287,7 +283,7 @@ local function decide(k, p)
           elseif tag + 1 == a then
             b = math.max(0, b - cost)
           end
-          save(L, a, b, c, L[6], now)
+          L[7], L[8], L[9], L[15], L[16] = a, b, c, now, true -- its new state
         end
       end
     end
@@ -337,15 +333,16 @@ local function decide(k, p)
             L[5] = d
             if write then
               local frac = d % scale
-              save(L, now + (d - frac) / scale, frac, 0, L[6], now)
+              L[7], L[8], L[15], L[16] = now + (d - frac) / scale, frac, now, true -- new state
             end
           else
             local w = L[11]
             tag = (now - now % w) / w
             L[5] = L[5] + cost
             if write then
-              if algo == 'f' then save(L, tag, L[5], 0, L[6], now)
-              else save(L, tag, L[10], L[5], L[6], now) end
+              -- The new state: window index and counts.
+              if algo == 'f' then L[7], L[8], L[15], L[16] = tag, L[5], now, true
+              else L[7], L[8], L[9], L[15], L[16] = tag, L[10], L[5], now, true end
             end
           end
           if not write then tag = -1 end
@@ -377,7 +374,7 @@ local function decide(k, p)
               -- The block covers the counters' wait too, so its end is a real retry time.
               local until_ = now + math.max(block, w or 0)
               L[6] = until_ -- later than the old block, which has ended
-              save(L, L[7], L[8], L[9], until_, now)
+              L[15], L[16] = now, true
               w = until_ - now
             end
           end
