@@ -11,21 +11,6 @@ use sluice_store_redis::{Layer, Mode, RedisStore, RemoteDecision, RemoteLimit, S
 
 const SECOND: Duration = Duration::from_secs(1);
 
-/// `calls` of one command in `INFO commandstats` (0 if never called); the commands a script
-/// runs are counted too.
-async fn calls(server: &RedisServer, command: &str) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut server.admin().await)
-        .await
-        .unwrap();
-    let prefix = format!("cmdstat_{command}:calls=");
-    info.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().unwrap())
-}
-
 #[tokio::test]
 async fn requests_sent_together_share_one_evalsha_that_reads_and_writes_each_key_once() {
     let server = RedisServer::start();

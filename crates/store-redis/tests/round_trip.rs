@@ -10,20 +10,6 @@ use sluice_store_redis::{Layer, Mode, RedisStore, StoreError, StoreOptions};
 
 const SECOND: Duration = Duration::from_secs(1);
 
-/// `calls` of one command in `INFO commandstats` (0 if never called).
-async fn calls(server: &RedisServer, command: &str) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut server.admin().await)
-        .await
-        .unwrap();
-    let prefix = format!("cmdstat_{command}:calls=");
-    info.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().unwrap())
-}
-
 #[tokio::test]
 async fn each_decision_over_three_limits_is_one_evalsha() {
     let server = RedisServer::start();

@@ -88,6 +88,21 @@ impl RedisServer {
     }
 }
 
+/// `calls` of one command in `INFO commandstats` (0 if never called); the commands a script
+/// runs are counted too.
+pub async fn calls(server: &RedisServer, command: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut server.admin().await)
+        .await
+        .unwrap();
+    let prefix = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
 impl Drop for RedisServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
