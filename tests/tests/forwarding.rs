@@ -70,6 +70,49 @@ async fn upstream_connections_are_kept_alive_and_reused() {
     );
 }
 
+#[tokio::test]
+async fn idle_connections_caps_what_each_thread_keeps() {
+    let up = MockUpstream::start().await;
+    let capped = config(&up.url(), "5s")
+        .replace("timeout = \"5s\"", "timeout = \"5s\"\nidle_connections = 2");
+    assert!(capped.contains("idle_connections = 2"));
+    let gw = Sluice::start_with_args(&capped, &["--threads", "1"]);
+    // Eight at once open eight connections; two are kept, six close after their exchange...
+    let held: Vec<_> = (0..8)
+        .map(|_| tokio::spawn(get(gw.main, "/api/hold", &[])))
+        .collect();
+    up.wait_holding(8).await;
+    up.release(8);
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    assert_eq!(up.connections(), 8);
+    // ...so three at once need one more, and one after another none.
+    let held: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(get(gw.main, "/api/hold", &[])))
+        .collect();
+    up.wait_holding(3).await;
+    up.release(3);
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    assert_eq!(up.connections(), 9);
+    for _ in 0..10 {
+        assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
+    }
+    assert_eq!(up.connections(), 9);
+
+    // With 0, every connection closes after its request.
+    let up = MockUpstream::start().await;
+    let none = config(&up.url(), "5s")
+        .replace("timeout = \"5s\"", "timeout = \"5s\"\nidle_connections = 0");
+    let gw = Sluice::start_with_args(&none, &["--threads", "1"]);
+    for _ in 0..5 {
+        assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
+    }
+    assert_eq!(up.connections(), 5);
+}
+
 /// Listening sockets on `port` in /proc/net/tcp (state 0A), across the whole host.
 fn listening_sockets(port: u16) -> usize {
     let table = std::fs::read_to_string("/proc/net/tcp").expect("read /proc/net/tcp");

@@ -103,6 +103,9 @@ pub struct Upstream {
     pub connect_timeout: Duration,
     /// Time allowed until the upstream's response head arrives.
     pub timeout: Duration,
+    /// The most idle connections each serving thread keeps open to this upstream (0: none,
+    /// every connection closes after its request).
+    pub idle_connections: u16,
 }
 
 /// `[[routes]]`.

@@ -75,6 +75,7 @@ pub(crate) struct RawUpstream {
     pub url: S<String>,
     pub connect_timeout: Option<S<String>>,
     pub timeout: Option<S<String>>,
+    pub idle_connections: Option<S<i64>>,
 }
 
 #[derive(Debug, Deserialize)]

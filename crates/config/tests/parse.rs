@@ -44,6 +44,7 @@ fn shipped_config_is_accepted_as_written() {
     assert_eq!(c.limits[4].mode, Mode::DryRun);
     assert_eq!(c.limits[4].block_for, Some(Duration::from_secs(600)));
     assert_eq!(c.identity.trusted_proxies.len(), 2);
+    assert_eq!(c.upstreams[0].idle_connections, 256);
 }
 
 #[test]
@@ -189,6 +190,11 @@ fn bad_values_in_other_sections_are_named() {
             "url = \"http://127.0.0.1:3000\"",
             "url = \"https://x:1\"",
             "upstreams.app.url: \"https://x:1\" is not supported",
+        ),
+        (
+            "idle_connections = 256",
+            "idle_connections = 70000",
+            "upstreams.app.idle_connections: 70000 is not allowed: it must be between 0 and 65535",
         ),
         (
             "methods = [\"GET\"]",

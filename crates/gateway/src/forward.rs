@@ -27,9 +27,6 @@ static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-prot
 /// are listed in `is_hop_by_hop`.
 const HOP_BY_HOP: [&str; 2] = ["keep-alive", "proxy-connection"];
 
-/// Connections kept for reuse per upstream; more are closed once their exchange ends.
-const MAX_IDLE: usize = 1024;
-
 /// Pooled connections looked at for a ready one before opening a new connection.
 const CHECKOUT_TRIES: usize = 4;
 
@@ -62,6 +59,9 @@ pub(crate) struct UpstreamClient {
     timeout: Duration,
     connect_timeout: Duration,
     idle: Box<[Mutex<VecDeque<SendRequest<Incoming>>>]>,
+    /// Connections each pool keeps for reuse (`idle_connections`); more are closed once
+    /// their exchange ends.
+    keep: usize,
 }
 
 /// Why an exchange failed, before it becomes a problem response.
@@ -82,6 +82,7 @@ impl UpstreamClient {
             timeout: u.timeout,
             connect_timeout: u.connect_timeout,
             idle: (0..POOLS).map(|_| Mutex::default()).collect(),
+            keep: usize::from(u.idle_connections),
         }
     }
 
@@ -156,7 +157,7 @@ impl UpstreamClient {
 
     fn checkin(&self, sender: SendRequest<Incoming>) {
         let mut idle = self.pool().lock().unwrap_or_else(|e| e.into_inner());
-        if idle.len() < MAX_IDLE {
+        if idle.len() < self.keep {
             idle.push_back(sender);
         }
     }

@@ -12,6 +12,8 @@ use crate::Cidr;
 
 const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9901";
+/// Idle connections each serving thread keeps per upstream unless `idle_connections` says.
+const DEFAULT_IDLE_CONNECTIONS: u16 = 256;
 
 impl Validator<'_> {
     fn socket_addr(&mut self, v: &Option<S<String>>, key: &str, default: &str) -> SocketAddr {
@@ -222,12 +224,25 @@ impl Validator<'_> {
                 &format!("{key}.timeout"),
                 Duration::from_secs(30),
             );
+            let idle_connections = match &u.idle_connections {
+                None => DEFAULT_IDLE_CONNECTIONS,
+                Some(v) => {
+                    let n = *v.get_ref();
+                    u16::try_from(n).unwrap_or_else(|_| {
+                        let key = format!("{key}.idle_connections");
+                        let why = format!("{n} is not allowed: it must be between 0 and 65535");
+                        self.err(Some(v.span()), &key, why);
+                        DEFAULT_IDLE_CONNECTIONS
+                    })
+                }
+            };
             if let Some(url) = url {
                 out.push(Upstream {
                     name: name.get_ref().clone(),
                     url,
                     connect_timeout,
                     timeout,
+                    idle_connections,
                 });
             }
         }
