@@ -9,6 +9,8 @@ use std::net::IpAddr;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use http::header::{HeaderName, HeaderValue, HOST};
 use http::uri::{Authority, PathAndQuery};
 use http::{HeaderMap, Request, Response, Uri};
@@ -29,6 +31,10 @@ const HOP_BY_HOP: [&str; 2] = ["keep-alive", "proxy-connection"];
 
 /// Pooled connections looked at for a ready one before opening a new connection.
 const CHECKOUT_TRIES: usize = 4;
+
+/// A pooled connection unused for this long is closed (by the next checkout or the gateway's
+/// once-a-second sweep).
+pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Pools per upstream: one per serving thread (threads beyond this share).
 const POOLS: usize = 64;
@@ -58,7 +64,7 @@ pub(crate) struct UpstreamClient {
     authority: Authority,
     timeout: Duration,
     connect_timeout: Duration,
-    idle: Box<[Mutex<VecDeque<SendRequest<Incoming>>>]>,
+    idle: Box<[Mutex<Pool<SendRequest<Incoming>>>]>,
     /// Connections each pool keeps for reuse (`idle_connections`); more are closed once
     /// their exchange ends.
     keep: usize,
@@ -81,7 +87,7 @@ impl UpstreamClient {
                 .expect("validated upstream URLs have a host"),
             timeout: u.timeout,
             connect_timeout: u.connect_timeout,
-            idle: (0..POOLS).map(|_| Mutex::default()).collect(),
+            idle: (0..POOLS).map(|_| Mutex::new(Pool::default())).collect(),
             keep: usize::from(u.idle_connections),
         }
     }
@@ -135,31 +141,38 @@ impl UpstreamClient {
     }
 
     /// A pooled connection ready for a request, if one is found within a few tries. Closed
-    /// connections are dropped; busy ones (response body still streaming) go to the back.
+    /// and stale connections are dropped; busy ones (response body still streaming) go to the
+    /// back.
     fn checkout(&self) -> Option<SendRequest<Incoming>> {
         let mut idle = self.pool().lock().unwrap_or_else(|e| e.into_inner());
-        for _ in 0..CHECKOUT_TRIES {
-            let sender = idle.pop_front()?;
+        idle.checkout(Instant::now(), |sender| {
             if sender.is_ready() {
-                return Some(sender);
+                Readiness::Ready
+            } else if sender.is_closed() {
+                Readiness::Closed
+            } else {
+                Readiness::Busy
             }
-            if !sender.is_closed() {
-                idle.push_back(sender);
-            }
-        }
-        None
+        })
     }
 
     /// This thread's pool.
-    fn pool(&self) -> &Mutex<VecDeque<SendRequest<Incoming>>> {
+    fn pool(&self) -> &Mutex<Pool<SendRequest<Incoming>>> {
         &self.idle[POOL.with(Cell::get)]
     }
 
     fn checkin(&self, sender: SendRequest<Incoming>) {
         let mut idle = self.pool().lock().unwrap_or_else(|e| e.into_inner());
-        if idle.len() < self.keep {
-            idle.push_back(sender);
-        }
+        idle.checkin(sender, Instant::now(), self.keep);
+    }
+
+    /// Closes the connections of every thread's pool unused for [`IDLE_TIMEOUT`]; returns how
+    /// many. Dropping a connection's sender ends its task on the thread that owns it.
+    pub(crate) fn close_idle(&self, now: Instant) -> usize {
+        let pools = self.idle.iter();
+        pools
+            .map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).close_idle(now))
+            .sum()
     }
 
     async fn connect(&self) -> Result<SendRequest<Incoming>, Failure> {
@@ -289,9 +302,96 @@ pub(crate) fn prepare_request<B>(req: &mut Request<B>, peer: IpAddr, peer_truste
     }
 }
 
+/// What a checkout found a pooled connection to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Readiness {
+    Ready,
+    /// Its response body is still streaming.
+    Busy,
+    Closed,
+}
+
+/// One thread's kept connections, oldest first, each with when it was last checked in.
+#[derive(Debug)]
+struct Pool<C> {
+    kept: VecDeque<(C, Instant)>,
+}
+
+impl<C> Default for Pool<C> {
+    fn default() -> Self {
+        Pool {
+            kept: VecDeque::new(),
+        }
+    }
+}
+
+impl<C> Pool<C> {
+    /// The first ready connection within [`CHECKOUT_TRIES`] looks: closed and stale ones are
+    /// dropped, busy ones go to the back.
+    fn checkout(&mut self, now: Instant, state: impl Fn(&C) -> Readiness) -> Option<C> {
+        for _ in 0..CHECKOUT_TRIES {
+            let (conn, since) = self.kept.pop_front()?;
+            if now.saturating_duration_since(since) >= IDLE_TIMEOUT {
+                continue;
+            }
+            match state(&conn) {
+                Readiness::Ready => return Some(conn),
+                Readiness::Busy => self.kept.push_back((conn, since)),
+                Readiness::Closed => {}
+            }
+        }
+        None
+    }
+
+    /// Keeps `conn` for later requests if fewer than `keep` are kept; else drops it.
+    fn checkin(&mut self, conn: C, now: Instant, keep: usize) {
+        if self.kept.len() < keep {
+            self.kept.push_back((conn, now));
+        }
+    }
+
+    /// Drops the connections unused for [`IDLE_TIMEOUT`]; returns how many.
+    fn close_idle(&mut self, now: Instant) -> usize {
+        let before = self.kept.len();
+        self.kept
+            .retain(|(_, since)| now.saturating_duration_since(*since) < IDLE_TIMEOUT);
+        before - self.kept.len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pool_hands_out_ready_connections_and_closes_stale_closed_and_extra_ones() {
+        let t0 = Instant::now();
+        let later = |s: u64| t0 + Duration::from_secs(s);
+        let mut pool = Pool::default();
+        let ready = |c: &char| match c {
+            'b' => Readiness::Busy,
+            'x' => Readiness::Closed,
+            _ => Readiness::Ready,
+        };
+        // The cap: a third connection is not kept.
+        for c in ['x', 'b', 'r'] {
+            pool.checkin(c, t0, 2);
+        }
+        assert_eq!(pool.kept.len(), 2);
+        // Closed dropped, busy to the back, ready handed out.
+        pool.checkin('r', later(1), 3);
+        assert_eq!(pool.checkout(later(2), ready), Some('r'));
+        assert_eq!(pool.kept.iter().map(|e| e.0).collect::<String>(), "b");
+        // Stale ones go, at checkout or in the sweep, and only they.
+        pool.checkin('r', later(30), 3);
+        assert_eq!(pool.close_idle(later(59)), 0);
+        assert_eq!(pool.close_idle(later(60)), 1, "the one from t0");
+        assert_eq!(pool.checkout(later(90), ready), None, "30 s + 60 s: stale");
+        assert!(pool.kept.is_empty());
+        // A cap of zero keeps nothing.
+        pool.checkin('r', later(91), 0);
+        assert_eq!(pool.checkout(later(91), ready), None);
+    }
 
     #[test]
     fn connection_named_headers_and_hop_by_hop_are_removed() {

@@ -44,6 +44,13 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Closes the upstream connections unused for [`crate::forward::IDLE_TIMEOUT`].
+    pub(crate) fn close_idle_upstreams(&self, now: tokio::time::Instant) {
+        for upstream in &self.upstreams {
+            upstream.close_idle(now);
+        }
+    }
+
     pub(crate) async fn new(config: &Config, clock: Arc<dyn Clock>) -> Result<Self, String> {
         Ok(Self {
             router: Router::new(&config.routes),

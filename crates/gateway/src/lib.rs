@@ -321,14 +321,19 @@ impl Worker {
     }
 }
 
-/// Every second, on the blocking pool, removes keys that returned to their fresh state. The
-/// limiter walks each table at most once per its window, never on the request path.
+/// Every second, on the blocking pool, removes keys that returned to their fresh state (the
+/// limiter walks each table at most once per its window, never on the request path), and
+/// closes upstream connections unused for a minute.
 async fn sweep(shared: Arc<Shared>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let shared = shared.clone();
-        let _ = tokio::task::spawn_blocking(move || shared.quota.sweep()).await;
+        let (shared, now) = (shared.clone(), tokio::time::Instant::now());
+        let _ = tokio::task::spawn_blocking(move || {
+            shared.quota.sweep();
+            shared.close_idle_upstreams(now);
+        })
+        .await;
     }
 }
