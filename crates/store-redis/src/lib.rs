@@ -3,7 +3,9 @@
 //! Instances of sluice that share a Redis share one budget per caller. A request's layers
 //! (every `(limit, key)` that applies to it) go to Redis in one `EVALSHA` of a script that
 //! reads the clock with `TIME`, decides all four algorithms of `sluice-limiter` with the same
-//! math (in microseconds), and charges every layer or none.
+//! math (in microseconds), and charges every layer or none. Requests waiting at the same
+//! moment share one `EVALSHA` (decided in order, each as if alone), so a request costs at most
+//! one round trip and Redis reads and writes each key once per call.
 //!
 //! - [`RemoteLimit`] is a [`sluice_limiter::Limit`] checked to be exact in the script.
 //! - [`RedisStore::decide`] returns a [`RemoteDecision`] with per-layer [`LayerReport`]s, the
