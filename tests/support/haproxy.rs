@@ -51,13 +51,26 @@ impl HaProxy {
     /// Starts HAProxy with one frontend per backend, each backend holding one server: sluice's
     /// main listener at `gateway`, health-checked on `check_addr`'s port.
     pub async fn start(gateway: SocketAddr, check_port: u16, backends: &[Backend]) -> Self {
+        // Frontend ports are picked free, then bound by HAProxy a moment later: another test
+        // may take one in between. `noreuseport` makes such a clash fail HAProxy's start (by
+        // default it would share the port, and answer for another test's gateway), and the
+        // start is then tried again on other ports.
+        for _ in 0..5 {
+            if let Some(started) = Self::try_start(gateway, check_port, backends).await {
+                return started;
+            }
+        }
+        panic!("haproxy did not start in 5 tries (its errors are above)");
+    }
+
+    async fn try_start(gateway: SocketAddr, check_port: u16, backends: &[Backend]) -> Option<Self> {
         let socket = std::env::temp_dir().join(format!(
             "sluice-haproxy-{}-{}.sock",
             std::process::id(),
             free_port()
         ));
         let mut cfg = format!(
-            "global\n  stats socket {} mode 600 level admin\n  maxconn 2000\n\n\
+            "global\n  stats socket {} mode 600 level admin\n  maxconn 2000\n  noreuseport\n\n\
              defaults\n  mode http\n  timeout connect 1s\n  timeout client 30s\n  timeout server 30s\n  timeout check 1s\n\n",
             socket.display()
         );
@@ -81,7 +94,7 @@ impl HaProxy {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn haproxy");
-        let me = Self {
+        let mut me = Self {
             child,
             socket,
             frontends,
@@ -89,13 +102,16 @@ impl HaProxy {
         };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while UnixStream::connect(&me.socket).await.is_err() {
+            if let Ok(Some(_)) = me.child.try_wait() {
+                return None; // a port was taken meanwhile: try others
+            }
             assert!(
                 tokio::time::Instant::now() < deadline,
                 "haproxy did not open its stats socket:\n{cfg}"
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        me
+        Some(me)
     }
 
     /// The frontend address for `backend`.
