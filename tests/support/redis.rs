@@ -25,14 +25,26 @@ fn find(name: &str) -> PathBuf {
 }
 
 impl RedisServer {
-    /// Starts on a free port.
+    /// Starts on a free port. The port is picked free and bound by redis-server a moment
+    /// later, so another test may take it in between: then redis-server exits (or what answers
+    /// is not Redis) and the start is tried again on another port.
     pub fn start() -> Self {
-        Self::start_on(crate::closed_port())
+        for _ in 0..5 {
+            if let Some(server) = Self::try_start_on(crate::closed_port()) {
+                return server;
+            }
+        }
+        panic!("redis-server did not start in 5 tries");
     }
 
     /// Starts on `port` (to restart a killed server where clients expect it).
     pub fn start_on(port: u16) -> Self {
-        let child = Command::new(find("redis-server"))
+        Self::try_start_on(port)
+            .unwrap_or_else(|| panic!("redis-server did not start on port {port}"))
+    }
+
+    fn try_start_on(port: u16) -> Option<Self> {
+        let mut child = Command::new(find("redis-server"))
             .args([
                 "--port",
                 &port.to_string(),
@@ -49,19 +61,22 @@ impl RedisServer {
             .spawn()
             .expect("spawn redis-server");
         for tries in 0.. {
-            if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            if let Ok(Some(_)) = child.try_wait() {
+                return None; // could not bind: the port was taken
+            }
+            if answers_ping(port) {
                 break;
             }
             assert!(
                 tries < 500,
-                "redis-server did not listen on {port} within 5 s"
+                "redis-server did not answer on {port} within 5 s"
             );
             std::thread::sleep(Duration::from_millis(10));
         }
-        Self {
+        Some(Self {
             child: Some(child),
             port,
-        }
+        })
     }
 
     /// `redis://127.0.0.1:<port>`.
@@ -104,4 +119,17 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Whether what listens on `port` is a Redis answering `PING`.
+fn answers_ping(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut conn) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(1)));
+    let mut reply = [0u8; 7];
+    conn.write_all(b"PING\r\n").is_ok()
+        && conn.read_exact(&mut reply).is_ok()
+        && &reply == b"+PONG\r\n"
 }

@@ -37,8 +37,19 @@ fn redis_server_binary() -> PathBuf {
 }
 
 impl RedisServer {
-    /// Starts a server and waits (at most 5 s) until it accepts connections.
+    /// Starts a server and waits (at most 5 s) until it answers. The port is picked free and
+    /// bound by redis-server a moment later, so another test may take it in between: then
+    /// redis-server exits (or what answers is not Redis) and another port is tried.
     pub fn start() -> Self {
+        for _ in 0..5 {
+            if let Some(server) = Self::try_start() {
+                return server;
+            }
+        }
+        panic!("redis-server did not start in 5 tries");
+    }
+
+    fn try_start() -> Option<Self> {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("a free loopback port")
@@ -51,16 +62,19 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server starts");
-        let server = RedisServer { child, port };
+        let mut server = RedisServer { child, port };
         // At most 500 tries 10 ms apart: about 5 s.
         for tries in 0.. {
-            if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            if let Ok(Some(_)) = server.child.try_wait() {
+                return None; // could not bind: the port was taken
+            }
+            if answers_ping(port) {
                 break;
             }
-            assert!(tries < 500, "redis-server did not listen on port {port}");
+            assert!(tries < 500, "redis-server did not answer on port {port}");
             std::thread::sleep(Duration::from_millis(10));
         }
-        server
+        Some(server)
     }
 
     pub fn url(&self) -> String {
@@ -108,6 +122,19 @@ impl Drop for RedisServer {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Whether what listens on `port` is a Redis answering `PING`.
+fn answers_ping(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut conn) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(1)));
+    let mut reply = [0u8; 7];
+    conn.write_all(b"PING\r\n").is_ok()
+        && conn.read_exact(&mut reply).is_ok()
+        && &reply == b"+PONG\r\n"
 }
 
 pub fn nz(n: u32) -> NonZeroU32 {
