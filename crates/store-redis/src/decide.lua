@@ -112,11 +112,11 @@ end
 --   13 own (its own wait when it refuses; false until then),
 --   14 exp, 15 the clock of its last change, 16 whether it changed (to be written by flush).
 -- A concurrency layer has only the first six.
--- `entries` holds, per key, the last layer that read it in this EVALSHA: the next request with
--- the same key starts from that layer's state (changes included) instead of reading Redis,
--- and `flush` writes each changed key once at the end.
+-- When the call carries several requests, `entries` holds, per key, the last layer that read
+-- it: the next request with the same key starts from that layer's state (changes included)
+-- instead of reading Redis, and `flush` writes each changed key once at the end. A lone
+-- request's changed layers are flushed from its own list.
 local entries = {}
-
 
 -- Writes a window or bucket state that lives at least until the later of its return to fresh
 -- and its block's end; a state that is already fresh is deleted. Setting an expiry costs
