@@ -17,8 +17,8 @@
 -- state in binary (one struct.unpack, one struct.pack), and expiries moved only when they fall
 -- short.
 
-local call, tonumber, byte, pack, unpack, spread = redis.call, tonumber, string.byte,
-  struct.pack, struct.unpack, unpack
+local call, pcall_, tonumber, byte, pack, unpack, spread = redis.call, redis.pcall, tonumber,
+  string.byte, struct.pack, struct.unpack, unpack
 local KEYS, ARGV = KEYS, ARGV
 local lease_ttl = tonumber(ARGV[1])
 local clock -- Redis TIME in us, read when a request first needs it
@@ -163,7 +163,11 @@ end
 -- Decides the request whose arguments start at ARGV[p] and whose keys follow KEYS[k]:
 -- ARGV[p .. p + 4] = mode, cost, lease id, pinned clock (or empty), layers n; then each
 -- layer's parameters; in refund mode, then each layer's refund tag. Returns its reply (the
--- figures packed as doubles), n, and the position of the next request's arguments.
+-- figures packed as doubles), n, the position of the next request's arguments, and its layers.
+-- A key Redis cannot read as its algorithm's type (an error from GET or ZCOUNT: something else
+-- wrote it) fails this request alone, before it has written anything: reply [4, layer]. Reads
+-- go through redis.pcall for that reason; an error from redis.call would end the whole call,
+-- after earlier requests' concurrency leases were written and without their replies.
 local function decide(k, p)
   local mode, cost, lease, pinned, n = ARGV[p], tonumber(ARGV[p + 1]), ARGV[p + 2], ARGV[p + 3],
     tonumber(ARGV[p + 4])
@@ -192,7 +196,10 @@ local function decide(k, p)
     has_dry = has_dry or dry
     if algo == 'c' then
       local u = 0
-      if mode ~= 'r' then u = call('ZCOUNT', key, string.format('(%.0f', now), '+inf') end
+      if mode ~= 'r' then
+        u = pcall_('ZCOUNT', key, string.format('(%.0f', now), '+inf')
+        if type(u) == 'table' then return pack('<dd', 4, i), n, tags + 1, {} end
+      end
       L = { key, algo, dry, quota, u, 0 }
       fits = u < quota -- one slot per request, whatever its cost
     else
@@ -203,7 +210,11 @@ local function decide(k, p)
       elseif mode ~= 'r' or ARGV[tags + i] ~= '-1' then
         -- From Redis: a state of another length, or that does not parse, is another
         -- algorithm's (the limit was changed) or none: it starts fresh.
-        local v = call('GET', key)
+        local v = pcall_('GET', key)
+        if type(v) == 'table' then
+          if mode == 'r' then return pack('<dd', 4, i), n, tags + n + 1, {} end
+          return pack('<dd', 4, i), n, tags + 1, {}
+        end
         if v and byte(v) == 0 then
           if algo == 's' then
             if #v == 41 then a, b, c, blk, exp = unpack('<xddddd', v) end
@@ -266,7 +277,7 @@ local function decide(k, p)
       if tag >= 0 then
         local algo, a, b, c = L[2], L[7], L[8], L[9]
         if algo == 'c' then
-          call('ZREM', L[1], lease)
+          pcall_('ZREM', L[1], lease) -- a key of another type holds no lease
         else
           if algo == 'g' then
             local d, scale = L[5] - cost * L[12], L[11]
@@ -435,7 +446,7 @@ else
   reply[1] = out
   for i = 1, n do
     local L = layers[i]
-    if L[16] then flush(L) end
+    if L and L[16] then flush(L) end
   end
 end
 return reply

@@ -18,6 +18,10 @@ pub enum StoreError {
     /// The request's layers cannot be sent as given.
     #[error("invalid layers: {0}")]
     Layers(&'static str),
+    /// The Redis key of this layer (0-based) holds a value of another type, written by
+    /// something other than this limit: the request fails, the others sharing its call do not.
+    #[error("the Redis key of layer {0} holds a value of another type")]
+    KeyType(usize),
 }
 
 impl StoreError {
@@ -31,6 +35,7 @@ impl StoreError {
             }
             StoreError::Reply(s) => StoreError::Reply(s.clone()),
             StoreError::Layers(s) => StoreError::Layers(s),
+            StoreError::KeyType(layer) => StoreError::KeyType(*layer),
         }
     }
 }

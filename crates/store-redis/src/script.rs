@@ -29,7 +29,8 @@
 //! `[outcome, layer, wait, blocked_until, dry_refused, now]` then 5 per layer:
 //! `[remaining, reset, tag, own_wait, blocked_until]`.
 //! - outcome: 1 admitted, 0 refused, 2 cost too large (the header only), 3 refunded (refund
-//!   mode: nothing else);
+//!   mode: nothing else), 4 failed: `[4, layer]`, that layer's key holds another type in Redis
+//!   (read with `redis.pcall`, so the request fails alone, before writing anything);
 //! - layer: 1-based refusing layer (the longest wait) or the layer whose capacity is too small;
 //! - wait / reset: -1 for none; own_wait: -2 not refusing, -1 refusing without a wait;
 //! - blocked_until: 0 for none; in the header, non-zero when the refusal is due to an
@@ -195,6 +196,9 @@ pub(crate) fn decision(
     if reply.first() == Some(&2) && reply.len() >= 2 {
         let layer = index(reply[1], layers.len())?;
         return Ok(RemoteDecision::CostTooLarge { layer });
+    }
+    if reply.first() == Some(&4) && reply.len() >= 2 {
+        return Err(StoreError::KeyType(index(reply[1], layers.len())?));
     }
     if reply.len() != HEADER + PER_LAYER * layers.len() {
         return Err(StoreError::Reply(format!("{} integers", reply.len())));

@@ -281,35 +281,19 @@ async fn batcher(
     }
 }
 
-/// Sends one batch and answers each of its requests. If Redis refuses the call (an error
-/// from the script, e.g. a key of the wrong type), each request is sent again alone, so that
-/// one request's failure is not its neighbours'.
+/// Sends one batch and answers each of its requests. A request whose key Redis cannot read
+/// fails alone (the script reads with `redis.pcall`); an error of the whole call (a timeout,
+/// the connection, Redis refusing the script) is every request's.
 async fn send(mut conn: ConnectionManager, sha: Arc<str>, options: StoreOptions, batch: Vec<Call>) {
     // A request whose caller stopped waiting (timed out or dropped) is left out.
     let batch: Vec<Call> = batch.into_iter().filter(|c| !c.reply.is_closed()).collect();
     if batch.is_empty() {
         return;
     }
-    let result = call_script(&mut conn, &sha, options, &batch).await;
-    match result {
+    match call_script(&mut conn, &sha, options, &batch).await {
         Ok(replies) => {
             for (call, reply) in batch.into_iter().zip(replies) {
                 let _ = call.reply.send(Ok(reply));
-            }
-        }
-        Err(StoreError::Redis(e)) if batch.len() > 1 && refused_by_redis(&e) => {
-            let alone = batch.into_iter().map(|call| {
-                let mut conn = conn.clone();
-                let sha = Arc::clone(&sha);
-                async move {
-                    let one = std::slice::from_ref(&call);
-                    let result = call_script(&mut conn, &sha, options, one).await;
-                    let _ = call.reply.send(result.map(|mut r| r.remove(0)));
-                }
-            });
-            let alone: Vec<_> = alone.map(tokio::spawn).collect();
-            for task in alone {
-                let _ = task.await;
             }
         }
         Err(e) => {
@@ -318,14 +302,6 @@ async fn send(mut conn: ConnectionManager, sha: Arc<str>, options: StoreOptions,
             }
         }
     }
-}
-
-/// Whether Redis itself answered with an error (rather than the connection failing).
-fn refused_by_redis(e: &redis::RedisError) -> bool {
-    matches!(
-        e.kind(),
-        redis::ErrorKind::ResponseError | redis::ErrorKind::ExtensionError
-    )
 }
 
 /// One `EVALSHA` of `calls`, within the timeout: one reply per call.

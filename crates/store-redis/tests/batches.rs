@@ -202,15 +202,18 @@ async fn a_batch_decides_every_request_as_it_would_alone_in_order() {
 }
 
 #[tokio::test]
-async fn a_request_that_fails_in_redis_fails_alone_and_its_neighbours_are_decided() {
+async fn a_request_whose_key_redis_cannot_read_fails_alone_and_writes_nothing() {
     let server = RedisServer::start();
     let store: RedisStore = server.store().await;
     let limit = remote(&fixed("f", 100, SECOND));
+    let slots = remote(&concurrency("slots", 1));
+    // Request 0 takes the only slot; request 3's fixed-window key holds a hash. The bad read
+    // comes after request 0 wrote its lease: the call must go on, not end there.
+    let taking = [Layer::enforced(&slots, key("holder"))];
     let (good, bad) = (
         [Layer::enforced(&limit, key("good"))],
         [Layer::enforced(&limit, key("bad"))],
     );
-    // A key of the wrong type: the script's GET of it fails, and with it the whole call.
     let mut admin = server.admin().await;
     let name = limit.key_name(key("bad"));
     let _: () = redis::cmd("HSET")
@@ -222,23 +225,44 @@ async fn a_request_that_fails_in_redis_fails_alone_and_its_neighbours_are_decide
         .unwrap();
     let mut requests = Vec::new();
     for i in 0..6 {
-        let layers: &[Layer<'_>] = if i == 3 { &bad } else { &good };
+        let layers: &[Layer<'_>] = match i {
+            0 => &taking,
+            3 => &bad,
+            _ => &good,
+        };
         requests.push(Box::pin(store.decide_at(layers, 1, Mode::Charge, at(0))));
     }
     let results = futures_join_all(requests).await;
     for (i, r) in results.iter().enumerate() {
         match (i, r) {
-            (3, r) => assert!(matches!(r, Err(StoreError::Redis(_))), "{r:?}"),
+            (3, r) => assert!(matches!(r, Err(StoreError::KeyType(0))), "{r:?}"),
             (_, Ok(d)) => assert!(d.is_admitted(), "request {i}: {d:?}"),
             (_, Err(e)) => panic!("request {i} failed with its neighbour: {e}"),
         }
     }
-    // One call for the six, then one each when it failed.
-    assert_eq!(calls(&server, "evalsha").await, 1 + 6);
-    // And the five were charged once each: a check reports what would be left after it.
+    assert_eq!(
+        calls(&server, "evalsha").await,
+        1,
+        "one call, nothing sent again"
+    );
+    // The four good ones were charged once each (a check reports what would be left after
+    // it), the bad key is untouched, and the slot holds exactly request 0's lease.
     let d = store.decide_at(&good, 1, Mode::CheckOnly, at(0)).await;
     let RemoteDecision::Admitted(a) = d.unwrap() else {
         panic!("admitted")
     };
-    assert_eq!(a.reports[0].remaining, 100 - 5 - 1);
+    assert_eq!(a.reports[0].remaining, 100 - 4 - 1);
+    let kind: String = redis::cmd("TYPE")
+        .arg(&name)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(kind, "hash");
+    let leases: u64 = redis::cmd("ZCARD")
+        .arg(slots.key_name(key("holder")))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(leases, 1);
+    drop(results);
 }
