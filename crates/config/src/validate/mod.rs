@@ -98,18 +98,28 @@ impl<'a> Validator<'a> {
 
     /// An integer in `1..=u32::MAX`.
     pub(crate) fn positive_u32(&mut self, v: &S<i64>, key: &str) -> Option<NonZeroU32> {
+        self.integer::<u32>(v, key, 1, u32::MAX.into())
+            .and_then(NonZeroU32::new)
+    }
+
+    /// An integer in `min..=max` (a range that `T` holds).
+    pub(crate) fn integer<T: TryFrom<i64>>(
+        &mut self,
+        v: &S<i64>,
+        key: &str,
+        min: i64,
+        max: i64,
+    ) -> Option<T> {
         let n = *v.get_ref();
-        match u32::try_from(n).ok().and_then(NonZeroU32::new) {
-            Some(n) => Some(n),
-            None => {
-                self.err(
-                    Some(v.span()),
-                    key,
-                    format!("{n} is not allowed: it must be between 1 and {}", u32::MAX),
-                );
-                None
-            }
+        let value = (min..=max)
+            .contains(&n)
+            .then(|| T::try_from(n).ok())
+            .flatten();
+        if value.is_none() {
+            let why = format!("{n} is not allowed: it must be between {min} and {max}");
+            self.err(Some(v.span()), key, why);
         }
+        value
     }
 
     /// Reports names used twice within one list.

@@ -224,25 +224,19 @@ impl Validator<'_> {
                 &format!("{key}.timeout"),
                 Duration::from_secs(30),
             );
-            let idle_connections = match &u.idle_connections {
-                None => DEFAULT_IDLE_CONNECTIONS,
-                Some(v) => {
-                    let n = *v.get_ref();
-                    u16::try_from(n).unwrap_or_else(|_| {
-                        let key = format!("{key}.idle_connections");
-                        let why = format!("{n} is not allowed: it must be between 0 and 65535");
-                        self.err(Some(v.span()), &key, why);
-                        DEFAULT_IDLE_CONNECTIONS
-                    })
-                }
-            };
+            let idle_connections = u
+                .idle_connections
+                .as_ref()
+                .map_or(Some(DEFAULT_IDLE_CONNECTIONS), |v| {
+                    self.integer::<u16>(v, &format!("{key}.idle_connections"), 0, 65_535)
+                });
             if let Some(url) = url {
                 out.push(Upstream {
                     name: name.get_ref().clone(),
                     url,
                     connect_timeout,
                     timeout,
-                    idle_connections,
+                    idle_connections: idle_connections.unwrap_or(DEFAULT_IDLE_CONNECTIONS),
                 });
             }
         }
