@@ -40,29 +40,37 @@ upstream = "app"
     )
 }
 
+/// `n` requests held by the upstream at once, then released: each needs its own connection.
+async fn at_once(gw: &Sluice, up: &MockUpstream, n: usize) {
+    let held: Vec<_> = (0..n)
+        .map(|_| tokio::spawn(get(gw.main, "/api/hold", &[])))
+        .collect();
+    up.wait_holding(n).await;
+    up.release(n);
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+}
+
+/// `n` requests one after another.
+async fn one_after_another(gw: &Sluice, n: usize) {
+    for _ in 0..n {
+        assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
+    }
+}
+
 #[tokio::test]
 async fn upstream_connections_are_kept_alive_and_reused() {
     let up = MockUpstream::start().await;
     // One serving thread: with more, each keeps its own connections (as nginx workers do).
     let gw = Sluice::start_with_args(&config(&up.url(), "5s"), &["--threads", "1"]);
-    for _ in 0..20 {
-        assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
-    }
+    one_after_another(&gw, 20).await;
     assert_eq!(up.connections(), 1, "one after another: one connection");
     // Eight at once need eight connections (HTTP/1.1 sends one request at a time)...
-    let held: Vec<_> = (0..8)
-        .map(|_| tokio::spawn(get(gw.main, "/api/hold", &[])))
-        .collect();
-    up.wait_holding(8).await;
-    up.release(8);
-    for h in held {
-        assert_eq!(h.await.unwrap().status, 200);
-    }
+    at_once(&gw, &up, 8).await;
     assert_eq!(up.connections(), 8);
     // ...and all of them are kept for what follows.
-    for _ in 0..20 {
-        assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
-    }
+    one_after_another(&gw, 20).await;
     assert_eq!(
         up.connections(),
         8,
@@ -78,28 +86,12 @@ async fn idle_connections_caps_what_each_thread_keeps() {
     assert!(capped.contains("idle_connections = 2"));
     let gw = Sluice::start_with_args(&capped, &["--threads", "1"]);
     // Eight at once open eight connections; two are kept, six close after their exchange...
-    let held: Vec<_> = (0..8)
-        .map(|_| tokio::spawn(get(gw.main, "/api/hold", &[])))
-        .collect();
-    up.wait_holding(8).await;
-    up.release(8);
-    for h in held {
-        assert_eq!(h.await.unwrap().status, 200);
-    }
+    at_once(&gw, &up, 8).await;
     assert_eq!(up.connections(), 8);
     // ...so three at once need one more, and one after another none.
-    let held: Vec<_> = (0..3)
-        .map(|_| tokio::spawn(get(gw.main, "/api/hold", &[])))
-        .collect();
-    up.wait_holding(3).await;
-    up.release(3);
-    for h in held {
-        assert_eq!(h.await.unwrap().status, 200);
-    }
+    at_once(&gw, &up, 3).await;
     assert_eq!(up.connections(), 9);
-    for _ in 0..10 {
-        assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
-    }
+    one_after_another(&gw, 10).await;
     assert_eq!(up.connections(), 9);
 
     // With 0, every connection closes after its request.
@@ -107,9 +99,7 @@ async fn idle_connections_caps_what_each_thread_keeps() {
     let none = config(&up.url(), "5s")
         .replace("timeout = \"5s\"", "timeout = \"5s\"\nidle_connections = 0");
     let gw = Sluice::start_with_args(&none, &["--threads", "1"]);
-    for _ in 0..5 {
-        assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
-    }
+    one_after_another(&gw, 5).await;
     assert_eq!(up.connections(), 5);
 }
 
