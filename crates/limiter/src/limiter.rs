@@ -166,18 +166,11 @@ impl Limiter {
     /// If a [`LimitId`] does not belong to this limiter.
     #[inline]
     pub fn decide(&self, layers: &[(LimitId, Key)], cost: u32, now: Nanos) -> Decision {
-        // Charged in place in the returned value: a decision is ~270 bytes, and building the
-        // admission apart and then moving it in cost a copy per request.
-        let mut decision =
-            Decision::Admitted(self.empty_admission(layers.len(), cost, now.0, true));
-        let Decision::Admitted(admission) = &mut decision else {
-            unreachable!("made admitted above")
-        };
-        if let Err(stop) = self.charge_all(admission, layers, cost, now.0) {
-            let not_admitted = self.not_admitted(admission, layers, stop, cost, now.0);
-            decision = not_admitted;
+        let mut admission = self.empty_admission(layers.len(), cost, now.0, true);
+        match self.charge_all(&mut admission, layers, cost, now.0) {
+            Ok(()) => Decision::Admitted(admission),
+            Err(stop) => self.not_admitted(&mut admission, layers, stop, cost, now.0),
         }
-        decision
     }
 
     /// Charges every layer in order into `admission`, or says why it stopped. The caller
