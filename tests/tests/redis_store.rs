@@ -388,3 +388,40 @@ async fn stalled_redis_falls_back_within_the_timeout() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_callers_key_holding_foreign_data_fails_that_caller_alone_and_opens_no_breaker() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "2s"),
+        64,
+        KEY_QUOTA_30,
+    ));
+    assert_eq!(call(gw.main, "/v1/items", "poisoned").await.status, 200);
+    // Something else writes a list where sluice keeps this caller's count.
+    let keys = redis.cli(&["KEYS", "sluice:*"]);
+    let key = keys.trim();
+    assert!(
+        key.starts_with("sluice:key-quota:") && !key.contains('\n'),
+        "one key: {keys:?}"
+    );
+    redis.cli(&["DEL", key]);
+    redis.cli(&["RPUSH", key, "foreign"]);
+    // Its requests fail and follow on_error ("deny": 503), more than three in a row...
+    for _ in 0..5 {
+        let r = call(gw.main, "/v1/items", "poisoned").await;
+        assert_eq!(r.status, 503, "{:?}", r.body);
+    }
+    // ...and say nothing of Redis: every other caller is still decided there.
+    for other in ["a", "b", "c"] {
+        let r = call(gw.main, "/v1/items", other).await;
+        assert_eq!(r.status, 200, "caller {other}: {:?}", r.body);
+    }
+    assert_eq!(
+        redis.cli(&["KEYS", "sluice:key-quota:*"]).lines().count(),
+        4,
+        "the other callers were counted in Redis"
+    );
+}

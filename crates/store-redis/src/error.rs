@@ -25,6 +25,16 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// Whether the store itself failed (no answer in time, a broken connection, Redis
+    /// refusing the script, an unreadable reply), as opposed to this request alone (its
+    /// layers, or its key holding data of another type).
+    pub fn is_store_failure(&self) -> bool {
+        match self {
+            StoreError::Timeout(_) | StoreError::Redis(_) | StoreError::Reply(_) => true,
+            StoreError::Layers(_) | StoreError::KeyType(_) => false,
+        }
+    }
+
     /// The same failure, for another request of the same call (a Redis error's kind and
     /// message are kept; `RedisError` cannot be cloned).
     pub(crate) fn share(&self) -> StoreError {
@@ -36,6 +46,26 @@ impl StoreError {
             StoreError::Reply(s) => StoreError::Reply(s.clone()),
             StoreError::Layers(s) => StoreError::Layers(s),
             StoreError::KeyType(layer) => StoreError::KeyType(*layer),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_failures_of_the_store_itself_count_against_it() {
+        let redis = redis::RedisError::from((redis::ErrorKind::IoError, "gone"));
+        for e in [
+            StoreError::Timeout(Duration::from_millis(25)),
+            StoreError::Redis(redis),
+            StoreError::Reply("2 replies for 3 requests".into()),
+        ] {
+            assert!(e.is_store_failure(), "{e}");
+        }
+        for e in [StoreError::Layers("none"), StoreError::KeyType(1)] {
+            assert!(!e.is_store_failure(), "{e}");
         }
     }
 }

@@ -1,6 +1,11 @@
 //! A circuit breaker in front of the shared store: after a few failures in a row, stop
 //! calling it for a cool-down, then let one request probe it. A dead store then costs no
 //! latency per request.
+//!
+//! Failures are counted once per `spacing` (the store's timeout), not once per request: many
+//! requests share one call to the store, and many time out together when one call is slow, so
+//! counting each would open the breaker on a single stall. "Three in a row" means the store
+//! failed in three separate timeout periods with no success between them.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -14,7 +19,11 @@ const TRIP_AFTER: u32 = 3;
 pub(super) struct Breaker {
     epoch: Instant,
     cool_down: Duration,
+    spacing: Duration,
     failures: AtomicU32,
+    /// Milliseconds since `epoch`, plus one, of the last failure counted (0: none since the
+    /// last success).
+    last_counted_ms: AtomicU64,
     /// Milliseconds since `epoch` until which the store is not called (0: closed).
     open_until_ms: AtomicU64,
     probing: AtomicBool,
@@ -32,11 +41,14 @@ pub(super) enum Gate {
 }
 
 impl Breaker {
-    pub(super) fn new(cool_down: Duration) -> Self {
+    /// A breaker that opens for `cool_down`, counting at most one failure per `spacing`.
+    pub(super) fn new(cool_down: Duration, spacing: Duration) -> Self {
         Self {
             epoch: Instant::now(),
             cool_down,
+            spacing,
             failures: AtomicU32::new(0),
+            last_counted_ms: AtomicU64::new(0),
             open_until_ms: AtomicU64::new(0),
             probing: AtomicBool::new(false),
         }
@@ -65,14 +77,29 @@ impl Breaker {
 
     pub(super) fn success(&self) {
         self.failures.store(0, Ordering::Release);
+        self.last_counted_ms.store(0, Ordering::Release);
         self.open_until_ms.store(0, Ordering::Release);
         self.probing.store(false, Ordering::Release);
     }
 
-    /// Records a failure; returns true when this one opened (or re-opened) the breaker.
+    /// Records a failure of the store; returns true when this one opened (or re-opened) the
+    /// breaker. A failed probe re-opens it at once; otherwise a failure within `spacing` of
+    /// the last one counted is the same episode and is not counted again.
     pub(super) fn failure(&self) -> bool {
-        let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
         let was_probe = self.probing.swap(false, Ordering::AcqRel);
+        let now = self.now_ms() + 1;
+        let last = self.last_counted_ms.load(Ordering::Acquire);
+        let spacing = self.spacing.as_millis() as u64;
+        let counted = (last == 0 || now >= last.saturating_add(spacing))
+            && self
+                .last_counted_ms
+                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok();
+        let n = if counted {
+            self.failures.fetch_add(1, Ordering::AcqRel) + 1
+        } else {
+            self.failures.load(Ordering::Acquire)
+        };
         if n >= TRIP_AFTER || was_probe {
             let until = self.now_ms() + self.cool_down.as_millis() as u64;
             self.open_until_ms.store(until.max(1), Ordering::Release);
@@ -86,13 +113,25 @@ impl Breaker {
 mod tests {
     use super::*;
 
+    const SPACING: Duration = Duration::from_millis(50);
+
+    /// Three failures, each in its own timeout period.
+    async fn three_failures(b: &Breaker) -> [bool; 3] {
+        let mut opened = [false; 3];
+        for (i, o) in opened.iter_mut().enumerate() {
+            if i > 0 {
+                tokio::time::advance(SPACING).await;
+            }
+            *o = b.failure();
+        }
+        opened
+    }
+
     #[tokio::test(start_paused = true)]
     async fn opens_after_three_failures_then_lets_one_probe_through_after_the_cool_down() {
-        let b = Breaker::new(Duration::from_secs(1));
+        let b = Breaker::new(Duration::from_secs(1), SPACING);
         assert_eq!(b.gate(), Gate::Call);
-        assert!(!b.failure());
-        assert!(!b.failure());
-        assert!(b.failure());
+        assert_eq!(three_failures(&b).await, [false, false, true]);
         assert_eq!(b.gate(), Gate::Skip);
         tokio::time::advance(Duration::from_millis(1001)).await;
         assert_eq!(b.gate(), Gate::Probe);
@@ -103,5 +142,31 @@ mod tests {
         assert_eq!(b.gate(), Gate::Probe);
         b.success();
         assert_eq!(b.gate(), Gate::Call);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn many_requests_failing_together_count_as_one_failure() {
+        let b = Breaker::new(Duration::from_secs(1), SPACING);
+        // One slow call: a hundred requests time out within the same period.
+        for _ in 0..100 {
+            assert!(!b.failure());
+        }
+        assert_eq!(b.gate(), Gate::Call);
+        tokio::time::advance(SPACING - Duration::from_millis(1)).await;
+        assert!(!b.failure(), "still the same episode");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(!b.failure(), "the second");
+        tokio::time::advance(SPACING).await;
+        assert!(b.failure(), "the third period opens it");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_success_between_failures_starts_the_count_again() {
+        let b = Breaker::new(Duration::from_secs(1), SPACING);
+        assert!(!b.failure());
+        tokio::time::advance(SPACING).await;
+        assert!(!b.failure());
+        b.success();
+        assert_eq!(three_failures(&b).await, [false, false, true]);
     }
 }

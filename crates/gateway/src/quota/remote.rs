@@ -62,7 +62,7 @@ impl Remote {
             store,
             limits,
             on_error: cfg.on_error,
-            breaker: Breaker::new(COOL_DOWN),
+            breaker: Breaker::new(COOL_DOWN, cfg.timeout),
             fallbacks: AtomicU64::new(0),
             last_warning_ms: AtomicU64::new(0),
             epoch: tokio::time::Instant::now(),
@@ -120,7 +120,10 @@ impl Remote {
                     d
                 }
                 Err(e) => {
-                    self.breaker.failure();
+                    // A request's own key holding foreign data says nothing of the store.
+                    if e.is_store_failure() {
+                        self.breaker.failure();
+                    }
                     self.note_fallback(&e);
                     return self.fallback(quota, layers, cost, capacity, slot).await;
                 }
