@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use http::header::{HeaderName, HeaderValue, HOST};
+use http::header::{HeaderName, HeaderValue, CONNECTION, HOST, UPGRADE};
 use http::uri::{Authority, PathAndQuery};
-use http::{HeaderMap, Request, Response, Uri};
+use http::{HeaderMap, Request, Response, StatusCode, Uri};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
@@ -127,7 +127,10 @@ impl UpstreamClient {
             };
             match sender.try_send_request(req).await {
                 Ok(res) => {
-                    self.checkin(sender);
+                    // A connection that switched protocols is the tunnel's now.
+                    if res.status() != StatusCode::SWITCHING_PROTOCOLS {
+                        self.checkin(sender);
+                    }
                     return Ok(res);
                 }
                 Err(mut e) => match e.take_message() {
@@ -192,7 +195,7 @@ impl UpstreamClient {
             .await
             .map_err(Failure::Http)?;
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            if let Err(e) = conn.with_upgrades().await {
                 tracing::debug!(error = %display_chain(&e), "upstream connection ended with an error");
             }
         });
@@ -267,6 +270,29 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
     ]
     .contains(name)
         || HOP_BY_HOP.contains(&name.as_str())
+}
+
+/// The protocol an HTTP/1.1 request asks to switch to (`Connection: upgrade` and an `Upgrade`
+/// header, e.g. `websocket`), if any.
+pub(crate) fn upgrade_protocol<B>(req: &Request<B>) -> Option<HeaderValue> {
+    if req.version() != http::Version::HTTP_11 {
+        return None;
+    }
+    let asks = req
+        .headers()
+        .get_all(CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|token| token.trim().eq_ignore_ascii_case("upgrade"));
+    asks.then(|| req.headers().get(UPGRADE).cloned()).flatten()
+}
+
+/// Puts back the two hop-by-hop headers of a protocol switch, which the upstream (on a
+/// request) or the client (on a `101` response) must see.
+pub(crate) fn set_upgrade(headers: &mut HeaderMap, protocol: HeaderValue) {
+    headers.insert(CONNECTION, HeaderValue::from_static("upgrade"));
+    headers.insert(UPGRADE, protocol);
 }
 
 /// Rewrites request headers for the upstream: hop-by-hop stripped, the peer appended to

@@ -19,7 +19,9 @@ use crate::access_log::{self, AccessLog};
 use crate::advertise;
 use crate::body::Body;
 use crate::capacity::Capacity;
-use crate::forward::{prepare_request, strip_hop_by_hop, UpstreamClient};
+use crate::forward::{
+    prepare_request, set_upgrade, strip_hop_by_hop, upgrade_protocol, UpstreamClient,
+};
 use crate::identify::{Identify, KeyTooLong, MAX_KEY_BYTES};
 use crate::problem::Problem;
 use crate::quota::{Caller, Outcome, Quota, Reports, Stop};
@@ -145,16 +147,37 @@ async fn walk(
     let mut res = match &route.action {
         RouteAction::Respond(r) => respond(r),
         RouteAction::Upstream(u) => {
+            let upgrade = upgrade_protocol(&req);
+            let client_side = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
             prepare_request(&mut req, peer, peer_trusted);
+            if let Some(protocol) = upgrade {
+                set_upgrade(req.headers_mut(), protocol);
+            }
             let sent = shared.upstreams[*u].send(req).await;
             log.upstream_done();
-            match sent {
-                Ok(res) => {
+            match (sent, client_side) {
+                (Ok(mut res), Some(client_side))
+                    if res.status() == StatusCode::SWITCHING_PROTOCOLS =>
+                {
+                    let upstream_side = hyper::upgrade::on(&mut res);
+                    let (mut parts, _) = res.into_parts();
+                    let protocol = parts.headers.get(http::header::UPGRADE).cloned();
+                    strip_hop_by_hop(&mut parts.headers);
+                    if let Some(protocol) = protocol {
+                        set_upgrade(&mut parts.headers, protocol);
+                    }
+                    let mut res = Response::from_parts(parts, Body::full(Bytes::new()));
+                    advertise(shared, res.headers_mut(), &pass.reports, cost);
+                    let hold = (pass.slot, pass.held);
+                    tokio::spawn(crate::tunnel::splice(client_side, upstream_side, hold));
+                    return res;
+                }
+                (Ok(res), _) => {
                     let (mut parts, body) = res.into_parts();
                     strip_hop_by_hop(&mut parts.headers);
                     Response::from_parts(parts, Body::upstream(body))
                 }
-                Err(problem) => problem.into_response(&shared.problem_base),
+                (Err(problem), _) => problem.into_response(&shared.problem_base),
             }
         }
     };

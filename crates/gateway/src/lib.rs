@@ -25,6 +25,7 @@ mod refusal;
 mod request_id;
 mod route;
 mod server;
+mod tunnel;
 
 use std::future::Future;
 use std::io;

@@ -102,7 +102,8 @@ impl Conn {
         let result = match self.kind {
             Listener::Main => {
                 let svc = service_fn(move |req| crate::handle::handle(shared.clone(), peer, req));
-                watcher.watch(self.builder.serve_connection(io, svc)).await
+                let conn = self.builder.serve_connection_with_upgrades(io, svc);
+                watcher.watch(conn).await
             }
             Listener::Admin => {
                 let svc = service_fn(move |req| crate::admin::handle(shared.clone(), req));

@@ -1,0 +1,206 @@
+//! Protocol switches (`Connection: upgrade`, as WebSocket uses) through the gateway, over real
+//! sockets: the handshake reaches the upstream with its upgrade headers, the `101` reaches the
+//! client with its own, bytes then flow both ways, and the tunnel holds the caller's
+//! concurrency slot until it closes.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use sluice_tests::{get, Sluice};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Bounds every wait of these tests.
+const PATIENCE: Duration = Duration::from_secs(10);
+
+fn config(upstream: SocketAddr) -> String {
+    format!(
+        r#"
+[gateway]
+listen = "127.0.0.1:0"
+max_in_flight = 64
+
+[admin]
+listen = "127.0.0.1:0"
+
+[identity]
+api_key = ["header:x-api-key"]
+
+[responses]
+problem_base = "https://api.example.com/problems/"
+
+[upstreams.app]
+url = "http://{upstream}"
+
+[[routes]]
+name = "ws"
+path = "/ws"
+upstream = "app"
+
+[[limits]]
+name = "one-at-a-time"
+by = "api_key"
+algorithm = "concurrency"
+quota = 1
+"#
+    )
+}
+
+/// An upstream that switches any request asking for `Upgrade: echo` to a byte echo, and
+/// answers anything else `200`. It sends every request head it receives on `heads`.
+async fn echo_upstream() -> (SocketAddr, tokio::sync::mpsc::UnboundedReceiver<String>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (heads, received) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let heads = heads.clone();
+            tokio::spawn(async move {
+                let mut stream = BufReader::new(stream);
+                let head = read_head(&mut stream).await;
+                let _ = heads.send(head.clone());
+                let lower = head.to_ascii_lowercase();
+                if lower.contains("\r\nupgrade: echo") && lower.contains("\r\nconnection: upgrade")
+                {
+                    let switch = "HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: echo\r\nX-Echo: on\r\n\r\n";
+                    stream.write_all(switch.as_bytes()).await.unwrap();
+                    let (mut from, mut to) = tokio::io::split(stream);
+                    let _ = tokio::io::copy(&mut from, &mut to).await;
+                } else {
+                    let ok = "HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nok\n";
+                    let _ = stream.write_all(ok.as_bytes()).await;
+                }
+            });
+        }
+    });
+    (addr, received)
+}
+
+/// Reads an HTTP head, up to and including the empty line.
+async fn read_head<R: AsyncBufReadExt + Unpin>(r: &mut R) -> String {
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        let n = tokio::time::timeout(PATIENCE, r.read_line(&mut line))
+            .await
+            .expect("a head in time")
+            .unwrap();
+        head.push_str(&line);
+        if n == 0 || line == "\r\n" {
+            return head;
+        }
+    }
+}
+
+/// Opens a connection to the gateway and asks to switch to the echo protocol as `key`;
+/// returns the connection and the response head.
+async fn handshake(gw: SocketAddr, key: &str) -> (BufReader<TcpStream>, String) {
+    let mut stream = BufReader::new(TcpStream::connect(gw).await.unwrap());
+    let ask = format!(
+        "GET /ws HTTP/1.1\r\nHost: gw\r\nX-Api-Key: {key}\r\nConnection: keep-alive, Upgrade\r\nUpgrade: echo\r\n\r\n"
+    );
+    stream.write_all(ask.as_bytes()).await.unwrap();
+    let head = read_head(&mut stream).await;
+    (stream, head)
+}
+
+async fn echo(stream: &mut BufReader<TcpStream>, text: &[u8]) -> Vec<u8> {
+    stream.write_all(text).await.unwrap();
+    let mut back = vec![0; text.len()];
+    tokio::time::timeout(PATIENCE, stream.read_exact(&mut back))
+        .await
+        .expect("the echo in time")
+        .unwrap();
+    back
+}
+
+#[tokio::test]
+async fn an_upgrade_is_forwarded_and_the_tunnel_carries_bytes_both_ways() {
+    let (up, mut heads) = echo_upstream().await;
+    let gw = Sluice::start(&config(up));
+    let (mut stream, head) = handshake(gw.main, "k").await;
+    let lower = head.to_ascii_lowercase();
+    assert!(lower.starts_with("http/1.1 101"), "{head}");
+    assert!(lower.contains("\r\nupgrade: echo\r\n"), "{head}");
+    assert!(lower.contains("\r\nconnection: upgrade\r\n"), "{head}");
+    assert!(
+        lower.contains("\r\nx-echo: on\r\n"),
+        "other headers pass: {head}"
+    );
+    assert!(
+        lower.contains("\r\nratelimit: "),
+        "limits advertised: {head}"
+    );
+    let sent = heads.recv().await.unwrap().to_ascii_lowercase();
+    assert!(sent.contains("\r\nupgrade: echo\r\n"), "{sent}");
+    assert!(sent.contains("\r\nconnection: upgrade\r\n"), "{sent}");
+    assert!(
+        sent.contains("\r\nx-forwarded-for: 127.0.0.1\r\n"),
+        "{sent}"
+    );
+    // Bytes both ways, several times, in a frame format the gateway knows nothing of.
+    for text in [&b"hello"[..], &[0u8, 255, 13, 10, 13, 10], &[b'x'; 70_000]] {
+        assert_eq!(echo(&mut stream, text).await, text);
+    }
+}
+
+#[tokio::test]
+async fn an_open_tunnel_holds_its_concurrency_slot_until_it_closes() {
+    let (up, _heads) = echo_upstream().await;
+    let gw = Sluice::start(&config(up));
+    let (mut tunnel, head) = handshake(gw.main, "k").await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    assert_eq!(echo(&mut tunnel, b"still open").await, b"still open");
+    // The caller's one slot is the tunnel's: another request of the same key is refused, any
+    // other key passes.
+    let busy = get(gw.main, "/ws", &[("x-api-key", "k")]).await;
+    assert_eq!(busy.status, 429);
+    assert_eq!(
+        get(gw.main, "/ws", &[("x-api-key", "other")]).await.status,
+        200
+    );
+    // Closing the tunnel frees it.
+    drop(tunnel);
+    let freed = tokio::time::timeout(PATIENCE, async {
+        loop {
+            let r = get(gw.main, "/ws", &[("x-api-key", "k")]).await;
+            if r.status == 200 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(
+        freed.is_ok(),
+        "the slot was not released after the tunnel closed"
+    );
+}
+
+#[tokio::test]
+async fn an_upgrade_the_upstream_declines_is_an_ordinary_response() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    // Declines the switch: a plain 200 that closes.
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let mut stream = BufReader::new(stream);
+            read_head(&mut stream).await;
+            let no = "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 3\r\n\r\nno\n";
+            let _ = stream.write_all(no.as_bytes()).await;
+        }
+    });
+    let gw = Sluice::start(&config(up));
+    let (mut stream, head) = handshake(gw.main, "k").await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        !head.to_ascii_lowercase().contains("\r\nupgrade:"),
+        "{head}"
+    );
+    let mut body = [0u8; 3];
+    tokio::time::timeout(PATIENCE, stream.read_exact(&mut body))
+        .await
+        .expect("the body in time")
+        .unwrap();
+    assert_eq!(&body, b"no\n");
+}
