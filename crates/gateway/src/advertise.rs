@@ -1,7 +1,6 @@
 //! The add-headers step: the IETF RateLimit fields (draft-ietf-httpapi-ratelimit-headers,
 //! revision 11: Structured Fields lists), the legacy `X-RateLimit-*` trio, and the route cost.
 
-use std::fmt::Write;
 use std::time::Duration;
 
 use http::header::{HeaderName, HeaderValue};
@@ -20,27 +19,33 @@ pub(crate) fn ceil_secs(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
-/// Writes the fields for every limit that applied, in configuration order.
+/// Writes the fields for every limit that applied, in configuration order. Each item's name
+/// is already an sf-string ([`sf_string`], made once per limit when the gateway starts).
 pub(crate) fn write(headers: &mut HeaderMap, items: &[(&str, Report)], cost: u32, legacy: bool) {
     if items.is_empty() {
         return;
     }
     let mut policy = String::with_capacity(32 * items.len());
     let mut state = String::with_capacity(24 * items.len());
+    let mut digits = itoa::Buffer::new();
     for (i, (name, r)) in items.iter().enumerate() {
         if i > 0 {
             policy.push_str(", ");
             state.push_str(", ");
         }
-        sf_string(&mut policy, name);
-        let _ = write!(policy, ";q={}", r.quota);
+        policy.push_str(name);
+        policy.push_str(";q=");
+        policy.push_str(digits.format(r.quota));
         if let Some(w) = r.window {
-            let _ = write!(policy, ";w={}", ceil_secs(w).max(1));
+            policy.push_str(";w=");
+            policy.push_str(digits.format(ceil_secs(w).max(1)));
         }
-        sf_string(&mut state, name);
-        let _ = write!(state, ";r={}", r.remaining);
+        state.push_str(name);
+        state.push_str(";r=");
+        state.push_str(digits.format(r.remaining));
         if let Some(t) = r.reset {
-            let _ = write!(state, ";t={}", ceil_secs(t));
+            state.push_str(";t=");
+            state.push_str(digits.format(ceil_secs(t)));
         }
     }
     insert(headers, &RATELIMIT_POLICY, policy);
@@ -69,8 +74,10 @@ fn insert(headers: &mut HeaderMap, name: &HeaderName, value: String) {
     }
 }
 
-/// An sf-string (RFC 8941 section 3.3.3): quoted, with `"` and `\` escaped.
-fn sf_string(out: &mut String, s: &str) {
+/// `s` as an sf-string (RFC 8941 section 3.3.3): quoted, with `"` and `\` escaped and
+/// characters outside printable ASCII left out.
+pub(crate) fn sf_string(s: &str) -> Box<str> {
+    let mut out = String::with_capacity(s.len() + 2);
     out.push('"');
     for c in s.chars().filter(|c| (' '..='~').contains(c)) {
         if c == '"' || c == '\\' {
@@ -79,6 +86,7 @@ fn sf_string(out: &mut String, s: &str) {
         out.push(c);
     }
     out.push('"');
+    out.into_boxed_str()
 }
 
 #[cfg(test)]
@@ -112,9 +120,10 @@ mod tests {
     #[test]
     fn fields_list_every_limit_as_structured_field_members() {
         let mut h = HeaderMap::new();
+        let (ip, key) = (sf_string("per-ip"), sf_string("key-quota"));
         let items = [
-            ("per-ip", report(40, Some(2), 31, Some(400))),
-            ("key-quota", report(1000, Some(3600), 997, Some(2_112_300))),
+            (&*ip, report(40, Some(2), 31, Some(400))),
+            (&*key, report(1000, Some(3600), 997, Some(2_112_300))),
         ];
         write(&mut h, &items, 1, false);
         assert_eq!(
@@ -132,10 +141,11 @@ mod tests {
     #[test]
     fn legacy_headers_describe_the_limit_closest_to_refusing_and_cost_is_echoed() {
         let mut h = HeaderMap::new();
+        let names = ["a", "b", "c"].map(sf_string);
         let items = [
-            ("a", report(10, Some(60), 3, Some(5_000))),
-            ("b", report(5, Some(1), 3, Some(9_000))),
-            ("c", report(10, None, 4, None)),
+            (&*names[0], report(10, Some(60), 3, Some(5_000))),
+            (&*names[1], report(5, Some(1), 3, Some(9_000))),
+            (&*names[2], report(10, None, 4, None)),
         ];
         write(&mut h, &items, 5, true);
         assert_eq!(h["x-ratelimit-limit"], "5");
@@ -143,6 +153,12 @@ mod tests {
         assert_eq!(h["x-ratelimit-reset"], "9");
         assert_eq!(h["ratelimit-cost"], "5");
         assert_eq!(h["ratelimit"], "\"a\";r=3;t=5, \"b\";r=3;t=9, \"c\";r=4");
+    }
+
+    #[test]
+    fn names_are_quoted_and_escaped_as_sf_strings() {
+        assert_eq!(&*sf_string("per-ip"), "\"per-ip\"");
+        assert_eq!(&*sf_string("a\"b\\c\u{e9}\n"), "\"a\\\"b\\\\c\"");
     }
 
     #[test]

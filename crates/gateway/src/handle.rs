@@ -227,7 +227,7 @@ fn stopped(shared: &Shared, stop: Stop, cost: u32, log: &mut AccessLog) -> Respo
 fn advertise(shared: &Shared, headers: &mut http::HeaderMap, reports: &Reports, cost: u32) {
     let items: SmallVec<[(&str, Report); 8]> = reports
         .iter()
-        .map(|(id, r)| (&*shared.quota.info(*id).name, *r))
+        .map(|(id, r)| (&*shared.quota.info(*id).field_name, *r))
         .collect();
     advertise::write(headers, &items, cost, shared.legacy_headers);
 }

@@ -46,6 +46,8 @@ pub(crate) struct Quota {
 #[derive(Debug)]
 pub(crate) struct LimitInfo {
     pub(crate) name: Arc<str>,
+    /// The name as the RateLimit fields write it (an sf-string), made once.
+    pub(crate) field_name: Box<str>,
     parts: Vec<Part>,
     pub(crate) mode: Mode,
     pub(crate) config: config::Limit,
@@ -180,6 +182,7 @@ impl Quota {
             .iter()
             .map(|l| LimitInfo {
                 name: Arc::from(l.name.as_str()),
+                field_name: crate::advertise::sf_string(&l.name),
                 parts: l.by.iter().map(part).collect(),
                 mode: l.mode,
                 config: l.clone(),
