@@ -139,6 +139,26 @@ pub struct Admission {
     pub(crate) slots: SmallVec<[SlotGuard; 1]>,
 }
 
+impl Admission {
+    /// What of the admission must live until the request ends: its concurrency slots
+    /// (released when dropped). Its quota charges stay; it can no longer be refunded. A few
+    /// words, against the whole admission's ~270 bytes, for a caller that keeps it in each
+    /// request's state.
+    pub fn into_slots(self) -> Slots {
+        Slots {
+            _guards: self.slots,
+        }
+    }
+}
+
+/// The concurrency slots of an admission ([`Admission::into_slots`]), released when dropped.
+#[derive(Debug)]
+#[must_use = "dropping it releases the slots at once"]
+pub struct Slots {
+    /// Held only to be dropped.
+    _guards: SmallVec<[SlotGuard; 1]>,
+}
+
 /// Why a limit refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RefusalReason {

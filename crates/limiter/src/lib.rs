@@ -23,7 +23,9 @@ mod limiter;
 mod table;
 
 pub use clock::{Clock, ManualClock, Nanos, SystemClock};
-pub use decision::{Admission, CostTooLarge, Decision, LimitId, Refusal, RefusalReason, Report};
+pub use decision::{
+    Admission, CostTooLarge, Decision, LimitId, Refusal, RefusalReason, Report, Slots,
+};
 pub use key::{Key, KeyHasher};
 pub use limit::{Algorithm, Limit, LimitError, DEFAULT_MAX_KEYS};
 pub use limiter::{Limiter, LimiterError};

@@ -120,6 +120,25 @@ fn concurrency_slot_is_released_when_the_admission_drops() {
 }
 
 #[test]
+fn an_admissions_slots_alone_hold_its_concurrency_slots() {
+    let limiter = Limiter::new([
+        concurrency("slots", 1),
+        bucket("b", 10, Duration::from_secs(1), 10),
+    ])
+    .unwrap();
+    let layers = all_layers(&limiter, &["slots", "b"]);
+    let Decision::Admitted(a) = limiter.decide(&layers, 1, T0) else {
+        panic!()
+    };
+    let slots = a.into_slots();
+    assert!(!limiter.decide(&layers, 1, T0).is_admitted(), "slot held");
+    drop(slots);
+    assert!(limiter.decide(&layers, 1, T0).is_admitted(), "slot freed");
+    // The quota charges stayed: 2 of 10 used.
+    assert_eq!(observe(&limiter, &layers, T0)[1].remaining, 8);
+}
+
+#[test]
 fn check_decides_without_charging() {
     let limiter = Limiter::new([fixed("f", 2, Duration::from_secs(1))]).unwrap();
     let layers = all_layers(&limiter, &["f"]);

@@ -1,7 +1,7 @@
 //! Deciding in this instance's memory: the store in memory mode, and the `on_error = "local"`
 //! fallback of a shared store.
 
-use sluice_limiter::{Admission, Decision, LimitId, Refusal};
+use sluice_limiter::{Decision, LimitId, Refusal, Slots};
 
 use super::{Held, Layers, Outcome, Pass, Quota, Refused, Stop};
 use crate::capacity::{Capacity, InFlight};
@@ -35,7 +35,7 @@ impl Quota {
                     let (dry_run, dry_refused) = self.dry_run_in_memory(layers, cost);
                     let outcome = Outcome::of(dry_refused, delayed);
                     let held = Held {
-                        _enforced: Some(admission),
+                        _enforced: Some(admission.into_slots()),
                         _dry_run: dry_run,
                         _lease: None,
                     };
@@ -76,16 +76,12 @@ impl Quota {
     }
 
     /// Dry-run limits are decided (and charged) like enforced ones, but never refuse.
-    fn dry_run_in_memory(
-        &self,
-        layers: &Layers,
-        cost: u32,
-    ) -> (Option<Admission>, Option<LimitId>) {
+    fn dry_run_in_memory(&self, layers: &Layers, cost: u32) -> (Option<Slots>, Option<LimitId>) {
         if layers.dry_run.is_empty() {
             return (None, None);
         }
         match self.limiter.decide(&layers.dry_run, cost, self.clock.now()) {
-            Decision::Admitted(a) => (Some(a), None),
+            Decision::Admitted(a) => (Some(a.into_slots()), None),
             Decision::Refused(r) => (None, Some(r.limit())),
             Decision::CostTooLarge(c) => (None, Some(c.limit())),
         }

@@ -16,7 +16,7 @@ use http::{HeaderMap, HeaderName};
 use sluice_config::Store;
 use sluice_config::{self as config, Config, KeyPart, Mode};
 use sluice_limiter::{
-    Admission, Algorithm, Clock, Key, KeyHasher, Limit, LimitId, Limiter, RefusalReason, Report,
+    Algorithm, Clock, Key, KeyHasher, Limit, LimitId, Limiter, RefusalReason, Report, Slots,
 };
 use smallvec::SmallVec;
 
@@ -24,7 +24,7 @@ use crate::capacity::{Capacity, InFlight};
 use remote::Remote;
 
 /// Inline capacity for a request's limits; more spill to the heap.
-const INLINE: usize = 8;
+const INLINE: usize = 4;
 
 pub(crate) type Reports = SmallVec<[(LimitId, Report); INLINE]>;
 type KeyedLayers = SmallVec<[(LimitId, Key); INLINE]>;
@@ -94,12 +94,13 @@ pub(crate) struct Pass {
     pub(crate) outcome: Outcome,
 }
 
-/// Admissions kept until the response ends (concurrency slots and leases are released on
-/// drop).
+/// What of the admissions lives until the response ends: concurrency slots and Redis leases,
+/// released on drop. Only the slots of an admission, not the whole admission: this goes
+/// into every request's state and is moved with it several times.
 #[derive(Debug, Default)]
 pub(crate) struct Held {
-    _enforced: Option<Admission>,
-    _dry_run: Option<Admission>,
+    _enforced: Option<Slots>,
+    _dry_run: Option<Slots>,
     _lease: Option<sluice_store_redis::Lease>,
 }
 
