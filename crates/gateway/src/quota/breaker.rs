@@ -2,12 +2,12 @@
 //! calling it for a cool-down, then let one request probe it. A dead store then costs no
 //! latency per request.
 //!
-//! Failures are counted once per `spacing` (the store's timeout), not once per request: many
-//! requests share one call to the store, and many time out together when one call is slow, so
-//! counting each would open the breaker on a single stall. "Three in a row" means the store
-//! failed in three separate timeout periods with no success between them.
+//! Failures are counted once per `spacing` (the store's timeout, at most 100 ms), not once per
+//! request: many requests share one call to the store, and they fail together when that call
+//! fails or is slow, so counting each would open the breaker on a single slow call. "Three in a
+//! row" means the store failed in three separate periods with no success between them.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -26,7 +26,10 @@ pub(super) struct Breaker {
     last_counted_ms: AtomicU64,
     /// Milliseconds since `epoch` until which the store is not called (0: closed).
     open_until_ms: AtomicU64,
-    probing: AtomicBool,
+    /// Milliseconds since `epoch`, plus one, when the current probe was let through (0: no
+    /// probe out). A probe that never reports (its request was dropped, or failed on its own
+    /// data) expires after a cool-down, so the breaker cannot stay open for good.
+    probe_since_ms: AtomicU64,
 }
 
 /// Whether a request may call the store.
@@ -50,7 +53,7 @@ impl Breaker {
             failures: AtomicU32::new(0),
             last_counted_ms: AtomicU64::new(0),
             open_until_ms: AtomicU64::new(0),
-            probing: AtomicBool::new(false),
+            probe_since_ms: AtomicU64::new(0),
         }
     }
 
@@ -66,9 +69,15 @@ impl Breaker {
         if self.now_ms() < until {
             return Gate::Skip;
         }
+        let now = self.now_ms() + 1;
+        let probe = self.probe_since_ms.load(Ordering::Acquire);
+        let expired = probe != 0 && now >= probe + self.cool_down.as_millis() as u64;
+        if probe != 0 && !expired {
+            return Gate::Skip;
+        }
         match self
-            .probing
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .probe_since_ms
+            .compare_exchange(probe, now, Ordering::AcqRel, Ordering::Acquire)
         {
             Ok(_) => Gate::Probe,
             Err(_) => Gate::Skip,
@@ -79,14 +88,14 @@ impl Breaker {
         self.failures.store(0, Ordering::Release);
         self.last_counted_ms.store(0, Ordering::Release);
         self.open_until_ms.store(0, Ordering::Release);
-        self.probing.store(false, Ordering::Release);
+        self.probe_since_ms.store(0, Ordering::Release);
     }
 
     /// Records a failure of the store; returns true when this one opened (or re-opened) the
     /// breaker. A failed probe re-opens it at once; otherwise a failure within `spacing` of
     /// the last one counted is the same episode and is not counted again.
     pub(super) fn failure(&self) -> bool {
-        let was_probe = self.probing.swap(false, Ordering::AcqRel);
+        let was_probe = self.probe_since_ms.swap(0, Ordering::AcqRel) != 0;
         let now = self.now_ms() + 1;
         let last = self.last_counted_ms.load(Ordering::Acquire);
         let spacing = self.spacing.as_millis() as u64;
@@ -158,6 +167,21 @@ mod tests {
         assert!(!b.failure(), "the second");
         tokio::time::advance(SPACING).await;
         assert!(b.failure(), "the third period opens it");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_that_never_reports_expires_after_a_cool_down() {
+        let b = Breaker::new(Duration::from_secs(1), SPACING);
+        three_failures(&b).await;
+        tokio::time::advance(Duration::from_millis(1001)).await;
+        assert_eq!(b.gate(), Gate::Probe);
+        // Its request is dropped, or fails on its own data: no success, no failure.
+        tokio::time::advance(Duration::from_millis(999)).await;
+        assert_eq!(b.gate(), Gate::Skip, "still out");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(b.gate(), Gate::Probe, "a new probe after a cool-down");
+        b.success();
+        assert_eq!(b.gate(), Gate::Call);
     }
 
     #[tokio::test(start_paused = true)]

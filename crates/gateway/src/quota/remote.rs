@@ -24,6 +24,10 @@ use crate::capacity::{Capacity, InFlight};
 /// often an instance that could not connect at start-up tries again.
 const COOL_DOWN: Duration = Duration::from_secs(1);
 
+/// Failures of Redis closer together than this (or than the store's timeout, if shorter) are
+/// one episode to the circuit breaker: the requests of one slow call fail together.
+const FAILURE_SPACING: Duration = Duration::from_millis(100);
+
 /// The Redis side of the quota step.
 pub(super) struct Remote {
     store: Arc<OnceLock<RedisStore>>,
@@ -62,7 +66,7 @@ impl Remote {
             store,
             limits,
             on_error: cfg.on_error,
-            breaker: Breaker::new(COOL_DOWN, cfg.timeout),
+            breaker: Breaker::new(COOL_DOWN, cfg.timeout.min(FAILURE_SPACING)),
             fallbacks: AtomicU64::new(0),
             last_warning_ms: AtomicU64::new(0),
             epoch: tokio::time::Instant::now(),
@@ -120,9 +124,12 @@ impl Remote {
                     d
                 }
                 Err(e) => {
-                    // A request's own key holding foreign data says nothing of the store.
+                    // A request's own key holding foreign data is not the store failing: Redis
+                    // answered.
                     if e.is_store_failure() {
                         self.breaker.failure();
+                    } else {
+                        self.breaker.success();
                     }
                     self.note_fallback(&e);
                     return self.fallback(quota, layers, cost, capacity, slot).await;
