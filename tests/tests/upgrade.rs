@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use sluice_tests::{get, Sluice};
+use sluice_tests::{get, send, Sluice};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -14,11 +14,16 @@ use tokio::net::{TcpListener, TcpStream};
 const PATIENCE: Duration = Duration::from_secs(10);
 
 fn config(upstream: SocketAddr) -> String {
+    config_with_grace(upstream, "10s")
+}
+
+fn config_with_grace(upstream: SocketAddr, grace: &str) -> String {
     format!(
         r#"
 [gateway]
 listen = "127.0.0.1:0"
 max_in_flight = 64
+shutdown_grace = "{grace}"
 
 [admin]
 listen = "127.0.0.1:0"
@@ -203,4 +208,67 @@ async fn an_upgrade_the_upstream_declines_is_an_ordinary_response() {
         .expect("the body in time")
         .unwrap();
     assert_eq!(&body, b"no\n");
+}
+
+#[tokio::test]
+async fn an_h2c_upgrade_is_not_forwarded() {
+    let (up, mut heads) = echo_upstream().await;
+    let gw = Sluice::start(&config(up));
+    // Cleartext HTTP/2 would hand the client a raw HTTP/2 connection to the upstream.
+    let req = http::Request::get("/ws")
+        .header("x-api-key", "k")
+        .header("connection", "Upgrade, HTTP2-Settings")
+        .header("upgrade", "h2c")
+        .header("http2-settings", "AAMAAABkAAQAAP__")
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    assert_eq!(send(gw.main, req).await.status, 200);
+    let sent = heads.recv().await.unwrap().to_ascii_lowercase();
+    for gone in [
+        "\r\nupgrade:",
+        "\r\nhttp2-settings:",
+        "\r\nconnection: upgrade",
+    ] {
+        assert!(!sent.contains(gone), "{gone} reached the upstream: {sent}");
+    }
+}
+
+#[tokio::test]
+async fn a_switch_nobody_asked_for_is_a_502() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let mut stream = BufReader::new(stream);
+            read_head(&mut stream).await;
+            let switch =
+                "HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: echo\r\n\r\n";
+            let _ = stream.write_all(switch.as_bytes()).await;
+        }
+    });
+    let gw = Sluice::start(&config(up));
+    assert_eq!(get(gw.main, "/ws", &[("x-api-key", "k")]).await.status, 502);
+}
+
+#[tokio::test]
+async fn shutdown_waits_within_its_grace_for_open_tunnels() {
+    let (up, _heads) = echo_upstream().await;
+    let mut gw = Sluice::start(&config_with_grace(up, "20s"));
+    let (mut tunnel, head) = handshake(gw.main, "k").await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    gw.terminate();
+    gw.wait_log("draining", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("draining"))
+    })
+    .await;
+    // Draining: the tunnel still carries bytes...
+    assert_eq!(echo(&mut tunnel, b"after SIGTERM").await, b"after SIGTERM");
+    // ...until its client closes it; then the gateway stops, every request finished.
+    drop(tunnel);
+    let status = gw.wait_exit(PATIENCE).await;
+    assert_eq!(status.code(), Some(0));
+    let stopped = gw.wait_log("stopped", |v| v["message"] == "stopped").await;
+    assert_eq!(stopped["every_request_finished"], true);
 }

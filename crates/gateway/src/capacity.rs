@@ -15,6 +15,8 @@ struct Inner {
     in_flight: AtomicUsize,
     max: usize,
     draining: AtomicBool,
+    /// Woken when the last in-flight slot is released while draining.
+    drained: tokio::sync::Notify,
 }
 
 /// One admitted request's slot; released when dropped (response body finished, client gone).
@@ -30,6 +32,7 @@ impl Capacity {
                 in_flight: AtomicUsize::new(0),
                 max,
                 draining: AtomicBool::new(false),
+                drained: tokio::sync::Notify::new(),
             }),
         }
     }
@@ -74,11 +77,27 @@ impl Capacity {
     pub(crate) fn is_draining(&self) -> bool {
         self.inner.draining.load(Ordering::Acquire)
     }
+
+    /// Resolves once draining has started and no slot is held: every request has ended,
+    /// including those whose connection hyper no longer tracks (open tunnels).
+    pub(crate) async fn drained(&self) {
+        loop {
+            // Registered before the check, so a release in between still wakes it.
+            let released = self.inner.drained.notified();
+            if self.is_draining() && self.in_flight() == 0 {
+                return;
+            }
+            released.await;
+        }
+    }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.inner.in_flight.fetch_sub(1, Ordering::AcqRel);
+        let before = self.inner.in_flight.fetch_sub(1, Ordering::AcqRel);
+        if before == 1 && self.inner.draining.load(Ordering::Acquire) {
+            self.inner.drained.notify_waiters();
+        }
     }
 }
 
@@ -97,6 +116,25 @@ mod tests {
         drop(a);
         assert!(cap.is_ready());
         assert!(cap.try_acquire().is_some());
+    }
+
+    #[tokio::test]
+    async fn drained_waits_for_the_last_slot_once_draining() {
+        let cap = Arc::new(Capacity::new(2));
+        let (a, b) = (cap.try_acquire().unwrap(), cap.try_acquire().unwrap());
+        cap.start_draining();
+        let waiter = {
+            let cap = cap.clone();
+            tokio::spawn(async move { cap.drained().await })
+        };
+        drop(a);
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "one slot still held");
+        drop(b);
+        tokio::time::timeout(std::time::Duration::from_secs(5), waiter)
+            .await
+            .expect("drained once the last slot went")
+            .unwrap();
     }
 
     #[test]

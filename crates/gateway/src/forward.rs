@@ -26,8 +26,9 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 /// Hop-by-hop headers (RFC 9110 section 7.6.1) that `http` has no constant for; the others
-/// are listed in `is_hop_by_hop`.
-const HOP_BY_HOP: [&str; 2] = ["keep-alive", "proxy-connection"];
+/// are listed in `is_hop_by_hop`. `HTTP2-Settings` belongs to an `h2c` upgrade (RFC 7540
+/// section 3.2.1), which is never forwarded.
+const HOP_BY_HOP: [&str; 3] = ["keep-alive", "proxy-connection", "http2-settings"];
 
 /// Pooled connections looked at for a ready one before opening a new connection.
 const CHECKOUT_TRIES: usize = 4;
@@ -273,7 +274,7 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 }
 
 /// The protocol an HTTP/1.1 request asks to switch to (`Connection: upgrade` and an `Upgrade`
-/// header, e.g. `websocket`), if any.
+/// header, e.g. `websocket`), if any and if it may be forwarded (not `h2c`).
 pub(crate) fn upgrade_protocol<B>(req: &Request<B>) -> Option<HeaderValue> {
     if req.version() != http::Version::HTTP_11 {
         return None;
@@ -285,7 +286,14 @@ pub(crate) fn upgrade_protocol<B>(req: &Request<B>) -> Option<HeaderValue> {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .any(|token| token.trim().eq_ignore_ascii_case("upgrade"));
-    asks.then(|| req.headers().get(UPGRADE).cloned()).flatten()
+    let protocol = req.headers().get(UPGRADE).filter(|_| asks)?;
+    // Cleartext HTTP/2 would give the client a raw HTTP/2 connection to the upstream, behind
+    // the gateway's back (routes and limits decided once, for the handshake): "h2c
+    // smuggling". The request goes on without the upgrade.
+    let h2c = protocol.to_str().map_or(true, |p| {
+        p.split(',').any(|t| t.trim().eq_ignore_ascii_case("h2c"))
+    });
+    (!h2c).then(|| protocol.clone())
 }
 
 /// Puts back the two hop-by-hop headers of a protocol switch, which the upstream (on a

@@ -172,6 +172,10 @@ async fn walk(
                     tokio::spawn(crate::tunnel::splice(client_side, upstream_side, hold));
                     return res;
                 }
+                (Ok(res), None) if res.status() == StatusCode::SWITCHING_PROTOCOLS => {
+                    tracing::debug!("the upstream switched protocols unasked");
+                    Problem::upstream_unavailable().into_response(&shared.problem_base)
+                }
                 (Ok(res), _) => {
                     let (mut parts, body) = res.into_parts();
                     strip_hop_by_hop(&mut parts.headers);

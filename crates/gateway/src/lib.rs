@@ -226,12 +226,17 @@ impl Gateway {
         )
         .await;
         let _ = stop_workers.send(true);
-        let mut finished = tokio::time::timeout(shutdown_grace, graceful.shutdown())
+        let deadline = tokio::time::Instant::now() + shutdown_grace;
+        let mut finished = tokio::time::timeout_at(deadline, graceful.shutdown())
             .await
             .is_ok();
         for worker in workers {
             finished &= worker.await.unwrap_or(false);
         }
+        // Tunnels (switched protocols) left hyper's connections but still hold their slots.
+        finished &= tokio::time::timeout_at(deadline, shared.capacity.drained())
+            .await
+            .is_ok();
         if !finished {
             tracing::warn!(
                 in_flight = shared.capacity.in_flight(),
@@ -310,15 +315,22 @@ impl Worker {
         accept_loop(
             listener,
             Listener::Main,
-            shared,
+            shared.clone(),
             timeout,
             &graceful,
             stopped,
         )
         .await;
-        tokio::time::timeout(self.shutdown_grace, graceful.shutdown())
+        let deadline = tokio::time::Instant::now() + self.shutdown_grace;
+        let finished = tokio::time::timeout_at(deadline, graceful.shutdown())
             .await
-            .is_ok()
+            .is_ok();
+        // This thread's tunnels run on its runtime, which ends when this returns: wait for
+        // them too (for every thread's, which is simpler and no longer than the grace).
+        finished
+            && tokio::time::timeout_at(deadline, shared.capacity.drained())
+                .await
+                .is_ok()
     }
 }
 
