@@ -114,6 +114,16 @@ impl Sluice {
         }
     }
 
+    /// Waits (bounded) until the gateway says it is draining (after [`Sluice::terminate`]).
+    pub async fn wait_draining(&self) {
+        self.wait_log("draining", |v| {
+            v["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("draining"))
+        })
+        .await;
+    }
+
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.id()

@@ -127,12 +127,7 @@ async fn sigterm_fails_readiness_stops_accepting_and_finishes_in_flight_work() {
     up.wait_holding(1).await;
 
     gw.terminate();
-    gw.wait_log("draining", |v| {
-        v["message"]
-            .as_str()
-            .is_some_and(|m| m.starts_with("draining"))
-    })
-    .await;
+    gw.wait_draining().await;
     assert_eq!(
         get(gw.admin, "/ready", &[]).await.status,
         503,

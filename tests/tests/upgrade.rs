@@ -81,6 +81,20 @@ async fn echo_upstream() -> (SocketAddr, tokio::sync::mpsc::UnboundedReceiver<St
     (addr, received)
 }
 
+/// An upstream that reads each request's head and answers `response`, whatever was asked.
+async fn canned_upstream(response: &'static str) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let mut stream = BufReader::new(stream);
+            read_head(&mut stream).await;
+            let _ = stream.write_all(response.as_bytes()).await;
+        }
+    });
+    addr
+}
+
 /// Reads an HTTP head, up to and including the empty line.
 async fn read_head<R: AsyncBufReadExt + Unpin>(r: &mut R) -> String {
     let mut head = String::new();
@@ -184,17 +198,10 @@ async fn an_open_tunnel_holds_its_concurrency_slot_until_it_closes() {
 
 #[tokio::test]
 async fn an_upgrade_the_upstream_declines_is_an_ordinary_response() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let up = listener.local_addr().unwrap();
     // Declines the switch: a plain 200 that closes.
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let mut stream = BufReader::new(stream);
-            read_head(&mut stream).await;
-            let no = "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 3\r\n\r\nno\n";
-            let _ = stream.write_all(no.as_bytes()).await;
-        }
-    });
+    let up =
+        canned_upstream("HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 3\r\n\r\nno\n")
+            .await;
     let gw = Sluice::start(&config(up));
     let (mut stream, head) = handshake(gw.main, "k").await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
@@ -235,17 +242,8 @@ async fn an_h2c_upgrade_is_not_forwarded() {
 
 #[tokio::test]
 async fn a_switch_nobody_asked_for_is_a_502() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let up = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let mut stream = BufReader::new(stream);
-            read_head(&mut stream).await;
-            let switch =
-                "HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: echo\r\n\r\n";
-            let _ = stream.write_all(switch.as_bytes()).await;
-        }
-    });
+    let switch = "HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: echo\r\n\r\n";
+    let up = canned_upstream(switch).await;
     let gw = Sluice::start(&config(up));
     assert_eq!(get(gw.main, "/ws", &[("x-api-key", "k")]).await.status, 502);
 }
@@ -257,12 +255,7 @@ async fn shutdown_waits_within_its_grace_for_open_tunnels() {
     let (mut tunnel, head) = handshake(gw.main, "k").await;
     assert!(head.starts_with("HTTP/1.1 101"), "{head}");
     gw.terminate();
-    gw.wait_log("draining", |v| {
-        v["message"]
-            .as_str()
-            .is_some_and(|m| m.starts_with("draining"))
-    })
-    .await;
+    gw.wait_draining().await;
     // Draining: the tunnel still carries bytes...
     assert_eq!(echo(&mut tunnel, b"after SIGTERM").await, b"after SIGTERM");
     // ...until its client closes it; then the gateway stops, every request finished.
