@@ -14,10 +14,10 @@ use tokio::net::{TcpListener, TcpStream};
 const PATIENCE: Duration = Duration::from_secs(10);
 
 fn config(upstream: SocketAddr) -> String {
-    config_with_grace(upstream, "10s")
+    config_with(upstream, "10s", "60s")
 }
 
-fn config_with_grace(upstream: SocketAddr, grace: &str) -> String {
+fn config_with(upstream: SocketAddr, grace: &str, tunnel_idle: &str) -> String {
     format!(
         r#"
 [gateway]
@@ -36,6 +36,7 @@ problem_base = "https://api.example.com/problems/"
 
 [upstreams.app]
 url = "http://{upstream}"
+tunnel_idle_timeout = "{tunnel_idle}"
 
 [[routes]]
 name = "ws"
@@ -251,7 +252,7 @@ async fn a_switch_nobody_asked_for_is_a_502() {
 #[tokio::test]
 async fn shutdown_waits_within_its_grace_for_open_tunnels() {
     let (up, _heads) = echo_upstream().await;
-    let mut gw = Sluice::start(&config_with_grace(up, "20s"));
+    let mut gw = Sluice::start(&config_with(up, "20s", "60s"));
     let (mut tunnel, head) = handshake(gw.main, "k").await;
     assert!(head.starts_with("HTTP/1.1 101"), "{head}");
     gw.terminate();
@@ -264,4 +265,25 @@ async fn shutdown_waits_within_its_grace_for_open_tunnels() {
     assert_eq!(status.code(), Some(0));
     let stopped = gw.wait_log("stopped", |v| v["message"] == "stopped").await;
     assert_eq!(stopped["every_request_finished"], true);
+}
+
+#[tokio::test]
+async fn a_tunnel_idle_for_its_timeout_is_closed_and_frees_its_slot() {
+    let (up, _heads) = echo_upstream().await;
+    let gw = Sluice::start(&config_with(up, "10s", "1s"));
+    let (mut tunnel, head) = handshake(gw.main, "k").await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    // Traffic every 150 ms keeps it open past the timeout...
+    for _ in 0..8 {
+        assert_eq!(echo(&mut tunnel, b"ping").await, b"ping");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    // ...silence closes it.
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(PATIENCE, tunnel.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0))),
+        "the idle tunnel was not closed: {closed:?}"
+    );
+    assert_eq!(get(gw.main, "/ws", &[("x-api-key", "k")]).await.status, 200);
 }

@@ -106,6 +106,9 @@ pub struct Upstream {
     /// The most idle connections each serving thread keeps open to this upstream (0: none,
     /// every connection closes after its request).
     pub idle_connections: u16,
+    /// A tunnel (a switched protocol, e.g. WebSocket) through which no byte passed either way
+    /// for this long is closed.
+    pub tunnel_idle_timeout: Duration,
 }
 
 /// `[[routes]]`.

@@ -76,6 +76,7 @@ pub(crate) struct RawUpstream {
     pub connect_timeout: Option<S<String>>,
     pub timeout: Option<S<String>>,
     pub idle_connections: Option<S<i64>>,
+    pub tunnel_idle_timeout: Option<S<String>>,
 }
 
 #[derive(Debug, Deserialize)]

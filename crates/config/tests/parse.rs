@@ -45,6 +45,7 @@ fn shipped_config_is_accepted_as_written() {
     assert_eq!(c.limits[4].block_for, Some(Duration::from_secs(600)));
     assert_eq!(c.identity.trusted_proxies.len(), 2);
     assert_eq!(c.upstreams[0].idle_connections, 256);
+    assert_eq!(c.upstreams[0].tunnel_idle_timeout, Duration::from_secs(60));
 }
 
 #[test]
@@ -195,6 +196,11 @@ fn bad_values_in_other_sections_are_named() {
             "idle_connections = 256",
             "idle_connections = 70000",
             "upstreams.app.idle_connections: 70000 is not allowed: it must be between 0 and 65535",
+        ),
+        (
+            "tunnel_idle_timeout = \"60s\"",
+            "tunnel_idle_timeout = \"0s\"",
+            "upstreams.app.tunnel_idle_timeout: \"0s\" must be longer than zero",
         ),
         (
             "methods = [\"GET\"]",

@@ -69,6 +69,7 @@ pub(crate) struct UpstreamClient {
     /// Connections each pool keeps for reuse (`idle_connections`); more are closed once
     /// their exchange ends.
     keep: usize,
+    tunnel_idle_timeout: Duration,
 }
 
 /// Why an exchange failed, before it becomes a problem response.
@@ -90,7 +91,13 @@ impl UpstreamClient {
             connect_timeout: u.connect_timeout,
             idle: (0..POOLS).map(|_| Mutex::new(Pool::default())).collect(),
             keep: usize::from(u.idle_connections),
+            tunnel_idle_timeout: u.tunnel_idle_timeout,
         }
+    }
+
+    /// How long a tunnel to this upstream may carry no byte before it is closed.
+    pub(crate) fn tunnel_idle_timeout(&self) -> Duration {
+        self.tunnel_idle_timeout
     }
 
     /// Sends `req` (already rewritten) and waits for the response head within `timeout`.

@@ -169,7 +169,13 @@ async fn walk(
                     let mut res = Response::from_parts(parts, Body::full(Bytes::new()));
                     advertise(shared, res.headers_mut(), &pass.reports, cost);
                     let hold = (pass.slot, pass.held);
-                    tokio::spawn(crate::tunnel::splice(client_side, upstream_side, hold));
+                    let idle = shared.upstreams[*u].tunnel_idle_timeout();
+                    tokio::spawn(crate::tunnel::splice(
+                        client_side,
+                        upstream_side,
+                        idle,
+                        hold,
+                    ));
                     return res;
                 }
                 (Ok(res), None) if res.status() == StatusCode::SWITCHING_PROTOCOLS => {

@@ -224,6 +224,11 @@ impl Validator<'_> {
                 &format!("{key}.timeout"),
                 Duration::from_secs(30),
             );
+            let tunnel_idle_timeout = self.duration(
+                &u.tunnel_idle_timeout,
+                &format!("{key}.tunnel_idle_timeout"),
+                Duration::from_secs(60),
+            );
             let idle_connections = u
                 .idle_connections
                 .as_ref()
@@ -237,6 +242,7 @@ impl Validator<'_> {
                     connect_timeout,
                     timeout,
                     idle_connections: idle_connections.unwrap_or(DEFAULT_IDLE_CONNECTIONS),
+                    tunnel_idle_timeout,
                 });
             }
         }
