@@ -123,13 +123,25 @@ async fn each_thread_listens_on_the_main_address_with_its_own_socket() {
     let up = MockUpstream::start().await;
     let gw = Sluice::start_with_args(&config(&up.url(), "5s"), &["--threads", "3"]);
     assert_eq!(listening_sockets(gw.main.port()), 3);
-    let names: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", gw.pid()))
-        .expect("list threads")
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-        .map(|n| n.trim().to_owned())
-        .collect();
-    for worker in ["sluice-worker-1", "sluice-worker-2"] {
-        assert!(names.iter().any(|n| n == worker), "{worker} in {names:?}");
+    // The "listening" line is written once the sockets are bound; the worker threads start
+    // just after it.
+    let threads = || -> Vec<String> {
+        std::fs::read_dir(format!("/proc/{}/task", gw.pid()))
+            .expect("list threads")
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .map(|n| n.trim().to_owned())
+            .collect()
+    };
+    let workers = ["sluice-worker-1", "sluice-worker-2"];
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut names = threads();
+    while !workers.iter().all(|w| names.iter().any(|n| n == w)) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "worker threads in {names:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        names = threads();
     }
     // Connections land on any of the sockets; every one is served.
     let replies: Vec<_> = (0..48)
