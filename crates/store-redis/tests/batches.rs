@@ -35,9 +35,9 @@ async fn requests_sent_together_share_one_evalsha_that_reads_and_writes_each_key
         .collect();
     let expected: Vec<bool> = (0..30).map(|i| i < 20).collect();
     assert_eq!(admitted, expected, "in order: the first 20 pass");
-    assert_eq!(calls(&server, "evalsha").await, 1);
-    assert_eq!(calls(&server, "get").await, 3, "each key read once");
-    assert_eq!(calls(&server, "set").await, 3, "each key written once");
+    assert_eq!(server.calls("evalsha"), 1);
+    assert_eq!(server.calls("get"), 3, "each key read once");
+    assert_eq!(server.calls("set"), 3, "each key written once");
     // And the state written is the state after all thirty.
     let alone = store
         .decide_at(&layers, 1, Mode::CheckOnly, at(0))
@@ -192,7 +192,7 @@ async fn a_batch_decides_every_request_as_it_would_alone_in_order() {
     // The sequence went through every outcome: admitted, refused, refused while blocked,
     // too large.
     assert!(seen.iter().all(|&n| n > 0), "{seen:?}");
-    let evalsha = calls(&server, "evalsha").await;
+    let evalsha = server.calls("evalsha");
     assert_eq!(
         evalsha,
         (batches + requests) as u64,
@@ -240,11 +240,7 @@ async fn a_request_whose_key_redis_cannot_read_fails_alone_and_writes_nothing() 
             (_, Err(e)) => panic!("request {i} failed with its neighbour: {e}"),
         }
     }
-    assert_eq!(
-        calls(&server, "evalsha").await,
-        1,
-        "one call, nothing sent again"
-    );
+    assert_eq!(server.calls("evalsha"), 1, "one call, nothing sent again");
     // The four good ones were charged once each (a check reports what would be left after
     // it), the bad key is untouched, and the slot holds exactly request 0's lease.
     let d = store.decide_at(&good, 1, Mode::CheckOnly, at(0)).await;

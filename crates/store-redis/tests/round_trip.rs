@@ -24,13 +24,9 @@ async fn each_decision_over_three_limits_is_one_evalsha() {
     for _ in 0..20 {
         let _ = store.decide(&layers, 1, Mode::Charge).await.unwrap();
     }
-    assert_eq!(calls(&server, "evalsha").await, 20);
-    assert_eq!(calls(&server, "eval").await, 0);
-    assert_eq!(
-        calls(&server, "script|load").await,
-        1,
-        "loaded once, at connect"
-    );
+    assert_eq!(server.calls("evalsha"), 20);
+    assert_eq!(server.calls("eval"), 0);
+    assert_eq!(server.calls("script|load"), 1, "loaded once, at connect");
 }
 
 #[tokio::test]
@@ -54,13 +50,13 @@ async fn script_flush_is_survived_by_reloading_transparently() {
         .await
         .unwrap()
         .is_admitted());
-    assert_eq!(calls(&server, "script|load").await, 2);
+    assert_eq!(server.calls("script|load"), 2);
     assert!(store
         .decide(&layers, 1, Mode::Charge)
         .await
         .unwrap()
         .is_admitted());
-    assert_eq!(calls(&server, "script|load").await, 2, "reloaded once only");
+    assert_eq!(server.calls("script|load"), 2, "reloaded once only");
 }
 
 #[tokio::test]
