@@ -3,7 +3,6 @@
 //! Every step that answers early returns a response; nothing jumps back.
 
 use std::convert::Infallible;
-use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -20,7 +19,7 @@ use crate::advertise;
 use crate::body::Body;
 use crate::capacity::Capacity;
 use crate::forward::{
-    prepare_request, set_upgrade, strip_hop_by_hop, upgrade_protocol, UpstreamClient,
+    prepare_request, set_upgrade, strip_hop_by_hop, upgrade_protocol, Peer, UpstreamClient,
 };
 use crate::identify::{Identify, KeyTooLong, MAX_KEY_BYTES};
 use crate::problem::Problem;
@@ -77,20 +76,19 @@ impl Shared {
 /// hyper's service function for the main listener.
 pub(crate) async fn handle(
     shared: Arc<Shared>,
-    peer: SocketAddr,
+    peer: Peer,
     mut req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
     let request_id = shared.ids.ensure(req.headers_mut());
-    let peer = peer.ip().to_canonical();
     let mut log = AccessLog::start(
         req.method().clone(),
         req.uri().clone(),
-        peer,
+        peer.ip,
         request_id.clone(),
     );
     // Boxed: the walk's state (limits, reports, the upstream call) is several KiB, and hyper
     // moves the service future around; one allocation beats copying it each time.
-    let mut res = Box::pin(walk(&shared, peer, req, &mut log)).await;
+    let mut res = Box::pin(walk(&shared, &peer, req, &mut log)).await;
     log.status(res.status());
     res.headers_mut().insert(X_REQUEST_ID.clone(), request_id);
     res.body_mut().log_on_end(log);
@@ -99,7 +97,7 @@ pub(crate) async fn handle(
 
 async fn walk(
     shared: &Shared,
-    peer: IpAddr,
+    peer: &Peer,
     mut req: Request<Incoming>,
     log: &mut AccessLog,
 ) -> Response<Body> {
@@ -112,8 +110,10 @@ async fn walk(
     log.route(shared.route_names[index].clone());
 
     // Identify.
-    let peer_trusted = shared.identify.is_trusted(peer);
-    let client = shared.identify.client_ip(peer, peer_trusted, req.headers());
+    let peer_trusted = shared.identify.is_trusted(peer.ip);
+    let client = shared
+        .identify
+        .client_ip(peer.ip, peer_trusted, req.headers());
     log.client(client);
     let api_key = match shared.identify.api_key(req.headers(), req.uri()) {
         Ok(key) => key,

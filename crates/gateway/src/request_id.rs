@@ -3,6 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use http::header::Entry;
 use http::{HeaderMap, HeaderName, HeaderValue};
 
 /// The header name.
@@ -11,37 +12,62 @@ pub(crate) static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-
 /// Ids longer than this from a caller are replaced.
 const MAX_LEN: usize = 128;
 
-/// Makes unique ids: a random per-process prefix and a counter. No lock, no syscall.
+/// Makes unique ids: a random per-process prefix and a counter, 32 hex digits. No lock, no
+/// syscall, no formatting machinery (`format!` was 5% of a forwarded request's instructions).
 #[derive(Debug)]
 pub(crate) struct RequestIds {
-    prefix: u64,
+    /// The prefix's 16 hex digits, written once.
+    prefix: [u8; 16],
     next: AtomicU64,
 }
 
 impl RequestIds {
     pub(crate) fn new() -> Self {
         Self {
-            prefix: rand::random(),
+            prefix: hex(rand::random()),
             next: AtomicU64::new(0),
         }
     }
 
     /// The caller's id if it is printable and short, else a new one (and the header is set).
     pub(crate) fn ensure(&self, headers: &mut HeaderMap) -> HeaderValue {
-        if let Some(v) = headers.get(&X_REQUEST_ID) {
-            let ok = !v.is_empty()
-                && v.len() <= MAX_LEN
-                && v.as_bytes().iter().all(|b| b.is_ascii_graphic());
-            if ok {
-                return v.clone();
+        let entry = match headers.entry(&X_REQUEST_ID) {
+            Entry::Occupied(mut e) => {
+                let v = e.get();
+                let ok = !v.is_empty()
+                    && v.len() <= MAX_LEN
+                    && v.as_bytes().iter().all(|b| b.is_ascii_graphic());
+                if ok {
+                    return v.clone();
+                }
+                let id = self.make();
+                e.insert(id.clone());
+                return id;
             }
-        }
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let id = HeaderValue::from_str(&format!("{:016x}{n:016x}", self.prefix))
-            .expect("hex is a valid header value");
-        headers.insert(X_REQUEST_ID.clone(), id.clone());
+            Entry::Vacant(e) => e,
+        };
+        let id = self.make();
+        entry.insert(id.clone());
         id
     }
+
+    fn make(&self) -> HeaderValue {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut id = [0u8; 32];
+        id[..16].copy_from_slice(&self.prefix);
+        id[16..].copy_from_slice(&hex(n));
+        HeaderValue::from_bytes(&id).expect("hex is a valid header value")
+    }
+}
+
+/// `n` as 16 lower-case hex digits.
+fn hex(n: u64) -> [u8; 16] {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = [0u8; 16];
+    for (i, d) in out.iter_mut().enumerate() {
+        *d = DIGITS[(n >> (60 - 4 * i)) as usize & 0xf];
+    }
+    out
 }
 
 #[cfg(test)]
@@ -61,10 +87,22 @@ mod tests {
     }
 
     #[test]
+    fn hex_is_sixteen_lower_case_digits() {
+        assert_eq!(&hex(0), b"0000000000000000");
+        assert_eq!(&hex(0x0123_4567_89ab_cdef), b"0123456789abcdef");
+        assert_eq!(&hex(u64::MAX), b"ffffffffffffffff");
+        assert_eq!(hex(48879), *format!("{:016x}", 48879).as_bytes());
+    }
+
+    #[test]
     fn made_up_ids_are_unique() {
         let ids = RequestIds::new();
         let a = ids.ensure(&mut HeaderMap::new());
         let b = ids.ensure(&mut HeaderMap::new());
         assert_ne!(a, b);
+        let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+        assert_eq!(a[..16], b[..16], "one prefix per process");
+        let count = |id: &str| u64::from_str_radix(&id[16..], 16).unwrap();
+        assert_eq!(count(b), count(a) + 1);
     }
 }

@@ -98,10 +98,12 @@ impl Conn {
             _ => return,
         }
         let io = TokioIo::new(stream);
-        let (shared, peer) = (self.shared, self.peer);
+        let shared = self.shared;
         let result = match self.kind {
             Listener::Main => {
-                let svc = service_fn(move |req| crate::handle::handle(shared.clone(), peer, req));
+                let peer = crate::forward::Peer::new(self.peer.ip());
+                let svc =
+                    service_fn(move |req| crate::handle::handle(shared.clone(), peer.clone(), req));
                 let conn = self.builder.serve_connection_with_upgrades(io, svc);
                 watcher.watch(conn).await
             }
