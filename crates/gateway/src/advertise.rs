@@ -1,6 +1,7 @@
 //! The add-headers step: the IETF RateLimit fields (draft-ietf-httpapi-ratelimit-headers,
 //! revision 11: Structured Fields lists), the legacy `X-RateLimit-*` trio, and the route cost.
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use http::header::{HeaderName, HeaderValue};
@@ -19,37 +20,70 @@ pub(crate) fn ceil_secs(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
+/// A route's `RateLimit-Policy` value, made by the first response that needs it and reused
+/// while the same limits apply with the same quotas and windows. Unlike `RateLimit`, the
+/// policy does not change from one request to the next; writing and checking it again for
+/// every response cost ~400 instructions.
+#[derive(Debug, Default)]
+pub(crate) struct PolicyCache(OnceLock<(Vec<PolicyItem>, HeaderValue)>);
+
+/// What a policy member is made of: the limit's name (an sf-string), quota and window.
+type PolicyItem = (Box<str>, u32, Option<Duration>);
+
+impl PolicyCache {
+    /// The cached value if it was made from exactly these limits, quotas and windows.
+    fn get(&self, items: &[(&str, Report)]) -> Option<&HeaderValue> {
+        let (made_from, value) = self.0.get()?;
+        let same = made_from.len() == items.len()
+            && made_from
+                .iter()
+                .zip(items)
+                .all(|((name, quota, window), (n, r))| {
+                    **name == **n && *quota == r.quota && *window == r.window
+                });
+        same.then_some(value)
+    }
+
+    /// Keeps `value` if nothing is cached yet (a route whose limits vary from request to
+    /// request, e.g. with and without an API key, caches the first set and builds the others).
+    fn offer(&self, items: &[(&str, Report)], value: &HeaderValue) {
+        self.0.get_or_init(|| {
+            let made_from = items
+                .iter()
+                .map(|(n, r)| (Box::from(*n), r.quota, r.window));
+            (made_from.collect(), value.clone())
+        });
+    }
+}
+
 /// Writes the fields for every limit that applied, in configuration order. Each item's name
 /// is already an sf-string ([`sf_string`], made once per limit when the gateway starts).
-pub(crate) fn write(headers: &mut HeaderMap, items: &[(&str, Report)], cost: u32, legacy: bool) {
+pub(crate) fn write(
+    headers: &mut HeaderMap,
+    items: &[(&str, Report)],
+    cost: u32,
+    legacy: bool,
+    cache: &PolicyCache,
+) {
     if items.is_empty() {
         return;
     }
-    let mut policy = String::with_capacity(32 * items.len());
-    let mut state = String::with_capacity(24 * items.len());
-    let mut digits = itoa::Buffer::new();
-    for (i, (name, r)) in items.iter().enumerate() {
-        if i > 0 {
-            policy.push_str(", ");
-            state.push_str(", ");
+    let policy = match cache.get(items) {
+        Some(v) => Some(v.clone()),
+        None => {
+            let v = value(policy(items));
+            if let Some(v) = &v {
+                cache.offer(items, v);
+            }
+            v
         }
-        policy.push_str(name);
-        policy.push_str(";q=");
-        policy.push_str(digits.format(r.quota));
-        if let Some(w) = r.window {
-            policy.push_str(";w=");
-            policy.push_str(digits.format(ceil_secs(w).max(1)));
-        }
-        state.push_str(name);
-        state.push_str(";r=");
-        state.push_str(digits.format(r.remaining));
-        if let Some(t) = r.reset {
-            state.push_str(";t=");
-            state.push_str(digits.format(ceil_secs(t)));
-        }
+    };
+    if let Some(v) = policy {
+        headers.insert(RATELIMIT_POLICY.clone(), v);
     }
-    insert(headers, &RATELIMIT_POLICY, policy);
-    insert(headers, &RATELIMIT, state);
+    if let Some(v) = value(state(items)) {
+        headers.insert(RATELIMIT.clone(), v);
+    }
     if cost != 1 {
         headers.insert(RATELIMIT_COST.clone(), HeaderValue::from(cost));
     }
@@ -68,10 +102,44 @@ pub(crate) fn write(headers: &mut HeaderMap, items: &[(&str, Report)], cost: u32
     }
 }
 
-fn insert(headers: &mut HeaderMap, name: &HeaderName, value: String) {
-    if let Ok(v) = HeaderValue::try_from(value) {
-        headers.insert(name.clone(), v);
+/// `RateLimit-Policy`: each limit's quota and window.
+fn policy(items: &[(&str, Report)]) -> String {
+    let window = |r: &Report| r.window.map(|w| ceil_secs(w).max(1));
+    list(items, (";q=", |r| r.quota.into()), (";w=", window))
+}
+
+/// `RateLimit`: each limit's remaining quota and time to reset.
+fn state(items: &[(&str, Report)]) -> String {
+    let reset = |r: &Report| r.reset.map(ceil_secs);
+    list(items, (";r=", |r| r.remaining.into()), (";t=", reset))
+}
+
+/// An sf-list with a member per limit: its name, the `first` parameter, and the `second` when
+/// it has one.
+fn list(
+    items: &[(&str, Report)],
+    first: (&str, fn(&Report) -> u64),
+    second: (&str, fn(&Report) -> Option<u64>),
+) -> String {
+    let mut out = String::with_capacity(32 * items.len());
+    let mut digits = itoa::Buffer::new();
+    for (i, (name, r)) in items.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        out.push_str(name);
+        out.push_str(first.0);
+        out.push_str(digits.format(first.1(r)));
+        if let Some(n) = second.1(r) {
+            out.push_str(second.0);
+            out.push_str(digits.format(n));
+        }
     }
+    out
+}
+
+fn value(s: String) -> Option<HeaderValue> {
+    HeaderValue::try_from(s).ok()
 }
 
 /// `s` as an sf-string (RFC 8941 section 3.3.3): quoted, with `"` and `\` escaped and
@@ -125,7 +193,7 @@ mod tests {
             (&*ip, report(40, Some(2), 31, Some(400))),
             (&*key, report(1000, Some(3600), 997, Some(2_112_300))),
         ];
-        write(&mut h, &items, 1, false);
+        write(&mut h, &items, 1, false, &PolicyCache::default());
         assert_eq!(
             h["ratelimit-policy"],
             "\"per-ip\";q=40;w=2, \"key-quota\";q=1000;w=3600"
@@ -147,12 +215,40 @@ mod tests {
             (&*names[1], report(5, Some(1), 3, Some(9_000))),
             (&*names[2], report(10, None, 4, None)),
         ];
-        write(&mut h, &items, 5, true);
+        write(&mut h, &items, 5, true, &PolicyCache::default());
         assert_eq!(h["x-ratelimit-limit"], "5");
         assert_eq!(h["x-ratelimit-remaining"], "3");
         assert_eq!(h["x-ratelimit-reset"], "9");
         assert_eq!(h["ratelimit-cost"], "5");
         assert_eq!(h["ratelimit"], "\"a\";r=3;t=5, \"b\";r=3;t=9, \"c\";r=4");
+    }
+
+    #[test]
+    fn a_cached_policy_is_used_only_for_the_limits_it_was_made_from() {
+        let cache = PolicyCache::default();
+        let (a, b) = (sf_string("a"), sf_string("b"));
+        let policy = |items: &[(&str, Report)]| {
+            let mut h = HeaderMap::new();
+            write(&mut h, items, 1, false, &cache);
+            h["ratelimit-policy"].clone()
+        };
+        let two = [
+            (&*a, report(10, Some(60), 3, None)),
+            (&*b, report(5, Some(1), 4, None)),
+        ];
+        assert_eq!(policy(&two), "\"a\";q=10;w=60, \"b\";q=5;w=1");
+        assert_eq!(
+            policy(&two),
+            "\"a\";q=10;w=60, \"b\";q=5;w=1",
+            "from the cache"
+        );
+        assert_eq!(policy(&two[..1]), "\"a\";q=10;w=60", "fewer limits");
+        let other_quota = [(&*a, report(11, Some(60), 3, None)), two[1]];
+        assert_eq!(policy(&other_quota), "\"a\";q=11;w=60, \"b\";q=5;w=1");
+        let other_window = [two[0], (&*b, report(5, None, 4, None))];
+        assert_eq!(policy(&other_window), "\"a\";q=10;w=60, \"b\";q=5");
+        let other_name = [two[0], (&*a, report(5, Some(1), 4, None))];
+        assert_eq!(policy(&other_name), "\"a\";q=10;w=60, \"a\";q=5;w=1");
     }
 
     #[test]

@@ -42,6 +42,8 @@ pub(crate) struct Shared {
     legacy_headers: bool,
     overload_retry_after: RetryRange,
     ids: RequestIds,
+    /// Per route.
+    policies: Vec<advertise::PolicyCache>,
 }
 
 impl Shared {
@@ -69,6 +71,7 @@ impl Shared {
             legacy_headers: config.responses.legacy_headers,
             overload_retry_after: config.gateway.overload_retry_after,
             ids: RequestIds::new(),
+            policies: config.routes.iter().map(|_| Default::default()).collect(),
         })
     }
 }
@@ -139,7 +142,7 @@ async fn walk(
     let cost = route.cost.get();
     let pass = match shared.quota.admit(&layers, cost, &shared.capacity).await {
         Ok(pass) => pass,
-        Err(stop) => return stopped(shared, stop, cost, log),
+        Err(stop) => return stopped(shared, index, stop, cost, log),
     };
     log.outcome(pass.outcome, &shared.quota);
 
@@ -167,7 +170,7 @@ async fn walk(
                         set_upgrade(&mut parts.headers, protocol);
                     }
                     let mut res = Response::from_parts(parts, Body::full(Bytes::new()));
-                    advertise(shared, res.headers_mut(), &pass.reports, cost);
+                    advertise(shared, index, res.headers_mut(), &pass.reports, cost);
                     let hold = (pass.slot, pass.held);
                     let idle = shared.upstreams[*u].tunnel_idle_timeout();
                     tokio::spawn(crate::tunnel::splice(
@@ -191,19 +194,25 @@ async fn walk(
             }
         }
     };
-    advertise(shared, res.headers_mut(), &pass.reports, cost);
+    advertise(shared, index, res.headers_mut(), &pass.reports, cost);
     res.body_mut().hold(pass.slot, pass.held);
     res
 }
 
 /// The answer to a request that was not admitted: 429, 503 (or 500 for an impossible cost).
-fn stopped(shared: &Shared, stop: Stop, cost: u32, log: &mut AccessLog) -> Response<Body> {
+fn stopped(
+    shared: &Shared,
+    route: usize,
+    stop: Stop,
+    cost: u32,
+    log: &mut AccessLog,
+) -> Response<Body> {
     match stop {
         Stop::Quota(refused) => {
             log.outcome(Outcome::Rejected(refused.limit), &shared.quota);
             let info = shared.quota.info(refused.limit);
             let mut res = quota_exceeded(info, &refused, cost).into_response(&shared.problem_base);
-            advertise(shared, res.headers_mut(), &refused.reports, cost);
+            advertise(shared, route, res.headers_mut(), &refused.reports, cost);
             res
         }
         Stop::StoreUnavailable => {
@@ -234,12 +243,19 @@ fn stopped(shared: &Shared, stop: Stop, cost: u32, log: &mut AccessLog) -> Respo
 }
 
 /// RateLimit fields for the limits that applied (dry-run limits stay invisible to callers).
-fn advertise(shared: &Shared, headers: &mut http::HeaderMap, reports: &Reports, cost: u32) {
+fn advertise(
+    shared: &Shared,
+    route: usize,
+    headers: &mut http::HeaderMap,
+    reports: &Reports,
+    cost: u32,
+) {
     let items: SmallVec<[(&str, Report); 8]> = reports
         .iter()
         .map(|(id, r)| (&*shared.quota.info(*id).field_name, *r))
         .collect();
-    advertise::write(headers, &items, cost, shared.legacy_headers);
+    let policy = &shared.policies[route];
+    advertise::write(headers, &items, cost, shared.legacy_headers, policy);
 }
 
 /// Whole seconds drawn uniformly from the configured range, so refused callers spread out.
