@@ -126,7 +126,9 @@ impl UpstreamClient {
         loop {
             let (mut sender, pooled) = match self.checkout() {
                 Some(sender) => (sender, true),
-                None => (self.connect().await?, false),
+                // Boxed: a new connection is rare, and its future would otherwise be part of
+                // every request's.
+                None => (Box::pin(self.connect()).await?, false),
             };
             match sender.try_send_request(req).await {
                 Ok(res) => {

@@ -245,9 +245,24 @@ impl Quota {
         cost: u32,
         capacity: &Capacity,
     ) -> Result<Pass, Stop> {
+        // The futures that wait (a delay, a call to Redis) are boxed, so that the request's
+        // own future stays small: it was 6 KB, copied into its box on every request.
         match &self.remote {
-            None => self.admit_in_memory(layers, cost, capacity, None).await,
-            Some(remote) => remote.admit(self, layers, cost, capacity).await,
+            None => {
+                let mut slot = None;
+                match self.step_in_memory(layers, cost, capacity, &mut slot, Duration::ZERO, false)
+                {
+                    memory::Step::Done(result) => result,
+                    memory::Step::Wait(wait) => {
+                        // Arrival is counted from here, microseconds after the request came.
+                        let start = tokio::time::Instant::now();
+                        let hold =
+                            self.hold_in_memory(layers, cost, capacity, slot, start, Some(wait));
+                        Box::pin(hold).await
+                    }
+                }
+            }
+            Some(remote) => Box::pin(remote.admit(self, layers, cost, capacity)).await,
         }
     }
 
