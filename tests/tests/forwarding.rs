@@ -7,6 +7,7 @@ use http_body_util::Full;
 use sluice_tests::client::send_counting;
 use sluice_tests::upstream::Repeat;
 use sluice_tests::{closed_port, get, send, MockUpstream, Sluice};
+use std::time::Duration;
 
 fn config(upstream: &str, timeout: &str) -> String {
     format!(
@@ -133,14 +134,14 @@ async fn each_thread_listens_on_the_main_address_with_its_own_socket() {
             .collect()
     };
     let workers = ["sluice-worker-1", "sluice-worker-2"];
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let mut names = threads();
     while !workers.iter().all(|w| names.iter().any(|n| n == w)) {
         assert!(
             tokio::time::Instant::now() < deadline,
             "worker threads in {names:?}"
         );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
         names = threads();
     }
     // Connections land on any of the sockets; every one is served.
@@ -312,6 +313,31 @@ async fn refused_and_reset_upstreams_are_502_and_slow_ones_504() {
     assert_eq!(
         reply.json()["type"],
         "https://api.example.com/problems/upstream-timeout"
+    );
+    up.release(1);
+}
+
+/// Each kept upstream connection has one response timer, re-armed by every request: one left
+/// idle past its deadline must still carry the next request, and time the one after out.
+#[tokio::test]
+async fn a_kept_connection_times_each_request_from_its_own_start() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "300ms"));
+    assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
+    // Real time for a real process: the kept connection's timer passes its deadline idle.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
+    let started = std::time::Instant::now();
+    assert_eq!(get(gw.main, "/api/hold", &[]).await.status, 504);
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(290) && took < Duration::from_secs(3),
+        "504 after {took:?}, not after the 300 ms timeout"
+    );
+    assert_eq!(
+        up.connections(),
+        1,
+        "all three went over the kept connection"
     );
     up.release(1);
 }

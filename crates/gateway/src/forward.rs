@@ -9,7 +9,9 @@ use std::net::IpAddr;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use tokio::time::Instant;
+use std::pin::Pin;
+
+use tokio::time::{Instant, Sleep};
 
 use http::header::{HeaderName, HeaderValue, CONNECTION, HOST, UPGRADE};
 use http::uri::{Authority, PathAndQuery};
@@ -60,16 +62,26 @@ pub(crate) struct UpstreamClient {
     authority: Authority,
     timeout: Duration,
     connect_timeout: Duration,
-    idle: Box<[Mutex<Pool<SendRequest<Incoming>>>]>,
+    idle: Box<[Mutex<Pool<Kept>>]>,
     /// Connections each pool keeps for reuse (`idle_connections`); more are closed once
     /// their exchange ends.
     keep: usize,
     tunnel_idle_timeout: Duration,
 }
 
+/// An upstream connection with its own response timer, re-armed by each request it carries:
+/// moving a timer's deadline later is one atomic step, where a new timer per request took the
+/// time driver's lock to register and again to cancel (~900 instructions a request).
+#[derive(Debug)]
+struct Kept {
+    sender: SendRequest<Incoming>,
+    timer: Pin<Box<Sleep>>,
+}
+
 /// Why an exchange failed, before it becomes a problem response.
 enum Failure {
-    ConnectTimeout,
+    /// The upstream did not connect or answer before the request's deadline.
+    Timeout,
     Connect(io::Error),
     Http(hyper::Error),
 }
@@ -107,34 +119,48 @@ impl UpstreamClient {
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
         *req.uri_mut() = Uri::from(path);
         *req.version_mut() = http::Version::HTTP_11;
-        match tokio::time::timeout(self.timeout, self.exchange(req)).await {
-            Err(_) | Ok(Err(Failure::ConnectTimeout)) => Err(Problem::upstream_timeout()),
-            Ok(Ok(res)) => Ok(res),
-            Ok(Err(Failure::Connect(e))) => {
+        let now = Instant::now();
+        match self.exchange(req, now, now + self.timeout).await {
+            Err(Failure::Timeout) => Err(Problem::upstream_timeout()),
+            Ok(res) => Ok(res),
+            Err(Failure::Connect(e)) => {
                 tracing::debug!(upstream = %self.authority, error = %e, "cannot connect to the upstream");
                 Err(Problem::upstream_unavailable())
             }
-            Ok(Err(Failure::Http(e))) if caused_by_timeout(&e) => Err(Problem::upstream_timeout()),
-            Ok(Err(Failure::Http(e))) => {
+            Err(Failure::Http(e)) if caused_by_timeout(&e) => Err(Problem::upstream_timeout()),
+            Err(Failure::Http(e)) => {
                 tracing::debug!(error = %display_chain(&e), "upstream request failed");
                 Err(Problem::upstream_unavailable())
             }
         }
     }
 
-    async fn exchange(&self, mut req: Request<Incoming>) -> Result<Response<Incoming>, Failure> {
+    /// Sends `req` on a kept connection or a new one, and waits for the response head until
+    /// `deadline`.
+    async fn exchange(
+        &self,
+        mut req: Request<Incoming>,
+        now: Instant,
+        deadline: Instant,
+    ) -> Result<Response<Incoming>, Failure> {
         loop {
-            let (mut sender, pooled) = match self.checkout() {
-                Some(sender) => (sender, true),
+            let (mut conn, pooled) = match self.checkout(now) {
+                Some(conn) => (conn, true),
                 // Boxed: a new connection is rare, and its future would otherwise be part of
                 // every request's.
-                None => (Box::pin(self.connect()).await?, false),
+                None => (Box::pin(self.connect(deadline)).await?, false),
             };
-            match sender.try_send_request(req).await {
+            conn.timer.as_mut().reset(deadline);
+            let sent = tokio::select! {
+                biased;
+                sent = conn.sender.try_send_request(req) => sent,
+                () = conn.timer.as_mut() => return Err(Failure::Timeout),
+            };
+            match sent {
                 Ok(res) => {
                     // A connection that switched protocols is the tunnel's now.
                     if res.status() != StatusCode::SWITCHING_PROTOCOLS {
-                        self.checkin(sender);
+                        self.checkin(conn);
                     }
                     return Ok(res);
                 }
@@ -151,9 +177,9 @@ impl UpstreamClient {
     /// A pooled connection ready for a request, if one is found within a few tries. Closed
     /// and stale connections are dropped; busy ones (response body still streaming) go to the
     /// back.
-    fn checkout(&self) -> Option<SendRequest<Incoming>> {
+    fn checkout(&self, now: Instant) -> Option<Kept> {
         let mut idle = self.pool().lock().unwrap_or_else(|e| e.into_inner());
-        idle.checkout(Instant::now(), |sender| {
+        idle.checkout(now, |Kept { sender, .. }| {
             if sender.is_ready() {
                 Readiness::Ready
             } else if sender.is_closed() {
@@ -165,13 +191,13 @@ impl UpstreamClient {
     }
 
     /// This thread's pool.
-    fn pool(&self) -> &Mutex<Pool<SendRequest<Incoming>>> {
+    fn pool(&self) -> &Mutex<Pool<Kept>> {
         &self.idle[POOL.with(Cell::get)]
     }
 
-    fn checkin(&self, sender: SendRequest<Incoming>) {
+    fn checkin(&self, conn: Kept) {
         let mut idle = self.pool().lock().unwrap_or_else(|e| e.into_inner());
-        idle.checkin(sender, Instant::now(), self.keep);
+        idle.checkin(conn, Instant::now(), self.keep);
     }
 
     /// Closes the connections of every thread's pool unused for [`IDLE_TIMEOUT`]; returns how
@@ -183,28 +209,31 @@ impl UpstreamClient {
             .sum()
     }
 
-    async fn connect(&self) -> Result<SendRequest<Incoming>, Failure> {
+    /// A new connection, within `connect_timeout` and before `deadline`.
+    async fn connect(&self, deadline: Instant) -> Result<Kept, Failure> {
         let addr = (
             self.authority.host(),
             self.authority.port_u16().unwrap_or(80),
         );
-        let stream =
-            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr)).await {
-                Err(_elapsed) => return Err(Failure::ConnectTimeout),
-                Ok(Err(e)) => return Err(Failure::Connect(e)),
-                Ok(Ok(stream)) => stream,
-            };
+        let connect_by = deadline.min(Instant::now() + self.connect_timeout);
+        let stream = match tokio::time::timeout_at(connect_by, TcpStream::connect(addr)).await {
+            Err(_elapsed) => return Err(Failure::Timeout),
+            Ok(Err(e)) => return Err(Failure::Connect(e)),
+            Ok(Ok(stream)) => stream,
+        };
         let _ = stream.set_nodelay(true);
-        let (sender, conn) = http1::Builder::new()
-            .handshake(TokioIo::new(stream))
-            .await
-            .map_err(Failure::Http)?;
+        let handshake = http1::Builder::new().handshake(TokioIo::new(stream));
+        let (sender, conn) = match tokio::time::timeout_at(deadline, handshake).await {
+            Err(_elapsed) => return Err(Failure::Timeout),
+            Ok(handshake) => handshake.map_err(Failure::Http)?,
+        };
         tokio::spawn(async move {
             if let Err(e) = conn.with_upgrades().await {
                 tracing::debug!(error = %display_chain(&e), "upstream connection ended with an error");
             }
         });
-        Ok(sender)
+        let timer = Box::pin(tokio::time::sleep_until(deadline));
+        Ok(Kept { sender, timer })
     }
 }
 
