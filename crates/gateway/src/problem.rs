@@ -2,10 +2,12 @@
 //! A problem says who caused it (caller 4xx, upstream 502/504, gateway 503) and never
 //! shows internals.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
-use serde_json::Value;
+use smallvec::SmallVec;
 
 use crate::body::Body;
 
@@ -20,7 +22,15 @@ pub(crate) struct Problem {
     /// Whole seconds for `Retry-After` and the body's `retry_after`.
     pub(crate) retry_after: Option<u64>,
     /// Extension members, in order (`policy`, `quota`, `window`, ...).
-    pub(crate) extra: Vec<(&'static str, Value)>,
+    pub(crate) extra: SmallVec<[(&'static str, Member); 3]>,
+}
+
+/// An extension member's value.
+#[derive(Debug, Clone)]
+pub(crate) enum Member {
+    Text(&'static str),
+    Name(Arc<str>),
+    Number(u64),
 }
 
 impl Problem {
@@ -36,7 +46,7 @@ impl Problem {
             title,
             detail: detail.into(),
             retry_after: None,
-            extra: Vec::new(),
+            extra: SmallVec::new(),
         }
     }
 
@@ -80,7 +90,7 @@ impl Problem {
             "Retry after the delay in Retry-After. Your quota was not charged.",
         );
         p.retry_after = Some(retry_after);
-        p.extra.push(("policy", Value::from("server-capacity")));
+        p.extra.push(("policy", Member::Text("server-capacity")));
         p
     }
 
@@ -93,31 +103,42 @@ impl Problem {
             "Retry after the delay in Retry-After. Your quota was not charged.",
         );
         p.retry_after = Some(retry_after);
-        p.extra.push(("policy", Value::from("quota-store")));
+        p.extra.push(("policy", Member::Text("quota-store")));
         p
     }
 
-    /// The JSON body.
+    /// The JSON body, written member by member into one buffer: refusals are a hot path when
+    /// a caller hammers past its quota.
     pub(crate) fn to_json(&self, problem_base: &str) -> Vec<u8> {
-        // Written member by member into one buffer (no intermediate map): refusals are a hot
-        // path when a caller hammers past its quota.
         let mut out = Vec::with_capacity(256 + self.detail.len());
-        let member = |out: &mut Vec<u8>, key: &str, value: &dyn erased::Json| {
+        let mut digits = itoa::Buffer::new();
+        // Member names are identifiers of this file: written as they are.
+        let key = |out: &mut Vec<u8>, key: &str| {
+            debug_assert!(key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'));
             out.push(if out.is_empty() { b'{' } else { b',' });
             out.push(b'"');
             out.extend_from_slice(key.as_bytes());
             out.extend_from_slice(b"\":");
-            value.write(out);
         };
-        member(&mut out, "type", &Joined(problem_base, self.kind));
-        member(&mut out, "title", &self.title);
-        member(&mut out, "status", &self.status.as_u16());
-        member(&mut out, "detail", &self.detail.as_str());
+        key(&mut out, "type");
+        json_string(&mut out, &[problem_base, self.kind]);
+        key(&mut out, "title");
+        json_string(&mut out, &[self.title]);
+        key(&mut out, "status");
+        out.extend_from_slice(digits.format(self.status.as_u16()).as_bytes());
+        key(&mut out, "detail");
+        json_string(&mut out, &[&self.detail]);
         for (k, v) in &self.extra {
-            member(&mut out, k, v);
+            key(&mut out, k);
+            match v {
+                Member::Text(t) => json_string(&mut out, &[t]),
+                Member::Name(n) => json_string(&mut out, &[n]),
+                Member::Number(n) => out.extend_from_slice(digits.format(*n).as_bytes()),
+            }
         }
         if let Some(s) = self.retry_after {
-            member(&mut out, "retry_after", &s);
+            key(&mut out, "retry_after");
+            out.extend_from_slice(digits.format(s).as_bytes());
         }
         out.extend_from_slice(b"}\n");
         out
@@ -140,31 +161,119 @@ impl Problem {
     }
 }
 
-/// Two strings written as one JSON string.
-struct Joined<'a>(&'a str, &'a str);
-
-mod erased {
-    /// A value that writes itself as JSON (serde_json does the escaping).
-    pub(super) trait Json {
-        fn write(&self, out: &mut Vec<u8>);
-    }
-
-    impl<T: serde::Serialize> Json for T {
-        fn write(&self, out: &mut Vec<u8>) {
-            serde_json::to_writer(out, self).expect("writing JSON to a Vec cannot fail");
+/// `parts` written one after the other as one JSON string (RFC 8259 section 7). Eight bytes
+/// are checked at a time, and runs that need no escape are copied whole.
+fn json_string(out: &mut Vec<u8>, parts: &[&str]) {
+    out.push(b'"');
+    for part in parts {
+        let bytes = part.as_bytes();
+        let (mut start, mut i) = (0, 0);
+        while i < bytes.len() {
+            if let Some(word) = bytes.get(i..i + 8) {
+                let word = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+                if !word_needs_escape(word) {
+                    i += 8;
+                    continue;
+                }
+            }
+            let b = bytes[i];
+            if ESCAPE[usize::from(b)] {
+                out.extend_from_slice(&bytes[start..i]);
+                escape(out, b);
+                start = i + 1;
+            }
+            i += 1;
         }
+        out.extend_from_slice(&bytes[start..]);
     }
+    out.push(b'"');
 }
 
-impl serde::Serialize for Joined<'_> {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(&format_args!("{}{}", self.0, self.1))
+/// Whether any of the eight bytes of `w` is below 0x20, `"` or `\` (exact: the usual
+/// "has a byte less than n" and "has a zero byte" word tests).
+fn word_needs_escape(w: u64) -> bool {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let has_zero = |v: u64| v.wrapping_sub(ONES) & !v & HIGH != 0;
+    let below_space = w.wrapping_sub(ONES * 0x20) & !w & HIGH != 0;
+    below_space || has_zero(w ^ (ONES * u64::from(b'"'))) || has_zero(w ^ (ONES * u64::from(b'\\')))
+}
+
+/// The bytes a JSON string cannot hold as they are: control characters, `"` and `\`.
+static ESCAPE: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut b = 0;
+    while b < 0x20 {
+        t[b] = true;
+        b += 1;
+    }
+    t[b'"' as usize] = true;
+    t[b'\\' as usize] = true;
+    t
+};
+
+/// Writes the escape of byte `b`, one that [`ESCAPE`] marks.
+fn escape(out: &mut Vec<u8>, b: u8) {
+    match b {
+        b'"' => out.extend_from_slice(b"\\\""),
+        b'\\' => out.extend_from_slice(b"\\\\"),
+        b'\n' => out.extend_from_slice(b"\\n"),
+        b'\r' => out.extend_from_slice(b"\\r"),
+        b'\t' => out.extend_from_slice(b"\\t"),
+        _ => {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            out.extend_from_slice(b"\\u00");
+            out.extend_from_slice(&[HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]]);
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
+
+    #[test]
+    fn json_strings_escape_what_json_requires_and_keep_the_rest() {
+        let mut out = Vec::new();
+        let nasty = "a\"b\\c\nd\re\tf\u{1}g\u{1f}h\u{7f}é✓/";
+        json_string(&mut out, &["type:", nasty, "", "end"]);
+        let back: String = serde_json::from_slice(&out).unwrap();
+        assert_eq!(back, format!("type:{nasty}end"));
+        let reference = serde_json::to_vec(&format!("type:{nasty}end")).unwrap();
+        assert_eq!(out, reference, "the same bytes as serde_json");
+        // Every byte a JSON string may need escaped (and some that it does not), at every
+        // position of a string long enough for the eight-byte steps, reads back as itself.
+        let plain = "abcdefghijklmnopqrs";
+        for c in (0u8..128).map(char::from).chain(['é', '✓']) {
+            for at in 0..=plain.len() {
+                let text = format!("{}{c}{}", &plain[..at], &plain[at..]);
+                let mut out = Vec::new();
+                json_string(&mut out, &[&text]);
+                let back: String = serde_json::from_slice(&out).unwrap();
+                assert_eq!(back, text, "{c:?} at {at}");
+                assert_eq!(out.len() > text.len() + 2, c < ' ' || c == '"' || c == '\\');
+            }
+        }
+    }
+
+    #[test]
+    fn extension_members_are_written_in_order_with_their_types() {
+        let mut p = Problem::new(StatusCode::TOO_MANY_REQUESTS, "quota-exceeded", "T", "D");
+        p.extra
+            .push(("policy", Member::Name(Arc::from("per \"key\""))));
+        p.extra.push(("quota", Member::Number(40)));
+        p.extra.push(("note", Member::Text("x")));
+        p.retry_after = Some(7);
+        let body = String::from_utf8(p.to_json("urn:p:")).unwrap();
+        assert_eq!(
+            body,
+            "{\"type\":\"urn:p:quota-exceeded\",\"title\":\"T\",\"status\":429,\"detail\":\"D\",\
+             \"policy\":\"per \\\"key\\\"\",\"quota\":40,\"note\":\"x\",\"retry_after\":7}\n"
+        );
+        let json: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(json["policy"], "per \"key\"");
+    }
 
     #[test]
     fn overload_body_matches_the_contract() {

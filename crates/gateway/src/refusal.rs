@@ -2,12 +2,11 @@
 //! needs to choose between waiting and failing.
 
 use http::StatusCode;
-use serde_json::Value;
 use sluice_config::{Algorithm, KeyPart};
 use sluice_limiter::RefusalReason;
 
 use crate::advertise::ceil_secs;
-use crate::problem::Problem;
+use crate::problem::{Member, Problem};
 use crate::quota::{LimitInfo, Refused};
 
 /// Whose quota a limit counts, for the title.
@@ -97,10 +96,10 @@ pub(crate) fn quota_exceeded(info: &LimitInfo, refused: &Refused, cost: u32) -> 
         detail,
     );
     p.retry_after = Some(retry_after);
-    p.extra.push(("policy", Value::from(&*info.name)));
-    p.extra.push(("quota", Value::from(quota)));
+    p.extra.push(("policy", Member::Name(info.name.clone())));
+    p.extra.push(("quota", Member::Number(quota.into())));
     if let Some(w) = secs {
-        p.extra.push(("window", Value::from(w)));
+        p.extra.push(("window", Member::Number(w)));
     }
     p
 }
