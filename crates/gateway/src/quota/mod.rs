@@ -62,10 +62,12 @@ enum Part {
     Header(HeaderName),
 }
 
+/// A route's limits, each with its key when that is the same for every caller (a limit by
+/// `route` or `global`): made once at start instead of hashed on every request.
 #[derive(Debug, Default)]
 struct RouteLimits {
-    enforced: SmallVec<[LimitId; INLINE]>,
-    dry_run: SmallVec<[LimitId; 2]>,
+    enforced: SmallVec<[(LimitId, Option<Key>); INLINE]>,
+    dry_run: SmallVec<[(LimitId, Option<Key>); 2]>,
 }
 
 /// Who is calling, as the limits see it.
@@ -170,9 +172,11 @@ impl Quota {
                     .iter()
                     .filter(|l| l.routes.as_ref().is_none_or(|rs| rs.contains(&r)))
                 {
+                    let parts: Vec<Part> = l.by.iter().map(part).collect();
+                    let entry = (id(l), fixed_key(&hasher, &parts, r));
                     match l.mode {
-                        Mode::DryRun => limits.dry_run.push(id(l)),
-                        Mode::Enforce | Mode::Delay { .. } => limits.enforced.push(id(l)),
+                        Mode::DryRun => limits.dry_run.push(entry),
+                        Mode::Enforce | Mode::Delay { .. } => limits.enforced.push(entry),
                     }
                 }
                 limits
@@ -231,9 +235,11 @@ impl Quota {
             }
             Some((id, self.hasher.key(&parts)))
         };
+        let keyed =
+            |&(id, fixed): &(LimitId, Option<Key>)| fixed.map(|k| (id, k)).or_else(|| key(id));
         Layers {
-            enforced: route.enforced.iter().filter_map(|id| key(*id)).collect(),
-            dry_run: route.dry_run.iter().filter_map(|id| key(*id)).collect(),
+            enforced: route.enforced.iter().filter_map(keyed).collect(),
+            dry_run: route.dry_run.iter().filter_map(keyed).collect(),
         }
     }
 
@@ -302,6 +308,19 @@ impl std::fmt::Debug for Quota {
     }
 }
 
+/// The key of a limit keyed by `parts` on route `route` if it is the same for every caller
+/// (only `route` and `global` parts), made as [`Quota::layers`] would make it.
+fn fixed_key(hasher: &KeyHasher, parts: &[Part], route: usize) -> Option<Key> {
+    let route_bytes = (route as u32).to_le_bytes();
+    let bytes = parts.iter().map(|p| match p {
+        Part::Route => Some(&route_bytes[..]),
+        Part::Global => Some(&b""[..]),
+        Part::Ip | Part::ApiKey | Part::Header(_) => None,
+    });
+    let bytes: SmallVec<[&[u8]; 4]> = bytes.collect::<Option<_>>()?;
+    Some(hasher.key(&bytes))
+}
+
 fn part(p: &KeyPart) -> Part {
     match p {
         KeyPart::Ip => Part::Ip,
@@ -335,5 +354,95 @@ fn compile(l: &config::Limit, divide_by: u32) -> Limit {
     match l.block_for {
         Some(b) => limit.with_block_for(b).expect("validated block_for"),
         None => limit,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_limiter::SystemClock;
+
+    const CONFIG: &str = r#"
+[gateway]
+listen = "127.0.0.1:0"
+[identity]
+api_key = ["header:x-api-key"]
+[upstreams.app]
+url = "http://127.0.0.1:1"
+[[routes]]
+name = "one"
+path = "/one"
+upstream = "app"
+[[routes]]
+name = "two"
+path = "/two"
+upstream = "app"
+[[limits]]
+name = "per-route"
+by = "route"
+quota = 10
+window = "1s"
+[[limits]]
+name = "everyone"
+by = "global"
+quota = 10
+window = "1s"
+[[limits]]
+name = "per-ip-and-route"
+by = ["ip", "route"]
+quota = 10
+window = "1s"
+[[limits]]
+name = "per-key-dry"
+by = "api_key"
+quota = 10
+window = "1s"
+mode = "dry_run"
+"#;
+
+    fn keys(quota: &Quota, ip: &str, api_key: &[u8], route: usize) -> Vec<(LimitId, Key)> {
+        let headers = HeaderMap::new();
+        let caller = Caller {
+            ip: ip.parse().unwrap(),
+            api_key: Some(api_key),
+            route,
+            headers: &headers,
+        };
+        let layers = quota.layers(&caller);
+        layers.enforced.into_iter().chain(layers.dry_run).collect()
+    }
+
+    #[tokio::test]
+    async fn keys_made_at_start_are_the_keys_a_request_would_make() {
+        let config = sluice_config::parse(CONFIG, "test.toml".as_ref()).unwrap();
+        let mut quota = Quota::new(&config, Arc::new(SystemClock::new()))
+            .await
+            .unwrap();
+        let a = keys(&quota, "192.0.2.1", b"a", 0);
+        assert_eq!(a.len(), 4);
+        let fixed = |q: &Quota| {
+            q.by_route
+                .iter()
+                .flat_map(|r| r.enforced.iter().chain(&r.dry_run))
+                .filter(|(_, k)| k.is_some())
+                .count()
+        };
+        assert_eq!(fixed(&quota), 4, "per-route and global, on both routes");
+        // Route and global keys are the same for every caller; the others are not.
+        let b = keys(&quota, "192.0.2.2", b"b", 0);
+        assert_eq!((a[0], a[1]), (b[0], b[1]));
+        assert_ne!(a[2], b[2]);
+        assert_ne!(a[3], b[3]);
+        let other_route = keys(&quota, "192.0.2.1", b"a", 1);
+        assert_ne!(a[0], other_route[0], "per-route differs between routes");
+        assert_eq!(a[1], other_route[1], "global does not");
+        // Without the keys made at start, every request makes the same keys itself.
+        for route in &mut quota.by_route {
+            for (_, fixed) in route.enforced.iter_mut().chain(route.dry_run.iter_mut()) {
+                *fixed = None;
+            }
+        }
+        assert_eq!(keys(&quota, "192.0.2.1", b"a", 0), a);
+        assert_eq!(keys(&quota, "192.0.2.1", b"a", 1), other_route);
     }
 }
