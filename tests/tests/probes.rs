@@ -71,6 +71,58 @@ async fn client_sending_half_a_head_is_disconnected_after_header_timeout() {
     assert_eq!(up.requests(), 0);
 }
 
+/// The header timeout counts from the end of the last response on a kept connection, not
+/// from its start, and never while a request is in flight; it covers HTTP/2 too.
+#[tokio::test]
+async fn header_timeout_counts_idle_time_only_on_both_protocols() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), 8, "500ms", "5s"));
+
+    // A request held upstream for twice the timeout is answered on its connection.
+    let main = gw.main;
+    let held = tokio::spawn(async move { get(main, "/hold", &[]).await });
+    up.wait_holding(1).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    up.release(1);
+    assert_eq!(held.await.unwrap().status, 200);
+
+    // After a full exchange, half of the next head: closed a timeout after the response.
+    let mut kept = TcpStream::connect(gw.main).await.unwrap();
+    kept.write_all(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    let n = kept.read(&mut buf).await.unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    kept.write_all(b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        .await
+        .unwrap();
+    let closed = time_until_closed(&mut kept, Duration::from_secs(5)).await;
+    let closed = closed.expect("a kept connection with half a head was still open after 5 s");
+    assert!(
+        closed < Duration::from_millis(450),
+        "closed {closed:?} after the half head: the timeout did not count from the response"
+    );
+
+    // HTTP/2 with prior knowledge: the preface and settings, then no request.
+    let mut h2 = TcpStream::connect(gw.main).await.unwrap();
+    h2.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let closed = time_until_closed(&mut h2, Duration::from_secs(5)).await;
+    let closed = closed.expect("a silent HTTP/2 connection was still open after 5 s");
+    assert!(
+        closed >= Duration::from_millis(400),
+        "closed too early: {closed:?}"
+    );
+    assert_eq!(up.requests(), 2);
+}
+
 #[tokio::test]
 async fn live_is_always_200_and_ready_follows_capacity() {
     let up = MockUpstream::start().await;

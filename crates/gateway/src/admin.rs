@@ -9,15 +9,17 @@ use hyper::body::Incoming;
 
 use crate::body::Body;
 use crate::handle::{plain, readiness, Shared};
+use crate::head_timeout::Busy;
 use crate::problem::Problem;
 
 /// hyper's service function for the admin listener.
 pub(crate) async fn handle(
     shared: Arc<Shared>,
+    busy: Busy,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
     let get = matches!(*req.method(), Method::GET | Method::HEAD);
-    Ok(match (get, req.uri().path()) {
+    let mut res = match (get, req.uri().path()) {
         // Live while the process serves: overload must never restart the container.
         (true, "/live") => plain(StatusCode::OK, "live\n"),
         (true, "/ready") => readiness(&shared.capacity),
@@ -30,5 +32,7 @@ pub(crate) async fn handle(
             res
         }
         _ => Problem::not_found().into_response(&shared.problem_base),
-    })
+    };
+    res.body_mut().keep_busy(busy);
+    Ok(res)
 }

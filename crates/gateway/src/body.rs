@@ -12,6 +12,7 @@ use pin_project_lite::pin_project;
 
 use crate::access_log::AccessLog;
 use crate::capacity::InFlight;
+use crate::head_timeout::Busy;
 use crate::quota::Held;
 
 pin_project! {
@@ -30,6 +31,7 @@ pin_project! {
 struct Extras {
     slot: Option<(InFlight, Held)>,
     log: Option<AccessLog>,
+    busy: Option<Busy>,
 }
 
 pin_project! {
@@ -62,6 +64,12 @@ impl Body {
     /// the body ends or is dropped.
     pub(crate) fn hold(&mut self, slot: InFlight, held: Held) {
         self.extras.get_or_insert_default().slot = Some((slot, held));
+    }
+
+    /// Keeps the connection counted busy (no header timeout) until the body ends or is
+    /// dropped.
+    pub(crate) fn keep_busy(&mut self, busy: Busy) {
+        self.extras.get_or_insert_default().busy = Some(busy);
     }
 
     /// Writes the access-log line when the body ends or is dropped.
@@ -97,10 +105,11 @@ impl http_body::Body for Body {
                     }
                 }
                 // The exchange is over: free the in-flight slot and concurrency slots now,
-                // not whenever hyper drops the body.
+                // not whenever hyper drops the body, and start the connection's header timeout.
                 None => {
                     if let Some(e) = this.extras.as_mut() {
                         drop(e.slot.take());
+                        drop(e.busy.take());
                     }
                 }
             }

@@ -21,6 +21,7 @@ use crate::capacity::Capacity;
 use crate::forward::{
     prepare_request, set_upgrade, strip_hop_by_hop, upgrade_protocol, Peer, UpstreamClient,
 };
+use crate::head_timeout::Busy;
 use crate::identify::{Identify, KeyTooLong, MAX_KEY_BYTES};
 use crate::problem::Problem;
 use crate::quota::{Caller, Outcome, Quota, Reports, Stop};
@@ -80,6 +81,7 @@ impl Shared {
 pub(crate) async fn handle(
     shared: Arc<Shared>,
     peer: Peer,
+    busy: Busy,
     mut req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
     let request_id = shared.ids.ensure(req.headers_mut());
@@ -96,6 +98,7 @@ pub(crate) async fn handle(
     log.status(res.status());
     res.headers_mut().insert(X_REQUEST_ID.clone(), request_id);
     res.body_mut().log_on_end(log);
+    res.body_mut().keep_busy(busy);
     Ok(res)
 }
 

@@ -1,6 +1,6 @@
 //! The accept loops: HTTP/1.1 and HTTP/2 (prior knowledge) on the main listener, HTTP/1.1 on
-//! the admin listener, with header timeouts, a 64 KiB cap on request heads and graceful
-//! shutdown.
+//! the admin listener, with header timeouts ([`HeadTimeout`]), a 64 KiB cap on request heads
+//! and graceful shutdown.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -13,18 +13,21 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::handle::Shared;
+use crate::admin;
+use crate::forward::Peer;
+use crate::handle::{self, Shared};
+use crate::head_timeout::HeadTimeout;
 
 /// Request heads (and HTTP/2 header lists) larger than this are refused (431 on HTTP/1.1).
 pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
 
-/// Builds the connection settings of the main listener.
-pub(crate) fn main_builder(header_timeout: Duration) -> auto::Builder<TokioExecutor> {
+/// Builds the connection settings of both listeners.
+pub(crate) fn builder() -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
+        // The header timeout is the connection's own (`HeadTimeout`), for both protocols.
+        .header_read_timeout(None)
         .max_buf_size(MAX_HEAD_BYTES);
     builder
         .http2()
@@ -52,7 +55,7 @@ pub(crate) async fn accept_loop(
     graceful: &GracefulShutdown,
     stop: impl Future<Output = ()>,
 ) {
-    let builder = Arc::new(main_builder(header_timeout));
+    let builder = Arc::new(builder());
     tokio::pin!(stop);
     loop {
         let accepted = tokio::select! {
@@ -90,26 +93,35 @@ struct Conn {
 
 impl Conn {
     async fn serve(self, stream: TcpStream, watcher: Watcher) {
-        // hyper's header timeout starts once it reads a request head; a client that connects
-        // and sends nothing at all is closed here after the same time.
-        let mut first = [0u8; 1];
-        match tokio::time::timeout(self.header_timeout, stream.peek(&mut first)).await {
-            Ok(Ok(n)) if n > 0 => {}
-            _ => return,
-        }
         let io = TokioIo::new(stream);
         let shared = self.shared;
-        let result = match self.kind {
-            Listener::Main => {
-                let peer = crate::forward::Peer::new(self.peer.ip());
-                let svc =
-                    service_fn(move |req| crate::handle::handle(shared.clone(), peer.clone(), req));
-                let conn = self.builder.serve_connection_with_upgrades(io, svc);
-                watcher.watch(conn).await
+        let head = HeadTimeout::new(self.header_timeout);
+        let requests = Arc::clone(&head);
+        let conn = async {
+            match self.kind {
+                Listener::Main => {
+                    let peer = Peer::new(self.peer.ip());
+                    let svc = service_fn(move |req| {
+                        handle::handle(shared.clone(), peer.clone(), requests.begin(), req)
+                    });
+                    let conn = self.builder.serve_connection_with_upgrades(io, svc);
+                    watcher.watch(conn).await
+                }
+                Listener::Admin => {
+                    let svc =
+                        service_fn(move |req| admin::handle(shared.clone(), requests.begin(), req));
+                    watcher.watch(self.builder.serve_connection(io, svc)).await
+                }
             }
-            Listener::Admin => {
-                let svc = service_fn(move |req| crate::admin::handle(shared.clone(), req));
-                watcher.watch(self.builder.serve_connection(io, svc)).await
+        };
+        let result = tokio::select! {
+            // The connection first: the timer matters only when the connection has nothing
+            // to do.
+            biased;
+            result = conn => result,
+            () = head.expired() => {
+                tracing::debug!(peer = %self.peer, "no request head within header_timeout: closed");
+                return;
             }
         };
         if let Err(e) = result {
