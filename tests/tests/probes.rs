@@ -33,6 +33,15 @@ upstream = "app"
     )
 }
 
+/// Connects, sends `bytes` and waits (up to 5 s) for the gateway to close the connection:
+/// how long that took after the bytes were sent.
+async fn closed_after_sending(addr: std::net::SocketAddr, bytes: &[u8], what: &str) -> Duration {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(bytes).await.unwrap();
+    let closed = time_until_closed(&mut stream, Duration::from_secs(5)).await;
+    closed.unwrap_or_else(|| panic!("{what} was still open after 5 s"))
+}
+
 /// Reads until the peer closes; returns how long that took, or None after `limit`.
 async fn time_until_closed(stream: &mut TcpStream, limit: Duration) -> Option<Duration> {
     let start = Instant::now();
@@ -51,23 +60,14 @@ async fn client_sending_half_a_head_is_disconnected_after_header_timeout() {
     let up = MockUpstream::start().await;
     let gw = Sluice::start(&config(&up.url(), 8, "500ms", "5s"));
 
-    let mut half = TcpStream::connect(gw.main).await.unwrap();
-    half.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-        .await
-        .unwrap();
-    let closed = time_until_closed(&mut half, Duration::from_secs(5)).await;
-    let closed = closed.expect("a half-sent head was still open after 5 s");
+    let half = b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+    let closed = closed_after_sending(gw.main, half, "a half-sent head").await;
     assert!(
         closed >= Duration::from_millis(400),
         "closed too early: {closed:?}"
     );
 
-    let mut silent = TcpStream::connect(gw.main).await.unwrap();
-    let closed = time_until_closed(&mut silent, Duration::from_secs(5)).await;
-    assert!(
-        closed.is_some(),
-        "a silent connection was still open after 5 s"
-    );
+    closed_after_sending(gw.main, b"", "a silent connection").await;
     assert_eq!(up.requests(), 0);
 }
 
@@ -110,12 +110,8 @@ async fn header_timeout_counts_idle_time_only_on_both_protocols() {
     );
 
     // HTTP/2 with prior knowledge: the preface and settings, then no request.
-    let mut h2 = TcpStream::connect(gw.main).await.unwrap();
-    h2.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
-        .await
-        .unwrap();
-    let closed = time_until_closed(&mut h2, Duration::from_secs(5)).await;
-    let closed = closed.expect("a silent HTTP/2 connection was still open after 5 s");
+    let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+    let closed = closed_after_sending(gw.main, preface, "a silent HTTP/2 connection").await;
     assert!(
         closed >= Duration::from_millis(400),
         "closed too early: {closed:?}"
