@@ -327,7 +327,7 @@ async fn a_kept_connection_times_each_request_from_its_own_start() {
     // Real time for a real process: the kept connection's timer passes its deadline idle.
     tokio::time::sleep(Duration::from_millis(450)).await;
     assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     assert_eq!(get(gw.main, "/api/hold", &[]).await.status, 504);
     let took = started.elapsed();
     assert!(
