@@ -327,17 +327,19 @@ async fn a_kept_connection_times_each_request_from_its_own_start() {
     // Real time for a real process: the kept connection's timer passes its deadline idle.
     tokio::time::sleep(Duration::from_millis(450)).await;
     assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
+    assert_eq!(
+        up.connections(),
+        1,
+        "the second went over the kept connection"
+    );
+    // (The third may find that connection still finishing the second's body and open
+    // another: the pool skips busy connections. Either way it is timed from its own start.)
     let started = tokio::time::Instant::now();
     assert_eq!(get(gw.main, "/api/hold", &[]).await.status, 504);
     let took = started.elapsed();
     assert!(
         took >= Duration::from_millis(290) && took < Duration::from_secs(3),
         "504 after {took:?}, not after the 300 ms timeout"
-    );
-    assert_eq!(
-        up.connections(),
-        1,
-        "all three went over the kept connection"
     );
     up.release(1);
 }
