@@ -322,7 +322,8 @@ async fn refused_and_reset_upstreams_are_502_and_slow_ones_504() {
 #[tokio::test]
 async fn a_kept_connection_times_each_request_from_its_own_start() {
     let up = MockUpstream::start().await;
-    let gw = Sluice::start(&config(&up.url(), "300ms"));
+    // One serving thread: each thread keeps its own upstream connections.
+    let gw = Sluice::start_with_args(&config(&up.url(), "300ms"), &["--threads", "1"]);
     assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
     // Real time for a real process: the kept connection's timer passes its deadline idle.
     tokio::time::sleep(Duration::from_millis(450)).await;
