@@ -101,18 +101,23 @@ impl RemoteDecision {
 }
 
 /// A request's concurrency slots in Redis: one lease id in the ZSET of each concurrency
-/// layer. Dropping it releases them with one pipelined round trip (spawned on the current
-/// tokio runtime); if that fails, the lease expires on its own after the store's lease TTL.
+/// layer. While it is held, a task renews it every third of the store's lease TTL, so a
+/// request may run for as long as it likes (a stream, a tunnel) and keep its slots. Dropping
+/// it stops the renewals and releases the slots with one pipelined round trip (spawned on the
+/// current tokio runtime); if that fails, or the instance dies, the lease expires on its own
+/// within the lease TTL.
 #[derive(Debug)]
 pub struct Lease {
     pub(crate) store: Option<RedisStore>,
     pub(crate) id: String,
     pub(crate) keys: Vec<String>,
+    pub(crate) renewals: Option<tokio::task::AbortHandle>,
 }
 
 impl Lease {
     /// Releases the slots now and waits for Redis to confirm.
     pub async fn release(mut self) -> Result<(), crate::StoreError> {
+        self.stop_renewals();
         match self.store.take() {
             Some(store) => store.release(&self.id, &self.keys).await,
             None => Ok(()),
@@ -123,10 +128,17 @@ impl Lease {
     pub fn id(&self) -> &str {
         &self.id
     }
+
+    pub(crate) fn stop_renewals(&mut self) {
+        if let Some(renewals) = self.renewals.take() {
+            renewals.abort();
+        }
+    }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        self.stop_renewals();
         let Some(store) = self.store.take() else {
             return;
         };

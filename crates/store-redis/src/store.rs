@@ -31,9 +31,9 @@ pub struct StoreOptions {
     pub timeout: Duration,
     /// The most connecting at start-up may take (default 1 s).
     pub connect_timeout: Duration,
-    /// How long a concurrency lease lives if never released, e.g. because its instance
-    /// crashed (default 60 s). A request still running after it no longer holds its slot:
-    /// set it above the longest request you serve.
+    /// How long a concurrency lease lives if never released or renewed, e.g. because its
+    /// instance crashed (default 60 s). A held lease is renewed every third of it, so this
+    /// bounds how long a dead instance's slots stay taken, not how long a request may run.
     pub lease_ttl: Duration,
 }
 
@@ -197,10 +197,12 @@ impl RedisStore {
                 .map(|(l, _)| l.limit.key_name(l.key))
                 .collect();
             if !keys.is_empty() {
+                let renew = renewals(self.clone(), lease_id.clone(), keys.clone());
                 a.lease = Some(Lease {
                     store: Some(self.clone()),
                     id: lease_id,
                     keys,
+                    renewals: Some(tokio::spawn(renew).abort_handle()),
                 });
             }
         }
@@ -227,6 +229,7 @@ impl RedisStore {
         }
         let mut lease_id = String::new();
         if let Some(mut lease) = lease {
+            lease.stop_renewals();
             lease.store = None; // the refund removes it; no release on drop
             lease_id = std::mem::take(&mut lease.id);
         }
@@ -252,6 +255,20 @@ impl RedisStore {
         Ok(())
     }
 
+    /// Moves the expiry of lease `id` in each of `keys` (that still holds it) to a lease TTL
+    /// from Redis's clock now.
+    pub(crate) async fn renew(&self, id: &str, keys: &[String]) -> Result<(), StoreError> {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(RENEW).arg(keys.len()).arg(keys).arg(id);
+        cmd.arg(self.options.lease_ttl.as_micros().to_string());
+        let mut conn = self.conn.clone();
+        let call = cmd.query_async::<i64>(&mut conn);
+        tokio::time::timeout(self.options.timeout, call)
+            .await
+            .map_err(|_| StoreError::Timeout(self.options.timeout))??;
+        Ok(())
+    }
+
     /// Has the batcher decide `part` in the next `EVALSHA`, within the timeout.
     async fn call(&self, part: Part) -> Result<Vec<i64>, StoreError> {
         let (reply, answer) = oneshot::channel();
@@ -265,6 +282,34 @@ impl RedisStore {
             .map_err(|_| stopped())?
     }
 }
+
+/// Renews lease `id` in `keys` every third of the lease TTL until aborted (when the lease
+/// ends). A renewal that fails is tried again a third later: the lease outlives two misses.
+async fn renewals(store: RedisStore, id: String, keys: Vec<String>) {
+    let every = store.options.lease_ttl / 3;
+    loop {
+        tokio::time::sleep(every).await;
+        // A failure (Redis down, a timeout) is not the request's: the next period tries again.
+        let _ = store.renew(&id, &keys).await;
+    }
+}
+
+/// The renewal script: in each key (a concurrency ZSET, see `script.rs`) that still holds
+/// member `ARGV[1]`, its expiry becomes Redis's `TIME` plus `ARGV[2]` microseconds, and the key
+/// lives at least as long. A lease that was released or has expired is not brought back.
+const RENEW: &str = r"
+local t = redis.call('TIME')
+local now = t[1] * 1000000 + t[2]
+local ttl = tonumber(ARGV[2])
+local renewed = 0
+for _, key in ipairs(KEYS) do
+  if redis.call('ZADD', key, 'XX', 'CH', now + ttl, ARGV[1]) == 1 then
+    redis.call('PEXPIRE', key, math.ceil(ttl / 1000))
+    renewed = renewed + 1
+  end
+end
+return renewed
+";
 
 /// The batcher: takes the requests waiting at that moment into one `EVALSHA` and sends it,
 /// without waiting for the answer to the previous one, until every store clone is dropped.

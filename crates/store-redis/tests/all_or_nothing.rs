@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use sluice_store_redis::{Layer, Mode, RedisStore, RemoteDecision, RemoteLimit};
+use sluice_store_redis::{Layer, Mode, RedisStore, RemoteDecision, RemoteLimit, StoreOptions};
 use tokio::task::JoinSet;
 
 const HOUR: Duration = Duration::from_secs(3_600);
@@ -177,6 +177,44 @@ async fn dropped_lease_frees_its_slot_and_an_unreleased_lease_expires() {
         .await
         .unwrap();
     assert!(after.is_admitted());
+}
+
+/// A held lease is renewed while its request runs, however long past the lease TTL (a
+/// stream, a tunnel); dropped, it frees its slot at once.
+#[tokio::test]
+async fn held_lease_is_renewed_past_its_ttl() {
+    let server = RedisServer::start();
+    let options = StoreOptions {
+        timeout: Duration::from_secs(2),
+        lease_ttl: Duration::from_millis(300),
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&server.url(), options).await.unwrap();
+    let limit = remote(&concurrency("c", 1));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    let held = store.decide(&layers, 1, Mode::Charge).await.unwrap();
+    assert!(held.is_admitted());
+    // Real time: Redis's clock scores leases. Three TTLs later the slot is still taken.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let refused = store.decide(&layers, 1, Mode::Charge).await.unwrap();
+    assert!(
+        !refused.is_admitted(),
+        "the held lease expired: {refused:?}"
+    );
+    drop(held);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    while !store
+        .decide(&layers, 1, Mode::CheckOnly)
+        .await
+        .unwrap()
+        .is_admitted()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the dropped lease was not released"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 #[tokio::test]
