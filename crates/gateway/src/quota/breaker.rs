@@ -20,6 +20,10 @@ pub(super) struct Breaker {
     epoch: Instant,
     cool_down: Duration,
     spacing: Duration,
+    /// How long a probe may be out before it is taken for lost: the cool-down, or the longest
+    /// a call to the store may take if that is longer (a probe still waiting on its call is not
+    /// lost, and a second probe beside it would be one too many).
+    probe_lifetime: Duration,
     failures: AtomicU32,
     /// Milliseconds since `epoch`, plus one, of the last failure counted (0: none since the
     /// last success).
@@ -27,8 +31,8 @@ pub(super) struct Breaker {
     /// Milliseconds since `epoch` until which the store is not called (0: closed).
     open_until_ms: AtomicU64,
     /// Milliseconds since `epoch`, plus one, when the current probe was let through (0: no
-    /// probe out). A probe that never reports (its request was dropped, or failed on its own
-    /// data) expires after a cool-down, so the breaker cannot stay open for good.
+    /// probe out). A probe that never reports (its request was dropped) expires after
+    /// `probe_lifetime`, so the breaker cannot stay open for good.
     probe_since_ms: AtomicU64,
 }
 
@@ -44,12 +48,14 @@ pub(super) enum Gate {
 }
 
 impl Breaker {
-    /// A breaker that opens for `cool_down`, counting at most one failure per `spacing`.
-    pub(super) fn new(cool_down: Duration, spacing: Duration) -> Self {
+    /// A breaker that opens for `cool_down`, counting at most one failure per `spacing`, in
+    /// front of a store whose calls take at most `call_timeout`.
+    pub(super) fn new(cool_down: Duration, spacing: Duration, call_timeout: Duration) -> Self {
         Self {
             epoch: Instant::now(),
             cool_down,
             spacing,
+            probe_lifetime: cool_down.max(call_timeout),
             failures: AtomicU32::new(0),
             last_counted_ms: AtomicU64::new(0),
             open_until_ms: AtomicU64::new(0),
@@ -71,7 +77,7 @@ impl Breaker {
         }
         let now = self.now_ms() + 1;
         let probe = self.probe_since_ms.load(Ordering::Acquire);
-        let expired = probe != 0 && now >= probe + self.cool_down.as_millis() as u64;
+        let expired = probe != 0 && now >= probe + self.probe_lifetime.as_millis() as u64;
         if probe != 0 && !expired {
             return Gate::Skip;
         }
@@ -91,11 +97,13 @@ impl Breaker {
         self.probe_since_ms.store(0, Ordering::Release);
     }
 
-    /// Records a failure of the store; returns true when this one opened (or re-opened) the
-    /// breaker. A failed probe re-opens it at once; otherwise a failure within `spacing` of
-    /// the last one counted is the same episode and is not counted again.
-    pub(super) fn failure(&self) -> bool {
-        let was_probe = self.probe_since_ms.swap(0, Ordering::AcqRel) != 0;
+    /// Records a failure of the store by a request that `probe`d it or not; returns true when
+    /// this one opened (or re-opened) the breaker. A failed probe re-opens it at once;
+    /// otherwise a failure within `spacing` of the last one counted is the same episode and is
+    /// not counted again. Only the probe's own answer ends the probe: a late failure of a call
+    /// made before the breaker opened leaves it out, so no second probe goes beside it.
+    pub(super) fn failure(&self, probe: bool) -> bool {
+        let was_probe = probe && self.probe_since_ms.swap(0, Ordering::AcqRel) != 0;
         let now = self.now_ms() + 1;
         let last = self.last_counted_ms.load(Ordering::Acquire);
         let spacing = self.spacing.as_millis() as u64;
@@ -131,21 +139,21 @@ mod tests {
             if i > 0 {
                 tokio::time::advance(SPACING).await;
             }
-            *o = b.failure();
+            *o = b.failure(false);
         }
         opened
     }
 
     #[tokio::test(start_paused = true)]
     async fn opens_after_three_failures_then_lets_one_probe_through_after_the_cool_down() {
-        let b = Breaker::new(Duration::from_secs(1), SPACING);
+        let b = Breaker::new(Duration::from_secs(1), SPACING, SPACING);
         assert_eq!(b.gate(), Gate::Call);
         assert_eq!(three_failures(&b).await, [false, false, true]);
         assert_eq!(b.gate(), Gate::Skip);
         tokio::time::advance(Duration::from_millis(1001)).await;
         assert_eq!(b.gate(), Gate::Probe);
         assert_eq!(b.gate(), Gate::Skip, "one probe at a time");
-        assert!(b.failure(), "a failed probe re-opens");
+        assert!(b.failure(true), "a failed probe re-opens");
         assert_eq!(b.gate(), Gate::Skip);
         tokio::time::advance(Duration::from_millis(1001)).await;
         assert_eq!(b.gate(), Gate::Probe);
@@ -155,23 +163,23 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn many_requests_failing_together_count_as_one_failure() {
-        let b = Breaker::new(Duration::from_secs(1), SPACING);
+        let b = Breaker::new(Duration::from_secs(1), SPACING, SPACING);
         // One slow call: a hundred requests time out within the same period.
         for _ in 0..100 {
-            assert!(!b.failure());
+            assert!(!b.failure(false));
         }
         assert_eq!(b.gate(), Gate::Call);
         tokio::time::advance(SPACING - Duration::from_millis(1)).await;
-        assert!(!b.failure(), "still the same episode");
+        assert!(!b.failure(false), "still the same episode");
         tokio::time::advance(Duration::from_millis(1)).await;
-        assert!(!b.failure(), "the second");
+        assert!(!b.failure(false), "the second");
         tokio::time::advance(SPACING).await;
-        assert!(b.failure(), "the third period opens it");
+        assert!(b.failure(false), "the third period opens it");
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_probe_that_never_reports_expires_after_a_cool_down() {
-        let b = Breaker::new(Duration::from_secs(1), SPACING);
+        let b = Breaker::new(Duration::from_secs(1), SPACING, SPACING);
         three_failures(&b).await;
         tokio::time::advance(Duration::from_millis(1001)).await;
         assert_eq!(b.gate(), Gate::Probe);
@@ -184,12 +192,38 @@ mod tests {
         assert_eq!(b.gate(), Gate::Call);
     }
 
+    /// A store timeout of 3 s against a cool-down of 1 s: the probe may wait 3 s on its call.
+    #[tokio::test(start_paused = true)]
+    async fn one_probe_at_a_time_while_its_call_may_still_be_running() {
+        let b = Breaker::new(Duration::from_secs(1), SPACING, Duration::from_secs(3));
+        three_failures(&b).await;
+        tokio::time::advance(Duration::from_millis(1001)).await;
+        assert_eq!(b.gate(), Gate::Probe);
+        // A call made before the breaker opened fails late: not the probe's answer.
+        tokio::time::advance(Duration::from_millis(500)).await;
+        b.failure(false);
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        assert_eq!(
+            b.gate(),
+            Gate::Skip,
+            "the probe's call may still be running"
+        );
+        tokio::time::advance(Duration::from_millis(1000)).await;
+        assert_eq!(
+            b.gate(),
+            Gate::Probe,
+            "3 s on: that probe is lost, a new one goes"
+        );
+        assert!(b.failure(true));
+        assert_eq!(b.gate(), Gate::Skip);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_success_between_failures_starts_the_count_again() {
-        let b = Breaker::new(Duration::from_secs(1), SPACING);
-        assert!(!b.failure());
+        let b = Breaker::new(Duration::from_secs(1), SPACING, SPACING);
+        assert!(!b.failure(false));
         tokio::time::advance(SPACING).await;
-        assert!(!b.failure());
+        assert!(!b.failure(false));
         b.success();
         assert_eq!(three_failures(&b).await, [false, false, true]);
     }

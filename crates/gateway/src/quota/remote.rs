@@ -66,7 +66,7 @@ impl Remote {
             store,
             limits,
             on_error: cfg.on_error,
-            breaker: Breaker::new(COOL_DOWN, cfg.timeout.min(FAILURE_SPACING)),
+            breaker: Breaker::new(COOL_DOWN, cfg.timeout.min(FAILURE_SPACING), cfg.timeout),
             fallbacks: AtomicU64::new(0),
             last_warning_ms: AtomicU64::new(0),
             epoch: tokio::time::Instant::now(),
@@ -98,7 +98,8 @@ impl Remote {
                 self.note_fallback(&"not connected");
                 return self.fallback(quota, layers, cost, capacity, slot).await;
             };
-            if self.breaker.gate() == Gate::Skip {
+            let gate = self.breaker.gate();
+            if gate == Gate::Skip {
                 self.note_fallback(&"circuit open");
                 return self.fallback(quota, layers, cost, capacity, slot).await;
             }
@@ -127,7 +128,7 @@ impl Remote {
                     // A request's own key holding foreign data is not the store failing: Redis
                     // answered.
                     if e.is_store_failure() {
-                        self.breaker.failure();
+                        self.breaker.failure(gate == Gate::Probe);
                     } else {
                         self.breaker.success();
                     }
