@@ -6,10 +6,9 @@ use std::collections::VecDeque;
 use std::error::Error as StdError;
 use std::io;
 use std::net::IpAddr;
+use std::pin::Pin;
 use std::sync::Mutex;
 use std::time::Duration;
-
-use std::pin::Pin;
 
 use tokio::time::{Instant, Sleep};
 
@@ -71,7 +70,8 @@ pub(crate) struct UpstreamClient {
 
 /// An upstream connection with its own response timer, re-armed by each request it carries:
 /// moving a timer's deadline later is one atomic step, where a new timer per request took the
-/// time driver's lock to register and again to cancel (~900 instructions a request).
+/// time driver's lock to register and again to cancel (callgrind: ~370 instructions of a
+/// forwarded request).
 #[derive(Debug)]
 struct Kept {
     sender: SendRequest<Incoming>,
