@@ -19,15 +19,17 @@ impl Router {
     /// The matching route and its index in the configuration.
     pub(crate) fn find<B>(&self, req: &Request<B>) -> Option<(usize, &Route)> {
         let path = req.uri().path();
-        let host = request_host(req);
+        // Looked up only if a route names a host: most configurations have none.
+        let host = std::cell::OnceCell::new();
         self.routes
             .iter()
             .find(|(_, r)| {
                 path_matches(&r.path, path)
                     && method_matches(r.methods.as_deref(), req.method())
-                    && r.host
-                        .as_deref()
-                        .is_none_or(|h| host.is_some_and(|x| x.eq_ignore_ascii_case(h)))
+                    && r.host.as_deref().is_none_or(|h| {
+                        let host = host.get_or_init(|| request_host(req));
+                        host.is_some_and(|x| x.eq_ignore_ascii_case(h))
+                    })
             })
             .map(|(i, r)| (*i, r))
     }
