@@ -34,25 +34,46 @@ upstream = "app"
 }
 
 /// Connects, sends `bytes` and waits (up to 5 s) for the gateway to close the connection:
-/// how long that took after the bytes were sent.
-async fn closed_after_sending(addr: std::net::SocketAddr, bytes: &[u8], what: &str) -> Duration {
+/// how long that took after the bytes were sent, and what the gateway sent meanwhile.
+async fn closed_after_sending(
+    addr: std::net::SocketAddr,
+    bytes: &[u8],
+    what: &str,
+) -> (Duration, Vec<u8>) {
     let mut stream = TcpStream::connect(addr).await.unwrap();
     stream.write_all(bytes).await.unwrap();
-    let closed = time_until_closed(&mut stream, Duration::from_secs(5)).await;
+    let closed = read_until_closed(&mut stream, Duration::from_secs(5)).await;
     closed.unwrap_or_else(|| panic!("{what} was still open after 5 s"))
 }
 
 /// Reads until the peer closes; returns how long that took, or None after `limit`.
 async fn time_until_closed(stream: &mut TcpStream, limit: Duration) -> Option<Duration> {
+    read_until_closed(stream, limit).await.map(|(took, _)| took)
+}
+
+/// Reads until the peer closes: how long that took and what it sent, or None after `limit`.
+async fn read_until_closed(stream: &mut TcpStream, limit: Duration) -> Option<(Duration, Vec<u8>)> {
     let start = Instant::now();
+    let mut got = Vec::new();
     let mut buf = [0u8; 1024];
     loop {
         match tokio::time::timeout_at(start + limit, stream.read(&mut buf)).await {
             Err(_) => return None,
-            Ok(Ok(0) | Err(_)) => return Some(start.elapsed()),
-            Ok(Ok(_)) => {}
+            Ok(Ok(0) | Err(_)) => return Some((start.elapsed(), got)),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
         }
     }
+}
+
+/// The types of the HTTP/2 frames in `bytes` (a server's side of a connection).
+fn h2_frame_types(mut bytes: &[u8]) -> Vec<u8> {
+    let mut types = Vec::new();
+    while bytes.len() >= 9 {
+        let len = usize::from(bytes[0]) << 16 | usize::from(bytes[1]) << 8 | usize::from(bytes[2]);
+        types.push(bytes[3]);
+        bytes = &bytes[(9 + len).min(bytes.len())..];
+    }
+    types
 }
 
 #[tokio::test]
@@ -61,7 +82,7 @@ async fn client_sending_half_a_head_is_disconnected_after_header_timeout() {
     let gw = Sluice::start(&config(&up.url(), 8, "500ms", "5s"));
 
     let half = b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ";
-    let closed = closed_after_sending(gw.main, half, "a half-sent head").await;
+    let (closed, _) = closed_after_sending(gw.main, half, "a half-sent head").await;
     assert!(
         closed >= Duration::from_millis(400),
         "closed too early: {closed:?}"
@@ -110,11 +131,17 @@ async fn header_timeout_counts_idle_time_only_on_both_protocols() {
     );
 
     // HTTP/2 with prior knowledge: the preface and settings, then no request.
+    // It is told so with GOAWAY (frame type 7) before the connection closes.
     let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
-    let closed = closed_after_sending(gw.main, preface, "a silent HTTP/2 connection").await;
+    let (closed, sent) = closed_after_sending(gw.main, preface, "a silent HTTP/2 connection").await;
     assert!(
         closed >= Duration::from_millis(400),
         "closed too early: {closed:?}"
+    );
+    let frames = h2_frame_types(&sent);
+    assert!(
+        frames.contains(&7),
+        "no GOAWAY before closing: frame types {frames:?}"
     );
     assert_eq!(up.requests(), 2);
 }

@@ -1,6 +1,6 @@
 //! `header_timeout`: a connection with no request in flight must send its next request head
 //! within the timeout of becoming idle (of connecting, or of its last response ending), or it
-//! is closed. This stops clients that connect and send nothing, or half a head, from holding
+//! is closed (gracefully: HTTP/2 first sends `GOAWAY`; see `server::drive`). This stops clients that connect and send nothing, or half a head, from holding
 //! connections (slowloris), over HTTP/1.1 and HTTP/2 alike.
 //!
 //! One timer per connection, which wakes at most once per timeout period to look at the

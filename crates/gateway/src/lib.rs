@@ -34,7 +34,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper_util::server::graceful::GracefulShutdown;
 use sluice_config::Config;
 use sluice_limiter::{Clock, SystemClock};
 use tokio::net::TcpListener;
@@ -43,7 +42,7 @@ use tokio::sync::watch;
 pub use body::Body;
 
 use handle::Shared;
-use server::{accept_loop, Listener};
+use server::{accept_loop, Drain, Listener};
 
 /// What can stop the gateway from starting.
 #[derive(Debug, thiserror::Error)]
@@ -186,7 +185,7 @@ impl Gateway {
         let admin_task = {
             let shared = shared.clone();
             tokio::spawn(async move {
-                let graceful = GracefulShutdown::new();
+                let graceful = Drain::new();
                 let mut rx = admin_stopped;
                 let stop = async move {
                     let _ = rx.wait_for(|stop| *stop).await;
@@ -204,7 +203,7 @@ impl Gateway {
         };
 
         let sweeper = tokio::spawn(sweep(shared.clone()));
-        let graceful = GracefulShutdown::new();
+        let graceful = Drain::new();
         let drain = {
             let shared = shared.clone();
             async move {
@@ -307,7 +306,7 @@ impl Worker {
                 return false;
             }
         };
-        let graceful = GracefulShutdown::new();
+        let graceful = Drain::new();
         let mut stop = self.stop;
         let stopped = async move {
             let _ = stop.wait_for(|stop| *stop).await;

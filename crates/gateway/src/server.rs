@@ -4,14 +4,15 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 
 use crate::admin;
 use crate::forward::Peer;
@@ -38,6 +39,35 @@ pub(crate) fn builder() -> auto::Builder<TokioExecutor> {
     builder
 }
 
+/// Graceful shutdown of a listener's connections: each watches the drain; `shutdown` asks them
+/// all to finish (hyper's graceful shutdown: an idle connection closes, a busy one after its
+/// response; HTTP/2 sends `GOAWAY`) and waits until every one has ended. hyper-util's
+/// `GracefulShutdown` does the same, but owns each connection, so a connection could not also
+/// be closed gracefully when its header timeout expires.
+#[derive(Debug)]
+pub(crate) struct Drain {
+    tx: watch::Sender<()>,
+}
+
+impl Drain {
+    pub(crate) fn new() -> Self {
+        Drain {
+            tx: watch::channel(()).0,
+        }
+    }
+
+    /// What a connection watches; it holds it until it ends.
+    fn watcher(&self) -> watch::Receiver<()> {
+        self.tx.subscribe()
+    }
+
+    /// Asks every connection to finish, and waits until they all have.
+    pub(crate) async fn shutdown(self) {
+        let _ = self.tx.send(());
+        self.tx.closed().await;
+    }
+}
+
 /// Which service a listener runs.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Listener {
@@ -52,7 +82,7 @@ pub(crate) async fn accept_loop(
     kind: Listener,
     shared: Arc<Shared>,
     header_timeout: Duration,
-    graceful: &GracefulShutdown,
+    graceful: &Drain,
     stop: impl Future<Output = ()>,
 ) {
     let builder = Arc::new(builder());
@@ -92,40 +122,69 @@ struct Conn {
 }
 
 impl Conn {
-    async fn serve(self, stream: TcpStream, watcher: Watcher) {
+    async fn serve(self, stream: TcpStream, drain: watch::Receiver<()>) {
         let io = TokioIo::new(stream);
         let shared = self.shared;
         let head = HeadTimeout::new(self.header_timeout);
         let requests = Arc::clone(&head);
-        let conn = async {
-            match self.kind {
-                Listener::Main => {
-                    let peer = Peer::new(self.peer.ip());
-                    let svc = service_fn(move |req| {
-                        handle::handle(shared.clone(), peer.clone(), requests.begin(), req)
-                    });
-                    let conn = self.builder.serve_connection_with_upgrades(io, svc);
-                    watcher.watch(conn).await
-                }
-                Listener::Admin => {
-                    let svc =
-                        service_fn(move |req| admin::handle(shared.clone(), requests.begin(), req));
-                    watcher.watch(self.builder.serve_connection(io, svc)).await
-                }
+        let result = match self.kind {
+            Listener::Main => {
+                let peer = Peer::new(self.peer.ip());
+                let svc = service_fn(move |req| {
+                    handle::handle(shared.clone(), peer.clone(), requests.begin(), req)
+                });
+                let conn = self.builder.serve_connection_with_upgrades(io, svc);
+                tokio::pin!(conn);
+                let shut = |c: Pin<&mut _>| auto::UpgradeableConnection::graceful_shutdown(c);
+                drive(conn, shut, &head, drain, self.peer).await
             }
-        };
-        let result = tokio::select! {
-            // The connection first: the timer matters only when the connection has nothing
-            // to do.
-            biased;
-            result = conn => result,
-            () = head.expired() => {
-                tracing::debug!(peer = %self.peer, "no request head within header_timeout: closed");
-                return;
+            Listener::Admin => {
+                let svc =
+                    service_fn(move |req| admin::handle(shared.clone(), requests.begin(), req));
+                let conn = self.builder.serve_connection(io, svc);
+                tokio::pin!(conn);
+                let shut = |c: Pin<&mut _>| auto::Connection::graceful_shutdown(c);
+                drive(conn, shut, &head, drain, self.peer).await
             }
         };
         if let Err(e) = result {
             tracing::debug!(peer = %self.peer, error = %e, "connection ended with an error");
         }
     }
+}
+
+/// How long a connection closed for its header timeout gets to say goodbye (HTTP/2 `GOAWAY`)
+/// before it is dropped.
+const GOODBYE: Duration = Duration::from_secs(1);
+
+/// Serves `conn` until it ends. On shutdown (`drain`), or when no request head arrives within
+/// the header timeout, it is shut down gracefully: an idle HTTP/1.1 connection (or one with
+/// half a head) closes at once, HTTP/2 sends `GOAWAY`; a connection that does not end within
+/// [`GOODBYE`] after its header timeout is dropped.
+async fn drive<C, E>(
+    mut conn: Pin<&mut C>,
+    graceful_shutdown: impl Fn(Pin<&mut C>),
+    head: &HeadTimeout,
+    mut drain: watch::Receiver<()>,
+    peer: SocketAddr,
+) -> Result<(), E>
+where
+    C: Future<Output = Result<(), E>>,
+{
+    let expired = head.expired();
+    tokio::pin!(expired);
+    let timed_out = tokio::select! {
+        // The connection first: the others matter only when it has nothing to do.
+        biased;
+        result = conn.as_mut() => return result,
+        _ = drain.changed() => false,
+        () = expired.as_mut() => true,
+    };
+    graceful_shutdown(conn.as_mut());
+    if !timed_out {
+        // Draining: a busy connection finishes its requests within the shutdown grace.
+        return conn.await;
+    }
+    tracing::debug!(%peer, "no request head within header_timeout: closing");
+    tokio::time::timeout(GOODBYE, conn).await.unwrap_or(Ok(()))
 }
