@@ -1,6 +1,7 @@
 //! What a remote decision returns: the same outcomes and figures as `sluice_limiter`'s
 //! `Decision`, indexed by the position of each layer in the request.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use sluice_limiter::{Nanos, RefusalReason};
@@ -101,23 +102,24 @@ impl RemoteDecision {
 }
 
 /// A request's concurrency slots in Redis: one lease id in the ZSET of each concurrency
-/// layer. While it is held, a task renews it every third of the store's lease TTL, so a
-/// request may run for as long as it likes (a stream, a tunnel) and keep its slots. Dropping
-/// it stops the renewals and releases the slots with one pipelined round trip (spawned on the
-/// current tokio runtime); if that fails, or the instance dies, the lease expires on its own
-/// within the lease TTL.
+/// layer. While it is held, the store renews it every third of its lease TTL (it is in the
+/// store's register of held leases), so a request may run for as long as it likes (a stream,
+/// a tunnel) and keep its slots. Dropping it leaves the register and releases the slots with
+/// one pipelined round trip (spawned on the current tokio runtime); if that fails, or the
+/// instance dies, the lease expires on its own within the lease TTL.
 #[derive(Debug)]
 pub struct Lease {
     pub(crate) store: Option<RedisStore>,
     pub(crate) id: String,
-    pub(crate) keys: Vec<String>,
-    pub(crate) renewals: Option<tokio::task::AbortHandle>,
+    pub(crate) keys: Arc<[String]>,
+    /// Its entry in the store's register of held leases.
+    pub(crate) n: u64,
 }
 
 impl Lease {
     /// Releases the slots now and waits for Redis to confirm.
     pub async fn release(mut self) -> Result<(), crate::StoreError> {
-        self.stop_renewals();
+        self.leave_register();
         match self.store.take() {
             Some(store) => store.release(&self.id, &self.keys).await,
             None => Ok(()),
@@ -129,20 +131,21 @@ impl Lease {
         &self.id
     }
 
-    pub(crate) fn stop_renewals(&mut self) {
-        if let Some(renewals) = self.renewals.take() {
-            renewals.abort();
+    /// Stops the renewals.
+    pub(crate) fn leave_register(&self) {
+        if let Some(store) = &self.store {
+            store.held_leases().remove(self.n);
         }
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.stop_renewals();
+        self.leave_register();
         let Some(store) = self.store.take() else {
             return;
         };
-        let (id, keys) = (std::mem::take(&mut self.id), std::mem::take(&mut self.keys));
+        let (id, keys) = (std::mem::take(&mut self.id), Arc::clone(&self.keys));
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             // A failed release is safe: the lease expires after the store's lease TTL.
             handle.spawn(async move {

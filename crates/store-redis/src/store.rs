@@ -8,8 +8,9 @@
 //! each key once per call instead of once per request. Nothing waits for a batch to fill: a
 //! request that arrives while Redis is idle is sent at once.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -99,6 +100,8 @@ pub struct RedisStore {
     /// Lease ids: this store's random prefix and a counter.
     instance: u64,
     leases: Arc<AtomicU64>,
+    /// The leases held now, renewed by one task (see [`renewer`]).
+    held: Arc<HeldLeases>,
     /// To the batcher (see the module's doc); it stops when every clone is dropped.
     calls: mpsc::UnboundedSender<Call>,
 }
@@ -137,12 +140,15 @@ impl RedisStore {
         let sha: Arc<str> = Arc::from(sha);
         let (calls, queue) = mpsc::unbounded_channel();
         tokio::spawn(batcher(conn.clone(), Arc::clone(&sha), options, queue));
+        let held = Arc::new(HeldLeases::default());
+        tokio::spawn(renewer(conn.clone(), options, Arc::downgrade(&held)));
         Ok(RedisStore {
             conn,
             sha,
             options,
             instance: rand::random(),
             leases: Arc::new(AtomicU64::new(0)),
+            held,
             calls,
         })
     }
@@ -178,8 +184,8 @@ impl RedisStore {
     ) -> Result<RemoteDecision, StoreError> {
         check_layers(layers)?;
         let leases = mode == Mode::Charge && layers.iter().any(|l| l.limit.is_concurrency());
+        let n = self.leases.fetch_add(u64::from(leases), Ordering::Relaxed);
         let lease_id = if leases {
-            let n = self.leases.fetch_add(1, Ordering::Relaxed);
             format!("{:016x}-{n:x}", self.instance)
         } else {
             String::new()
@@ -190,19 +196,19 @@ impl RedisStore {
             .await?;
         let mut decision = script::decision(&reply, layers, cost)?;
         if let RemoteDecision::Admitted(a) = &mut decision {
-            let keys: Vec<String> = layers
+            let keys: Arc<[String]> = layers
                 .iter()
                 .zip(&a.tags)
                 .filter(|(l, tag)| l.limit.is_concurrency() && tag.is_some())
                 .map(|(l, _)| l.limit.key_name(l.key))
                 .collect();
             if !keys.is_empty() {
-                let renew = renewals(self.clone(), lease_id.clone(), keys.clone());
+                self.held.insert(n, lease_id.clone(), Arc::clone(&keys));
                 a.lease = Some(Lease {
                     store: Some(self.clone()),
                     id: lease_id,
                     keys,
-                    renewals: Some(tokio::spawn(renew).abort_handle()),
+                    n,
                 });
             }
         }
@@ -229,7 +235,7 @@ impl RedisStore {
         }
         let mut lease_id = String::new();
         if let Some(mut lease) = lease {
-            lease.stop_renewals();
+            lease.leave_register();
             lease.store = None; // the refund removes it; no release on drop
             lease_id = std::mem::take(&mut lease.id);
         }
@@ -255,18 +261,8 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Moves the expiry of lease `id` in each of `keys` (that still holds it) to a lease TTL
-    /// from Redis's clock now.
-    pub(crate) async fn renew(&self, id: &str, keys: &[String]) -> Result<(), StoreError> {
-        let mut cmd = redis::cmd("EVAL");
-        cmd.arg(RENEW).arg(keys.len()).arg(keys).arg(id);
-        cmd.arg(self.options.lease_ttl.as_micros().to_string());
-        let mut conn = self.conn.clone();
-        let call = cmd.query_async::<i64>(&mut conn);
-        tokio::time::timeout(self.options.timeout, call)
-            .await
-            .map_err(|_| StoreError::Timeout(self.options.timeout))??;
-        Ok(())
+    pub(crate) fn held_leases(&self) -> &HeldLeases {
+        &self.held
     }
 
     /// Has the batcher decide `part` in the next `EVALSHA`, within the timeout.
@@ -283,14 +279,48 @@ impl RedisStore {
     }
 }
 
-/// Renews lease `id` in `keys` every third of the lease TTL until aborted (when the lease
-/// ends). A renewal that fails is tried again a third later: the lease outlives two misses.
-async fn renewals(store: RedisStore, id: String, keys: Vec<String>) {
-    let every = store.options.lease_ttl / 3;
+/// The leases this store's requests hold: their ids and keys, by number.
+#[derive(Debug, Default)]
+pub(crate) struct HeldLeases(Mutex<HashMap<u64, HeldLease>>);
+
+/// A held lease's id (the ZSET member) and keys.
+type HeldLease = (String, Arc<[String]>);
+
+impl HeldLeases {
+    fn insert(&self, n: u64, id: String, keys: Arc<[String]>) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(n, (id, keys));
+    }
+
+    pub(crate) fn remove(&self, n: u64) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(&n);
+    }
+
+    fn snapshot(&self) -> Vec<HeldLease> {
+        let held = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        held.values().cloned().collect()
+    }
+}
+
+/// Every third of the lease TTL, renews every lease held at that moment, until every store
+/// clone is dropped. A renewal that fails is tried again a third later: a lease outlives two
+/// missed renewals.
+async fn renewer(mut conn: ConnectionManager, options: StoreOptions, held: Weak<HeldLeases>) {
+    let every = options.lease_ttl / 3;
     loop {
         tokio::time::sleep(every).await;
-        // A failure (Redis down, a timeout) is not the request's: the next period tries again.
-        let _ = store.renew(&id, &keys).await;
+        let Some(leases) = held.upgrade().map(|h| h.snapshot()) else {
+            return;
+        };
+        for (id, keys) in leases {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(RENEW).arg(keys.len()).arg(&*keys).arg(id);
+            cmd.arg(options.lease_ttl.as_micros().to_string());
+            // A failure (Redis down, a timeout) is not a request's: the next period tries again.
+            let _ = tokio::time::timeout(options.timeout, cmd.query_async::<i64>(&mut conn)).await;
+        }
     }
 }
 
