@@ -47,12 +47,17 @@ impl HeadTimeout {
         Busy(Arc::clone(self))
     }
 
+    /// Whether a request is in flight on the connection.
+    pub(crate) fn is_busy(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire) > 0
+    }
+
     /// Resolves when the connection has been idle for the timeout: then close it.
     pub(crate) async fn expired(&self) {
         let mut timer = pin!(tokio::time::sleep_until(self.idle_deadline()));
         loop {
             timer.as_mut().await;
-            let next = if self.in_flight.load(Ordering::Acquire) == 0 {
+            let next = if !self.is_busy() {
                 let deadline = self.idle_deadline();
                 if Instant::now() >= deadline {
                     return;

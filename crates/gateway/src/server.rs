@@ -160,7 +160,8 @@ const GOODBYE: Duration = Duration::from_secs(1);
 /// Serves `conn` until it ends. On shutdown (`drain`), or when no request head arrives within
 /// the header timeout, it is shut down gracefully: an idle HTTP/1.1 connection (or one with
 /// half a head) closes at once, HTTP/2 sends `GOAWAY`; a connection that does not end within
-/// [`GOODBYE`] after its header timeout is dropped.
+/// [`GOODBYE`] after its header timeout is dropped, unless a request slipped in just before
+/// the `GOAWAY` (then that request finishes first).
 async fn drive<C, E>(
     mut conn: Pin<&mut C>,
     graceful_shutdown: impl Fn(Pin<&mut C>),
@@ -186,5 +187,104 @@ where
         return conn.await;
     }
     tracing::debug!(%peer, "no request head within header_timeout: closing");
-    tokio::time::timeout(GOODBYE, conn).await.unwrap_or(Ok(()))
+    match tokio::time::timeout(GOODBYE, conn.as_mut()).await {
+        Ok(result) => result,
+        Err(_) if head.is_busy() => conn.await,
+        Err(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+    use tokio::sync::oneshot;
+    use tokio::time::Instant;
+
+    const T: Duration = Duration::from_secs(10);
+    const PEER: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
+        std::net::Ipv4Addr::LOCALHOST,
+        1,
+    ));
+
+    /// A connection that ends when `end` fires (or never, if it is dropped first).
+    async fn connection(end: oneshot::Receiver<()>) -> Result<(), ()> {
+        let _ = end.await;
+        Ok(())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_connection_is_told_to_close_then_dropped_after_the_goodbye() {
+        let head = HeadTimeout::new(T);
+        let drain = Drain::new();
+        let (_end, ends) = oneshot::channel();
+        let conn = connection(ends);
+        tokio::pin!(conn);
+        let told = Cell::new(false);
+        let start = Instant::now();
+        let result = drive(conn, |_| told.set(true), &head, drain.watcher(), PEER).await;
+        assert_eq!(result, Ok(()));
+        assert!(told.get());
+        assert_eq!(start.elapsed(), T + GOODBYE);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_that_slips_in_before_the_goodbye_finishes() {
+        let head = HeadTimeout::new(T);
+        let drain = Drain::new();
+        let (end, ends) = oneshot::channel();
+        let conn = connection(ends);
+        tokio::pin!(conn);
+        let start = Instant::now();
+        let late = tokio::spawn({
+            let head = Arc::clone(&head);
+            async move {
+                // Just after the timeout: the request arrives as GOAWAY leaves.
+                tokio::time::sleep(T + Duration::from_millis(1)).await;
+                let busy = head.begin();
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                drop(busy);
+                let _ = end.send(());
+            }
+        });
+        let result = drive(conn, |_| {}, &head, drain.watcher(), PEER).await;
+        assert_eq!(result, Ok(()));
+        assert_eq!(
+            start.elapsed(),
+            T + Duration::from_secs(5) + Duration::from_millis(1)
+        );
+        late.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn on_shutdown_a_busy_connection_is_told_and_then_awaited() {
+        let head = HeadTimeout::new(T);
+        let drain = Drain::new();
+        let (end, ends) = oneshot::channel();
+        let conn = connection(ends);
+        tokio::pin!(conn);
+        let busy = head.begin();
+        let told = Cell::new(false);
+        let start = Instant::now();
+        let watcher = drain.watcher();
+        let shutdown = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            drain.shutdown().await;
+        });
+        let finish = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            drop(busy);
+            let _ = end.send(());
+        });
+        let result = drive(conn, |_| told.set(true), &head, watcher, PEER).await;
+        assert_eq!(result, Ok(()));
+        assert!(told.get());
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_secs(30),
+            "not cut at a goodbye"
+        );
+        finish.await.unwrap();
+        shutdown.await.unwrap();
+    }
 }
