@@ -146,6 +146,45 @@ async fn header_timeout_counts_idle_time_only_on_both_protocols() {
     assert_eq!(up.requests(), 2);
 }
 
+/// An HTTP/2 stream in flight keeps its connection open past the header timeout; once the
+/// connection is idle again, it is closed with GOAWAY a timeout later.
+#[tokio::test]
+async fn an_http2_stream_in_flight_holds_off_the_header_timeout() {
+    use bytes::Bytes;
+    use http_body_util::Full;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), 8, "500ms", "5s"));
+    let stream = TcpStream::connect(gw.main).await.unwrap();
+    let (sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = http::Request::get("http://h2.example.com/hold")
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    // A clone sends, so that the client keeps the connection (it closes when no sender is left).
+    let mut clone = sender.clone();
+    let reply = tokio::spawn(async move { clone.send_request(req).await.map(|r| r.status()) });
+    up.wait_holding(1).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    up.release(1);
+    assert_eq!(reply.await.unwrap().unwrap(), 200);
+    let started = Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(5), conn).await;
+    assert!(
+        ended.is_ok(),
+        "the idle HTTP/2 connection was still open after 5 s"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(400),
+        "closed {:?} after the response",
+        started.elapsed()
+    );
+    drop(sender);
+}
+
 #[tokio::test]
 async fn live_is_always_200_and_ready_follows_capacity() {
     let up = MockUpstream::start().await;
