@@ -164,25 +164,7 @@ impl Quota {
                 .id(&l.name)
                 .expect("every configured limit is in the limiter")
         };
-        let by_route = (0..config.routes.len())
-            .map(|r| {
-                let mut limits = RouteLimits::default();
-                for l in config
-                    .limits
-                    .iter()
-                    .filter(|l| l.routes.as_ref().is_none_or(|rs| rs.contains(&r)))
-                {
-                    let parts: Vec<Part> = l.by.iter().map(part).collect();
-                    let entry = (id(l), fixed_key(&hasher, &parts, r));
-                    match l.mode {
-                        Mode::DryRun => limits.dry_run.push(entry),
-                        Mode::Enforce | Mode::Delay { .. } => limits.enforced.push(entry),
-                    }
-                }
-                limits
-            })
-            .collect();
-        let limits = config
+        let limits: Vec<LimitInfo> = config
             .limits
             .iter()
             .map(|l| LimitInfo {
@@ -191,6 +173,22 @@ impl Quota {
                 parts: l.by.iter().map(part).collect(),
                 mode: l.mode,
                 config: l.clone(),
+            })
+            .collect();
+        let by_route = (0..config.routes.len())
+            .map(|r| {
+                let mut on_route = RouteLimits::default();
+                for (l, info) in config.limits.iter().zip(&limits) {
+                    if !l.routes.as_ref().is_none_or(|rs| rs.contains(&r)) {
+                        continue;
+                    }
+                    let entry = (id(l), key_of(&hasher, &info.parts, r, None));
+                    match l.mode {
+                        Mode::DryRun => on_route.dry_run.push(entry),
+                        Mode::Enforce | Mode::Delay { .. } => on_route.enforced.push(entry),
+                    }
+                }
+                on_route
             })
             .collect();
         Ok(Self {
@@ -221,22 +219,12 @@ impl Quota {
             IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
             IpAddr::V6(v6) => v6.octets(),
         };
-        let route_bytes = (caller.route as u32).to_le_bytes();
-        let key = |id: LimitId| -> Option<(LimitId, Key)> {
-            let mut parts: SmallVec<[&[u8]; 4]> = SmallVec::new();
-            for p in &self.limits[id.index()].parts {
-                parts.push(match p {
-                    Part::Ip => &ip,
-                    Part::ApiKey => caller.api_key?,
-                    Part::Route => &route_bytes,
-                    Part::Global => b"",
-                    Part::Header(h) => caller.headers.get(h)?.as_bytes(),
-                });
-            }
-            Some((id, self.hasher.key(&parts)))
+        let keyed = |&(id, fixed): &(LimitId, Option<Key>)| {
+            let parts = &self.limits[id.index()].parts;
+            let who = Some((&ip, caller));
+            let key = fixed.or_else(|| key_of(&self.hasher, parts, caller.route, who));
+            Some((id, key?))
         };
-        let keyed =
-            |&(id, fixed): &(LimitId, Option<Key>)| fixed.map(|k| (id, k)).or_else(|| key(id));
         Layers {
             enforced: route.enforced.iter().filter_map(keyed).collect(),
             dry_run: route.dry_run.iter().filter_map(keyed).collect(),
@@ -308,16 +296,28 @@ impl std::fmt::Debug for Quota {
     }
 }
 
-/// The key of a limit keyed by `parts` on route `route` if it is the same for every caller
-/// (only `route` and `global` parts), made as [`Quota::layers`] would make it.
-fn fixed_key(hasher: &KeyHasher, parts: &[Part], route: usize) -> Option<Key> {
+/// The key of a limit keyed by `parts`, for `caller` (with its address as 16 bytes) on route
+/// `route`, or `None` if the caller lacks a part (no API key, no such header). Without a
+/// caller, the key every caller shares, if the parts are only `route` and `global`: made once
+/// at start.
+fn key_of(
+    hasher: &KeyHasher,
+    parts: &[Part],
+    route: usize,
+    caller: Option<(&[u8; 16], &Caller<'_>)>,
+) -> Option<Key> {
     let route_bytes = (route as u32).to_le_bytes();
-    let bytes = parts.iter().map(|p| match p {
-        Part::Route => Some(&route_bytes[..]),
-        Part::Global => Some(&b""[..]),
-        Part::Ip | Part::ApiKey | Part::Header(_) => None,
-    });
-    let bytes: SmallVec<[&[u8]; 4]> = bytes.collect::<Option<_>>()?;
+    let mut bytes: SmallVec<[&[u8]; 4]> = SmallVec::new();
+    for p in parts {
+        bytes.push(match (p, caller) {
+            (Part::Route, _) => &route_bytes,
+            (Part::Global, _) => b"",
+            (Part::Ip, Some((ip, _))) => ip,
+            (Part::ApiKey, Some((_, c))) => c.api_key?,
+            (Part::Header(h), Some((_, c))) => c.headers.get(h)?.as_bytes(),
+            (Part::Ip | Part::ApiKey | Part::Header(_), None) => return None,
+        });
+    }
     Some(hasher.key(&bytes))
 }
 
