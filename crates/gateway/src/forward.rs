@@ -346,28 +346,36 @@ pub(crate) fn set_upgrade(headers: &mut HeaderMap, protocol: HeaderValue) {
     headers.insert(UPGRADE, protocol);
 }
 
-/// A connection's peer, with its address written out once for `X-Forwarded-For`: formatting
-/// an address cost more than the rest of a request's rewrite.
+/// A connection's peer, with what every request on the connection needs of it worked out
+/// once: whether it is a trusted proxy, and its address written out for `X-Forwarded-For`
+/// (formatting an address cost more than the rest of a request's rewrite).
 #[derive(Debug, Clone)]
 pub(crate) struct Peer {
     /// The address (an IPv4-mapped IPv6 address as IPv4).
     pub(crate) ip: IpAddr,
+    /// Whether the peer is a trusted proxy, whose forwarding headers are believed.
+    pub(crate) trusted: bool,
     forwarded: HeaderValue,
 }
 
 impl Peer {
-    pub(crate) fn new(addr: IpAddr) -> Self {
+    /// The peer at `addr`; `is_trusted` tells trusted proxies (`Identify::is_trusted`).
+    pub(crate) fn new(addr: IpAddr, is_trusted: impl FnOnce(IpAddr) -> bool) -> Self {
         let ip = addr.to_canonical();
         let forwarded =
             HeaderValue::from_str(&ip.to_string()).expect("an address is a valid header value");
-        Peer { ip, forwarded }
+        Peer {
+            ip,
+            trusted: is_trusted(ip),
+            forwarded,
+        }
     }
 }
 
 /// Rewrites request headers for the upstream: hop-by-hop stripped, the peer appended to
 /// `X-Forwarded-For`, `X-Forwarded-Proto` set (kept only from a trusted proxy), `Host` kept
 /// (taken from `:authority` for HTTP/2).
-pub(crate) fn prepare_request<B>(req: &mut Request<B>, peer: &Peer, peer_trusted: bool) {
+pub(crate) fn prepare_request<B>(req: &mut Request<B>, peer: &Peer) {
     if !req.headers().contains_key(HOST) {
         if let Some(host) = req
             .uri()
@@ -397,7 +405,7 @@ pub(crate) fn prepare_request<B>(req: &mut Request<B>, peer: &Peer, peer_trusted
     if let Some(v) = forwarded {
         headers.insert(X_FORWARDED_FOR.clone(), v);
     }
-    if !(peer_trusted && headers.contains_key(&X_FORWARDED_PROTO)) {
+    if !(peer.trusted && headers.contains_key(&X_FORWARDED_PROTO)) {
         headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
     }
 }
@@ -463,8 +471,8 @@ impl<C> Pool<C> {
 mod tests {
     use super::*;
 
-    fn peer(addr: &str) -> Peer {
-        Peer::new(addr.parse().unwrap())
+    fn peer(addr: &str, trusted: bool) -> Peer {
+        Peer::new(addr.parse().unwrap(), |_| trusted)
     }
 
     #[test]
@@ -519,7 +527,7 @@ mod tests {
             .header("upgrades", "kept too")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1"), false);
+        prepare_request(&mut req, &peer("192.0.2.1", false));
         let h = req.headers();
         for gone in [
             "connection",
@@ -551,7 +559,7 @@ mod tests {
             .header("x-forwarded-proto", "https")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("::ffff:192.0.2.1"), false);
+        prepare_request(&mut req, &peer("::ffff:192.0.2.1", false));
         assert_eq!(
             req.headers()["x-forwarded-for"],
             "203.0.113.9, 198.51.100.2, 192.0.2.1"
@@ -570,7 +578,7 @@ mod tests {
             .header("x-forwarded-proto", "https")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("10.0.0.1"), true);
+        prepare_request(&mut req, &peer("10.0.0.1", true));
         assert_eq!(req.headers()["x-forwarded-proto"], "https");
         assert_eq!(req.headers()["host"], "api.example.com");
     }

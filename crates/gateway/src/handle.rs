@@ -35,7 +35,7 @@ pub(crate) struct Shared {
     router: Router,
     route_names: Vec<Arc<str>>,
     upstreams: Vec<UpstreamClient>,
-    identify: Identify,
+    pub(crate) identify: Identify,
     pub(crate) quota: Quota,
     pub(crate) capacity: Capacity,
     health_path: Option<String>,
@@ -117,10 +117,9 @@ async fn walk(
     log.route(shared.route_names[index].clone());
 
     // Identify.
-    let peer_trusted = shared.identify.is_trusted(peer.ip);
     let client = shared
         .identify
-        .client_ip(peer.ip, peer_trusted, req.headers());
+        .client_ip(peer.ip, peer.trusted, req.headers());
     log.client(client);
     let api_key = match shared.identify.api_key(req.headers(), req.uri()) {
         Ok(key) => key,
@@ -156,7 +155,7 @@ async fn walk(
         RouteAction::Upstream(u) => {
             let upgrade = upgrade_protocol(&req);
             let client_side = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
-            prepare_request(&mut req, peer, peer_trusted);
+            prepare_request(&mut req, peer);
             if let Some(protocol) = upgrade {
                 set_upgrade(req.headers_mut(), protocol);
             }

@@ -50,7 +50,7 @@ impl Identify {
     }
 
     /// The client's address. Headers are believed only from a trusted peer (`peer_trusted`,
-    /// from [`Identify::is_trusted`], computed once per request by the caller), and only as far
+    /// from [`Identify::is_trusted`], computed once per connection by the caller), and only as far
     /// as the chain of trusted hops goes: an attacker-chosen string never becomes the answer.
     pub(crate) fn client_ip(
         &self,

@@ -129,7 +129,7 @@ impl Conn {
         let requests = Arc::clone(&head);
         let result = match self.kind {
             Listener::Main => {
-                let peer = Peer::new(self.peer.ip());
+                let peer = Peer::new(self.peer.ip(), |ip| shared.identify.is_trusted(ip));
                 let svc = service_fn(move |req| {
                     handle::handle(shared.clone(), peer.clone(), requests.begin(), req)
                 });
