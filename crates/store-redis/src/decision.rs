@@ -110,10 +110,17 @@ impl RemoteDecision {
 #[derive(Debug)]
 pub struct Lease {
     pub(crate) store: Option<RedisStore>,
-    pub(crate) id: String,
-    pub(crate) keys: Arc<[String]>,
+    /// Shared with the store's register while held.
+    pub(crate) slots: Arc<LeaseSlots>,
     /// Its entry in the store's register of held leases.
     pub(crate) n: u64,
+}
+
+/// What a lease holds: its id (the ZSET member) in each of its keys.
+#[derive(Debug)]
+pub(crate) struct LeaseSlots {
+    pub(crate) id: String,
+    pub(crate) keys: Vec<String>,
 }
 
 impl Lease {
@@ -121,14 +128,14 @@ impl Lease {
     pub async fn release(mut self) -> Result<(), crate::StoreError> {
         self.leave_register();
         match self.store.take() {
-            Some(store) => store.release(&self.id, &self.keys).await,
+            Some(store) => store.release(&self.slots).await,
             None => Ok(()),
         }
     }
 
     /// The lease id (the ZSET member).
     pub fn id(&self) -> &str {
-        &self.id
+        &self.slots.id
     }
 
     /// Stops the renewals.
@@ -145,11 +152,11 @@ impl Drop for Lease {
         let Some(store) = self.store.take() else {
             return;
         };
-        let (id, keys) = (std::mem::take(&mut self.id), Arc::clone(&self.keys));
+        let slots = Arc::clone(&self.slots);
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             // A failed release is safe: the lease expires after the store's lease TTL.
             handle.spawn(async move {
-                let _ = store.release(&id, &keys).await;
+                let _ = store.release(&slots).await;
             });
         }
     }

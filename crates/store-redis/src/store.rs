@@ -17,7 +17,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use sluice_limiter::{Key, Nanos};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::decision::{Lease, RemoteDecision};
+use crate::decision::{Lease, LeaseSlots, RemoteDecision};
 use crate::script::Part;
 use crate::{script, RemoteAdmission, RemoteLimit, StoreError};
 
@@ -196,18 +196,18 @@ impl RedisStore {
             .await?;
         let mut decision = script::decision(&reply, layers, cost)?;
         if let RemoteDecision::Admitted(a) = &mut decision {
-            let keys: Arc<[String]> = layers
+            let keys: Vec<String> = layers
                 .iter()
                 .zip(&a.tags)
                 .filter(|(l, tag)| l.limit.is_concurrency() && tag.is_some())
                 .map(|(l, _)| l.limit.key_name(l.key))
                 .collect();
             if !keys.is_empty() {
-                self.held.insert(n, lease_id.clone(), Arc::clone(&keys));
+                let slots = Arc::new(LeaseSlots { id: lease_id, keys });
+                self.held.insert(n, Arc::clone(&slots));
                 a.lease = Some(Lease {
                     store: Some(self.clone()),
-                    id: lease_id,
-                    keys,
+                    slots,
                     n,
                 });
             }
@@ -237,7 +237,7 @@ impl RedisStore {
         if let Some(mut lease) = lease {
             lease.leave_register();
             lease.store = None; // the refund removes it; no release on drop
-            lease_id = std::mem::take(&mut lease.id);
+            lease_id.clone_from(&lease.slots.id);
         }
         let tags = Some(admission.tags.as_slice());
         let part = Part::new(layers, "r", admission.cost, &lease_id, None, tags);
@@ -247,11 +247,11 @@ impl RedisStore {
         }
     }
 
-    /// Removes lease `id` from every concurrency key in `keys`: one pipelined round trip.
-    pub(crate) async fn release(&self, id: &str, keys: &[String]) -> Result<(), StoreError> {
+    /// Removes a lease from every concurrency key it is in: one pipelined round trip.
+    pub(crate) async fn release(&self, slots: &LeaseSlots) -> Result<(), StoreError> {
         let mut pipe = redis::pipe();
-        for key in keys {
-            pipe.cmd("ZREM").arg(key).arg(id).ignore();
+        for key in &slots.keys {
+            pipe.cmd("ZREM").arg(key).arg(&slots.id).ignore();
         }
         let mut conn = self.conn.clone();
         let call = pipe.query_async::<()>(&mut conn);
@@ -279,26 +279,23 @@ impl RedisStore {
     }
 }
 
-/// The leases this store's requests hold: their ids and keys, by number.
+/// The leases this store's requests hold, by number.
 #[derive(Debug, Default)]
-pub(crate) struct HeldLeases(Mutex<HashMap<u64, HeldLease>>);
-
-/// A held lease's id (the ZSET member) and keys.
-type HeldLease = (String, Arc<[String]>);
+pub(crate) struct HeldLeases(Mutex<HashMap<u64, Arc<LeaseSlots>>>);
 
 impl HeldLeases {
-    fn insert(&self, n: u64, id: String, keys: Arc<[String]>) {
+    fn insert(&self, n: u64, slots: Arc<LeaseSlots>) {
         self.0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(n, (id, keys));
+            .insert(n, slots);
     }
 
     pub(crate) fn remove(&self, n: u64) {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(&n);
     }
 
-    fn snapshot(&self) -> Vec<HeldLease> {
+    fn snapshot(&self) -> Vec<Arc<LeaseSlots>> {
         let held = self.0.lock().unwrap_or_else(|e| e.into_inner());
         held.values().cloned().collect()
     }
@@ -314,9 +311,12 @@ async fn renewer(mut conn: ConnectionManager, options: StoreOptions, held: Weak<
         let Some(leases) = held.upgrade().map(|h| h.snapshot()) else {
             return;
         };
-        for (id, keys) in leases {
+        for slots in leases {
             let mut cmd = redis::cmd("EVAL");
-            cmd.arg(RENEW).arg(keys.len()).arg(&*keys).arg(id);
+            cmd.arg(RENEW)
+                .arg(slots.keys.len())
+                .arg(&slots.keys)
+                .arg(&slots.id);
             cmd.arg(options.lease_ttl.as_micros().to_string());
             // A failure (Redis down, a timeout) is not a request's: the next period tries again.
             let _ = tokio::time::timeout(options.timeout, cmd.query_async::<i64>(&mut conn)).await;
