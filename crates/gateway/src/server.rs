@@ -207,18 +207,25 @@ mod tests {
         1,
     ));
 
-    /// A connection that ends when `end` fires (or never, if it is dropped first).
-    async fn connection(end: oneshot::Receiver<()>) -> Result<(), ()> {
-        let _ = end.await;
-        Ok(())
+    /// A connection's header timeout (of `T`), a drain, and a connection that ends when the
+    /// sender fires (or never, if it is dropped first).
+    fn setup() -> (
+        Arc<HeadTimeout>,
+        Drain,
+        oneshot::Sender<()>,
+        impl Future<Output = Result<(), ()>>,
+    ) {
+        let (end, ends) = oneshot::channel();
+        let conn = async move {
+            let _ = ends.await;
+            Ok(())
+        };
+        (HeadTimeout::new(T), Drain::new(), end, conn)
     }
 
     #[tokio::test(start_paused = true)]
     async fn an_idle_connection_is_told_to_close_then_dropped_after_the_goodbye() {
-        let head = HeadTimeout::new(T);
-        let drain = Drain::new();
-        let (_end, ends) = oneshot::channel();
-        let conn = connection(ends);
+        let (head, drain, _end, conn) = setup();
         tokio::pin!(conn);
         let told = Cell::new(false);
         let start = Instant::now();
@@ -230,10 +237,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_request_that_slips_in_before_the_goodbye_finishes() {
-        let head = HeadTimeout::new(T);
-        let drain = Drain::new();
-        let (end, ends) = oneshot::channel();
-        let conn = connection(ends);
+        let (head, drain, end, conn) = setup();
         tokio::pin!(conn);
         let start = Instant::now();
         let late = tokio::spawn({
@@ -258,10 +262,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn on_shutdown_a_busy_connection_is_told_and_then_awaited() {
-        let head = HeadTimeout::new(T);
-        let drain = Drain::new();
-        let (end, ends) = oneshot::channel();
-        let conn = connection(ends);
+        let (head, drain, end, conn) = setup();
         tokio::pin!(conn);
         let busy = head.begin();
         let told = Cell::new(false);
