@@ -22,7 +22,7 @@ type Governor = governor::DefaultKeyedRateLimiter<u64>;
 fn run_sluice(n: u64, limiter: &Limiter, id: LimitId, hasher: &KeyHasher, clock: &SystemClock) {
     for _ in 0..n {
         let layers = [(id, hasher.key(&[&black_box(42u64).to_le_bytes()]))];
-        black_box(limiter.decide(&layers, 1, clock.now()).is_admitted());
+        black_box(limiter.decide_with(&layers, 1, clock.now(), |d| d.is_admitted()));
     }
 }
 

@@ -140,18 +140,18 @@ pub struct Admission {
 }
 
 impl Admission {
-    /// What of the admission must live until the request ends: its concurrency slots
-    /// (released when dropped). Its quota charges stay; it can no longer be refunded. A few
-    /// words, against the whole admission's ~270 bytes, for a caller that keeps it in each
-    /// request's state.
-    pub fn into_slots(self) -> Slots {
+    /// Takes what of the admission must live until the request ends: its concurrency slots
+    /// (released when dropped). A few words, against the whole admission's ~270 bytes, for a
+    /// caller that keeps them in each request's state. A refund after this takes back the
+    /// quota charges only.
+    pub fn take_slots(&mut self) -> Slots {
         Slots {
-            _guards: self.slots,
+            _guards: std::mem::take(&mut self.slots),
         }
     }
 }
 
-/// The concurrency slots of an admission ([`Admission::into_slots`]), released when dropped.
+/// The concurrency slots of an admission ([`Admission::take_slots`]), released when dropped.
 #[derive(Debug)]
 #[must_use = "dropping it releases the slots at once"]
 pub struct Slots {

@@ -164,13 +164,37 @@ impl Limiter {
     ///
     /// # Panics
     /// If a [`LimitId`] does not belong to this limiter.
-    #[inline]
     pub fn decide(&self, layers: &[(LimitId, Key)], cost: u32, now: Nanos) -> Decision {
-        let mut admission = self.empty_admission(layers.len(), cost, now.0, true);
-        match self.charge_all(&mut admission, layers, cost, now.0) {
-            Ok(()) => Decision::Admitted(admission),
-            Err(stop) => self.not_admitted(&mut admission, layers, stop, cost, now.0),
+        self.decide_with(layers, cost, now, |decision| {
+            let empty = self.empty_admission(0, cost, now.0, false);
+            std::mem::replace(decision, Decision::Admitted(empty))
+        })
+    }
+
+    /// Decides like [`Limiter::decide`] and lends the decision to `f` in the place it was
+    /// built. A [`Decision`] is about 270 bytes: returning one copies it (a `memcpy`, a sixth of
+    /// a hot-key decision's instructions under callgrind), lending it does not. What must
+    /// outlive `f` is taken with [`Admission::take_slots`].
+    ///
+    /// # Panics
+    /// If a [`LimitId`] does not belong to this limiter.
+    #[inline]
+    pub fn decide_with<R>(
+        &self,
+        layers: &[(LimitId, Key)],
+        cost: u32,
+        now: Nanos,
+        f: impl FnOnce(&mut Decision) -> R,
+    ) -> R {
+        let admission = self.empty_admission(layers.len(), cost, now.0, true);
+        let mut decision = Decision::Admitted(admission);
+        if let Decision::Admitted(admission) = &mut decision {
+            if let Err(stop) = self.charge_all(admission, layers, cost, now.0) {
+                let not_admitted = self.not_admitted(admission, layers, stop, cost, now.0);
+                decision = not_admitted;
+            }
         }
+        f(&mut decision)
     }
 
     /// Charges every layer in order into `admission`, or says why it stopped. The caller
@@ -258,17 +282,19 @@ impl Limiter {
         Decision::Admitted(admission)
     }
 
-    /// Takes back every charge of `admission` and releases its slots, e.g. when the gateway
-    /// answers 503 at capacity. Exact unless a charged key was evicted or swept in between.
+    /// Takes back every charge of `admission` and releases the slots it still holds, e.g. when
+    /// the gateway answers 503 at capacity. Exact unless a charged key was evicted or swept in
+    /// between. The admission is left charging nothing: refunding it again changes nothing.
     ///
     /// # Panics
     /// If `admission` came from another limiter.
-    pub fn refund(&self, admission: Admission) {
+    pub fn refund(&self, admission: &mut Admission) {
         assert_eq!(admission.limiter, self.id, "admission from another limiter");
-        if !admission.charged {
-            return;
+        if admission.charged {
+            self.take_back(admission);
+            admission.charged = false;
         }
-        self.take_back(&admission);
+        admission.slots.clear();
     }
 
     /// Takes back the quota charges of `admission` (its slots are released by its drop).

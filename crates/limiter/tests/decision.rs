@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use sluice_limiter::{Decision, Limiter, RefusalReason};
+use sluice_limiter::{Decision, Limiter, RefusalReason, Report};
 use std::time::Duration;
 
 #[test]
@@ -80,23 +80,51 @@ fn refund_restores_every_algorithm_exactly() {
     let now = at(SEC + 123);
     let _held = limiter.decide(&layers, 2, now);
     let before = observe(&limiter, &layers, now);
-    let Decision::Admitted(a) = limiter.decide(&layers, 3, now) else {
+    let Decision::Admitted(mut a) = limiter.decide(&layers, 3, now) else {
         panic!()
     };
     assert_ne!(observe(&limiter, &layers, now), before);
-    limiter.refund(a);
+    limiter.refund(&mut a);
     assert_eq!(observe(&limiter, &layers, now), before);
+    limiter.refund(&mut a);
+    assert_eq!(
+        observe(&limiter, &layers, now),
+        before,
+        "a second refund is a no-op"
+    );
+}
+
+#[test]
+fn a_lent_decision_is_the_returned_one() {
+    let limits = || {
+        Limiter::new([
+            bucket("bucket", 3, Duration::from_secs(3), 3),
+            fixed("fixed", 4, Duration::from_secs(3)),
+        ])
+        .unwrap()
+    };
+    let (returned, lent) = (limits(), limits());
+    let layers = all_layers(&returned, &["bucket", "fixed"]);
+    // Admitted, admitted, refused (bucket), free, too large, refused (fixed).
+    for cost in [1, 2, 1, 0, 5, 1] {
+        let d = returned.decide(&layers, cost, T0);
+        let expected: (bool, Vec<Report>) = (d.is_admitted(), d.reports(&returned).collect());
+        let got = lent.decide_with(&layers, cost, T0, |d| {
+            (d.is_admitted(), d.reports(&lent).collect())
+        });
+        assert_eq!(got, expected, "cost {cost}");
+    }
 }
 
 #[test]
 fn refund_after_later_admissions_keeps_theirs() {
     let limiter = Limiter::new([bucket("b", 10, Duration::from_secs(1), 10)]).unwrap();
     let layers = all_layers(&limiter, &["b"]);
-    let Decision::Admitted(first) = limiter.decide(&layers, 4, T0) else {
+    let Decision::Admitted(mut first) = limiter.decide(&layers, 4, T0) else {
         panic!()
     };
     let _second = limiter.decide(&layers, 3, T0);
-    limiter.refund(first);
+    limiter.refund(&mut first);
     assert_eq!(observe(&limiter, &layers, T0)[0].remaining, 7);
 }
 
@@ -127,10 +155,10 @@ fn an_admissions_slots_alone_hold_its_concurrency_slots() {
     ])
     .unwrap();
     let layers = all_layers(&limiter, &["slots", "b"]);
-    let Decision::Admitted(a) = limiter.decide(&layers, 1, T0) else {
+    let Decision::Admitted(mut a) = limiter.decide(&layers, 1, T0) else {
         panic!()
     };
-    let slots = a.into_slots();
+    let slots = a.take_slots();
     assert!(!limiter.decide(&layers, 1, T0).is_admitted(), "slot held");
     drop(slots);
     assert!(limiter.decide(&layers, 1, T0).is_admitted(), "slot freed");

@@ -69,49 +69,48 @@ impl Quota {
         waited: Duration,
         delayed: bool,
     ) -> Step {
-        match self
-            .limiter
-            .decide(&layers.enforced, cost, self.clock.now())
-        {
-            Decision::Admitted(admission) => {
-                let reports = admission
-                    .reports(&self.limiter)
-                    .map(|r| (r.limit, r))
-                    .collect();
-                let Some(slot) = slot.take().or_else(|| capacity.try_acquire()) else {
-                    self.limiter.refund(admission);
-                    return Step::Done(Err(Stop::Overloaded));
-                };
-                let (dry_run, dry_refused) = self.dry_run_in_memory(layers, cost);
-                let outcome = Outcome::of(dry_refused, delayed);
-                let held = Held {
-                    _enforced: Some(admission.into_slots()),
-                    _dry_run: dry_run,
-                    _lease: None,
-                };
-                Step::Done(Ok(Pass {
-                    slot,
-                    held,
-                    reports,
-                    outcome,
-                }))
-            }
-            Decision::Refused(refusal) => {
-                let refusing = refusal.refusing(&self.limiter);
-                let Some(wait) = self.delay_for(refusing, waited) else {
-                    return Step::Done(Err(Stop::Quota(Box::new(self.refused(&refusal)))));
-                };
-                // Held requests are in-flight work: a full gateway cannot hold more.
-                if slot.is_none() {
-                    match capacity.try_acquire() {
-                        Some(s) => *slot = Some(s),
-                        None => return Step::Done(Err(Stop::Overloaded)),
-                    }
+        let now = self.clock.now();
+        self.limiter
+            .decide_with(&layers.enforced, cost, now, |decision| match decision {
+                Decision::Admitted(admission) => {
+                    let reports = admission
+                        .reports(&self.limiter)
+                        .map(|r| (r.limit, r))
+                        .collect();
+                    let Some(slot) = slot.take().or_else(|| capacity.try_acquire()) else {
+                        self.limiter.refund(admission);
+                        return Step::Done(Err(Stop::Overloaded));
+                    };
+                    let (dry_run, dry_refused) = self.dry_run_in_memory(layers, cost);
+                    let outcome = Outcome::of(dry_refused, delayed);
+                    let held = Held {
+                        _enforced: Some(admission.take_slots()),
+                        _dry_run: dry_run,
+                        _lease: None,
+                    };
+                    Step::Done(Ok(Pass {
+                        slot,
+                        held,
+                        reports,
+                        outcome,
+                    }))
                 }
-                Step::Wait(wait)
-            }
-            Decision::CostTooLarge(c) => Step::Done(Err(Stop::CostTooLarge(c.limit()))),
-        }
+                Decision::Refused(refusal) => {
+                    let refusing = refusal.refusing(&self.limiter);
+                    let Some(wait) = self.delay_for(refusing, waited) else {
+                        return Step::Done(Err(Stop::Quota(Box::new(self.refused(refusal)))));
+                    };
+                    // Held requests are in-flight work: a full gateway cannot hold more.
+                    if slot.is_none() {
+                        match capacity.try_acquire() {
+                            Some(s) => *slot = Some(s),
+                            None => return Step::Done(Err(Stop::Overloaded)),
+                        }
+                    }
+                    Step::Wait(wait)
+                }
+                Decision::CostTooLarge(c) => Step::Done(Err(Stop::CostTooLarge(c.limit()))),
+            })
     }
 
     fn refused(&self, refusal: &Refusal) -> Refused {
@@ -131,11 +130,13 @@ impl Quota {
         if layers.dry_run.is_empty() {
             return (None, None);
         }
-        match self.limiter.decide(&layers.dry_run, cost, self.clock.now()) {
-            Decision::Admitted(a) => (Some(a.into_slots()), None),
-            Decision::Refused(r) => (None, Some(r.limit())),
-            Decision::CostTooLarge(c) => (None, Some(c.limit())),
-        }
+        let now = self.clock.now();
+        self.limiter
+            .decide_with(&layers.dry_run, cost, now, |decision| match decision {
+                Decision::Admitted(a) => (Some(a.take_slots()), None),
+                Decision::Refused(r) => (None, Some(r.limit())),
+                Decision::CostTooLarge(c) => (None, Some(c.limit())),
+            })
     }
 }
 
