@@ -218,6 +218,11 @@ fn bad_values_in_other_sections_are_named() {
             "limits[3].algorithm: \"leaky\" is not an algorithm",
         ),
         (
+            "quota = 1000\nwindow = \"1h\"",
+            "quota = 1000\nwindow = \"36501d\"",
+            "limits[1].window: \"36501d\" is too long: at most 36500d (100 years)",
+        ),
+        (
             "mode = \"dry_run\"",
             "mode = \"dry_run\"\nmax_delay = \"1s\"",
             "limits[4].max_delay: \"1s\" is not used",

@@ -15,6 +15,10 @@ use crate::error::{ConfigError, Source};
 use crate::model::Config;
 use crate::raw::{RawConfig, S};
 
+/// The longest duration any key takes: 100 years. Far beyond any real window or timeout, and
+/// well inside what the limiter counts in (u64 nanoseconds, 584 years) and tokio's timers.
+const MAX_DURATION: Duration = Duration::from_secs(36_500 * 86_400);
+
 /// Collects errors while turning raw values into typed ones.
 pub(crate) struct Validator<'a> {
     src: Source<'a>,
@@ -78,6 +82,7 @@ impl<'a> Validator<'a> {
         }
     }
 
+    /// A duration longer than zero and at most [`MAX_DURATION`].
     pub(crate) fn required_duration(&mut self, v: &S<String>, key: &str) -> Option<Duration> {
         match parse_duration(v.get_ref()) {
             Ok(d) if d.is_zero() => {
@@ -85,6 +90,17 @@ impl<'a> Validator<'a> {
                     Some(v.span()),
                     key,
                     format!("\"{}\" must be longer than zero", v.get_ref()),
+                );
+                None
+            }
+            Ok(d) if d > MAX_DURATION => {
+                self.err(
+                    Some(v.span()),
+                    key,
+                    format!(
+                        "\"{}\" is too long: at most 36500d (100 years)",
+                        v.get_ref()
+                    ),
                 );
                 None
             }
