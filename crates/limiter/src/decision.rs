@@ -5,7 +5,7 @@ use smallvec::SmallVec;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::algo::{Algo, Step};
+use crate::algo::Algo;
 use crate::clock::Nanos;
 use crate::table::Table;
 use crate::{Key, Limiter};
@@ -133,6 +133,9 @@ pub struct Admission {
     pub(crate) limiter: u64,
     pub(crate) cost: u32,
     pub(crate) now: u64,
+    /// How long to hold the request before it conforms to every limit (limits with a
+    /// `max_delay` only).
+    pub(crate) wait: u64,
     /// False for [`Limiter::check`]'s answer, which charged nothing.
     pub(crate) charged: bool,
     pub(crate) layers: Layers,
@@ -140,6 +143,13 @@ pub struct Admission {
 }
 
 impl Admission {
+    /// How long to hold the request before forwarding it: zero unless a limit with a
+    /// `max_delay` ([`crate::Limit::with_max_delay`]) admitted it ahead of time. The charges
+    /// are already made; hold it, do not decide again.
+    pub fn wait(&self) -> Duration {
+        Duration::from_nanos(self.wait)
+    }
+
     /// Takes what of the admission must live until the request ends: its concurrency slots
     /// (released when dropped). A few words, against the whole admission's ~270 bytes, for a
     /// caller that keeps them in each request's state. A refund after this takes back the
@@ -231,7 +241,7 @@ impl Decision {
     /// One [`Report`] per limit of the decision, in the order they were given.
     pub fn reports<'a>(&'a self, limiter: &'a Limiter) -> impl Iterator<Item = Report> + 'a {
         let (layers, cost, now, admitted) = match self {
-            Decision::Admitted(a) => (&a.layers, a.cost, a.now, true),
+            Decision::Admitted(a) => (&a.layers, a.cost, a.passes(), true),
             Decision::Refused(r) => (&r.layers, r.cost, r.now, false),
             Decision::CostTooLarge(c) => (&c.layers, c.cost, c.now, false),
         };
@@ -240,9 +250,15 @@ impl Decision {
 }
 
 impl Admission {
-    /// One [`Report`] per limit, in the order they were given: the figures after this charge.
+    /// One [`Report`] per limit, in the order they were given: the figures after this charge,
+    /// as they will be when the request passes (after [`Admission::wait`]).
     pub fn reports<'a>(&'a self, limiter: &'a Limiter) -> impl Iterator<Item = Report> + 'a {
-        reports(&self.layers, self.cost, self.now, true, limiter)
+        reports(&self.layers, self.cost, self.passes(), true, limiter)
+    }
+
+    /// When the request passes: after its wait, which is when its figures are reported for.
+    fn passes(&self) -> u64 {
+        self.now.saturating_add(self.wait)
     }
 }
 
@@ -251,27 +267,6 @@ impl Refusal {
     /// charged.
     pub fn reports<'a>(&'a self, limiter: &'a Limiter) -> impl Iterator<Item = Report> + 'a {
         reports(&self.layers, self.cost, self.now, false, limiter)
-    }
-
-    /// Every limit that refused, with its own wait (the rest of a block; `None` for a full
-    /// concurrency limit). [`Refusal::limit`] is the one with the longest wait.
-    pub fn refusing<'a>(
-        &'a self,
-        limiter: &'a Limiter,
-    ) -> impl Iterator<Item = (LimitId, Option<Duration>)> + 'a {
-        self.layers.iter().filter_map(move |layer| {
-            let wait = match layer.blocked_until() {
-                Some(until) => Some(until.saturating_sub(self.now)),
-                None => match limiter
-                    .rule(layer.limit)
-                    .eval(layer.state(), self.cost, self.now)
-                {
-                    Step::Admit { .. } => return None,
-                    Step::Refuse { wait } => wait,
-                },
-            };
-            Some((layer.limit, wait.map(Duration::from_nanos)))
-        })
     }
 }
 

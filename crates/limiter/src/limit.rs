@@ -50,6 +50,21 @@ pub enum LimitError {
         /// The limit's name.
         name: String,
     },
+    /// `max_delay` is zero or longer than 584 years.
+    #[error("limit {name:?}: max_delay must be between 1 ns and 584 years, got {max_delay:?}")]
+    BadMaxDelay {
+        /// The limit's name.
+        name: String,
+        /// The rejected duration.
+        max_delay: Duration,
+    },
+    /// `max_delay` on a concurrency limit: a slot frees when a request ends, not at a time
+    /// that could be reserved.
+    #[error("limit {name:?}: max_delay does not apply to a concurrency limit")]
+    MaxDelayOnConcurrency {
+        /// The limit's name.
+        name: String,
+    },
     /// `max_keys` is zero.
     #[error("limit {name:?}: max_keys must be at least 1")]
     ZeroMaxKeys {
@@ -66,6 +81,7 @@ pub struct Limit {
     quota: NonZeroU32,
     window: Duration,
     block_for: Option<Duration>,
+    max_delay: Option<Duration>,
     max_keys: usize,
 }
 
@@ -91,6 +107,7 @@ impl Limit {
             quota,
             window,
             block_for: None,
+            max_delay: None,
             max_keys: DEFAULT_MAX_KEYS,
         })
     }
@@ -105,6 +122,22 @@ impl Limit {
             return Err(LimitError::BadBlockFor { name, block_for });
         }
         self.block_for = Some(block_for);
+        Ok(self)
+    }
+
+    /// Lets this limit admit a request that would pass within `max_delay`: the limit is
+    /// charged now, as of the moment the request will pass, and the admission says how long
+    /// to hold it ([`crate::Admission::wait`]). So a held request keeps its place: one that
+    /// comes later queues behind it instead of taking the quota it waits for.
+    pub fn with_max_delay(mut self, max_delay: Duration) -> Result<Self, LimitError> {
+        if self.algorithm == Algorithm::Concurrency {
+            return Err(LimitError::MaxDelayOnConcurrency { name: self.name });
+        }
+        if max_delay.is_zero() || max_delay.as_nanos() > u128::from(u64::MAX) {
+            let name = self.name;
+            return Err(LimitError::BadMaxDelay { name, max_delay });
+        }
+        self.max_delay = Some(max_delay);
         Ok(self)
     }
 
@@ -140,6 +173,11 @@ impl Limit {
     /// How long a key stays refused after a refusal, if set.
     pub fn block_for(&self) -> Option<Duration> {
         self.block_for
+    }
+
+    /// The longest this limit lets a request be held until it passes, if set.
+    pub fn max_delay(&self) -> Option<Duration> {
+        self.max_delay
     }
 
     /// The most keys this limit remembers.
@@ -190,6 +228,19 @@ mod tests {
         let limit = Limit::new("f", Algorithm::FixedWindow, q(1), Duration::from_secs(1)).unwrap();
         assert!(limit.clone().with_block_for(Duration::ZERO).is_err());
         assert!(limit.with_max_keys(0).is_err());
+    }
+
+    #[test]
+    fn max_delay_needs_a_length_and_a_limit_that_counts_time() {
+        let limit = Limit::new("f", Algorithm::FixedWindow, q(1), Duration::from_secs(1)).unwrap();
+        assert!(limit.clone().with_max_delay(Duration::ZERO).is_err());
+        let held = limit.with_max_delay(Duration::from_millis(250)).unwrap();
+        assert_eq!(held.max_delay(), Some(Duration::from_millis(250)));
+        let slots = Limit::new("c", Algorithm::Concurrency, q(1), Duration::from_secs(1)).unwrap();
+        assert_eq!(
+            slots.with_max_delay(Duration::from_secs(1)),
+            Err(LimitError::MaxDelayOnConcurrency { name: "c".into() })
+        );
     }
 
     #[test]

@@ -35,15 +35,28 @@ enum Stop {
     Refused(usize, Option<Seen>),
 }
 
-/// Charges `cost` to one key's `state` by compare-and-swap: the new state and the charge's
-/// tag, or the state that refused it and its wait.
+/// What a charge left: the key's new state, the charge's tag (for a refund), and how long the
+/// request must be held before it conforms (0 unless the limit lets requests be held).
+type Charged = (u128, u64, u64);
+
+/// Charges `cost` to one key's `state` by compare-and-swap: the new state and the charge's tag,
+/// or the state that refused it and its wait. A limit that may hold requests up to `ahead`
+/// nanoseconds admits one that would pass within that time, charged as of the moment it will
+/// pass, and raises `wait` to its hold (an out-parameter, so that the common path, which holds
+/// nothing, carries no wait).
 ///
 /// A token bucket in a 64-bit table (nearly every one) is charged by a loop of its own: the
 /// general loop sets up every algorithm's 128-bit constants before its first step, which
 /// was half the cost of an admission. Whatever that loop does not admit goes to the general
 /// one, which decides again from a fresh read.
 #[inline]
-fn charge(rule: &Rule, state: State<'_>, cost: u32, now: u64) -> Result<(u128, u64), Seen> {
+fn charge(
+    rule: &Rule,
+    state: State<'_>,
+    cost: u32,
+    now: u64,
+    (ahead, wait): (u64, &mut u64),
+) -> Result<(u128, u64), Seen> {
     if let (Rule::Gcra(gcra), State::Narrow(word)) = (rule, state) {
         let mut tat = word.load(Ordering::Acquire);
         while let Some(next) = gcra.admit_narrow(tat, cost, now) {
@@ -53,22 +66,45 @@ fn charge(rule: &Rule, state: State<'_>, cost: u32, now: u64) -> Result<(u128, u
             }
         }
     }
-    charge_any(rule, state, cost, now)
+    let (next, tag, held) = charge_any(rule, state, cost, now, ahead)?;
+    *wait = (*wait).max(held);
+    Ok((next, tag))
 }
 
-/// [`charge`] for any rule and word.
+/// [`charge`] for any rule and word. A request held for `wait` is decided as it will be when
+/// it passes, at `now + wait`, and charged so now: whoever comes later finds that charge and
+/// queues behind it.
 #[inline(never)]
-fn charge_any(rule: &Rule, state: State<'_>, cost: u32, now: u64) -> Result<(u128, u64), Seen> {
+fn charge_any(
+    rule: &Rule,
+    state: State<'_>,
+    cost: u32,
+    now: u64,
+    ahead: u64,
+) -> Result<Charged, Seen> {
     let mut current = state.load();
     loop {
-        let (next, tag) = match rule.eval(current, cost, now) {
-            Step::Admit { state, tag } => (state, tag),
-            Step::Refuse { wait } => return Err((current, wait)),
-        };
+        let (next, tag, wait) = eval_ahead(rule, current, cost, now, ahead)?;
         match state.compare_exchange_weak(current, next) {
-            Ok(()) => return Ok((next, tag)),
+            Ok(()) => return Ok((next, tag, wait)),
             Err(actual) => current = actual,
         }
+    }
+}
+
+/// [`Algo::eval`] for a limit that may hold a request up to `ahead` nanoseconds: a request
+/// refused now but passing within that time is admitted as it will be when it passes.
+fn eval_ahead(rule: &Rule, state: u128, cost: u32, now: u64, ahead: u64) -> Result<Charged, Seen> {
+    match rule.eval(state, cost, now) {
+        Step::Admit { state, tag } => Ok((state, tag, 0)),
+        Step::Refuse { wait: Some(wait) } if wait <= ahead => {
+            match rule.eval(state, cost, now.saturating_add(wait)) {
+                Step::Admit { state, tag } => Ok((state, tag, wait)),
+                // Not reached: a wait is when the same request passes.
+                Step::Refuse { .. } => Err((state, Some(wait))),
+            }
+        }
+        Step::Refuse { wait } => Err((state, wait)),
     }
 }
 
@@ -78,6 +114,8 @@ struct Compiled {
     limit: Limit,
     rule: Rule,
     capacity: Option<u32>,
+    /// How long this limit may hold a request, in nanoseconds (0: it refuses at once).
+    ahead: u64,
     table: Arc<Table>,
     /// Blocked keys and when their block ends, for limits with `block_for`.
     blocks: Option<(u64, Table)>,
@@ -115,10 +153,12 @@ impl Limiter {
                 (duration_to_nanos(d), table)
             });
             let capacity = limit.capacity();
+            let ahead = limit.max_delay().map_or(0, duration_to_nanos);
             compiled.push(Compiled {
                 limit,
                 rule,
                 capacity,
+                ahead,
                 table,
                 blocks,
             });
@@ -216,10 +256,9 @@ impl Limiter {
             if c.blocks.is_some() && c.blocked_until(key, now).is_some() {
                 return Err(Stop::Refused(position, None));
             }
-            match c
-                .table
-                .update(key, |state| charge(&c.rule, state, cost, now))
-            {
+            match c.table.update(key, |s| {
+                charge(&c.rule, s, cost, now, (c.ahead, &mut admission.wait))
+            }) {
                 Ok((state, tag)) => {
                     admission
                         .layers
@@ -270,8 +309,9 @@ impl Limiter {
         for &(limit, key) in layers {
             let c = &self.limits[limit.index()];
             let blocked = c.blocked_until(key, now.0).is_some();
-            match c.rule.eval(c.table.load(key), cost, now.0) {
-                Step::Admit { state, tag } if !blocked => {
+            match eval_ahead(&c.rule, c.table.load(key), cost, now.0, c.ahead) {
+                Ok((state, tag, wait)) if !blocked => {
+                    admission.wait = admission.wait.max(wait);
                     admission
                         .layers
                         .push(Layer::admitted(limit, key, state, tag));
@@ -338,6 +378,7 @@ impl Limiter {
             limiter: self.id,
             cost,
             now,
+            wait: 0,
             charged,
             layers: Layers::new(),
             slots: SmallVec::new(),

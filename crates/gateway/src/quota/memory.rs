@@ -8,17 +8,9 @@ use sluice_limiter::{Decision, LimitId, Refusal, Slots};
 use super::{Held, Layers, Outcome, Pass, Quota, Refused, Stop};
 use crate::capacity::{Capacity, InFlight};
 
-/// One decision in memory: done, or hold the request this long and decide again (delay mode).
-// Returned once per request and matched at once: boxing the pass would cost an allocation.
-#[allow(clippy::large_enum_variant)]
-pub(super) enum Step {
-    Done(Result<Pass, Stop>),
-    Wait(Duration),
-}
-
 impl Quota {
-    /// Quota, then capacity (refunding the quota when full). `slot` is a capacity slot the
-    /// caller already holds, if any.
+    /// Quota, then capacity (refunding the quota when full), and the wait of a request held
+    /// by `delay` limits. `slot` is a capacity slot the caller already holds, if any.
     pub(super) async fn admit_in_memory(
         &self,
         layers: &Layers,
@@ -26,90 +18,57 @@ impl Quota {
         capacity: &Capacity,
         slot: Option<InFlight>,
     ) -> Result<Pass, Stop> {
-        let start = tokio::time::Instant::now();
-        self.hold_in_memory(layers, cost, capacity, slot, start, None)
-            .await
-    }
-
-    /// The decision loop of [`Quota::admit_in_memory`] for a request that arrived at `start`:
-    /// waits `wait` first if given (the request was refused once and is held, delay mode).
-    pub(super) async fn hold_in_memory(
-        &self,
-        layers: &Layers,
-        cost: u32,
-        capacity: &Capacity,
-        mut slot: Option<InFlight>,
-        start: tokio::time::Instant,
-        mut wait: Option<Duration>,
-    ) -> Result<Pass, Stop> {
-        loop {
-            let waited = match wait {
-                Some(wait) => {
-                    tokio::time::sleep(wait).await;
-                    start.elapsed()
-                }
-                None => Duration::ZERO,
-            };
-            let delayed = wait.is_some();
-            match self.step_in_memory(layers, cost, capacity, &mut slot, waited, delayed) {
-                Step::Done(result) => return result,
-                Step::Wait(next) => wait = Some(next),
-            }
+        let (result, hold) = self.decide_in_memory(layers, cost, capacity, slot);
+        if !hold.is_zero() {
+            tokio::time::sleep(hold).await;
         }
+        result
     }
 
-    /// One decision of [`Quota::hold_in_memory`], `waited` after the request arrived. Not
-    /// async: most requests need no more, and no future then carries the decision's state.
-    pub(super) fn step_in_memory(
+    /// One decision in memory, and how long to hold the request before it passes: `delay`
+    /// limits admit a request that passes within their `max_delay` and charge it now, as of
+    /// when it will pass, so it keeps its place (and is decided once). Not async: most
+    /// requests are not held, and no future then carries the decision's state.
+    pub(super) fn decide_in_memory(
         &self,
         layers: &Layers,
         cost: u32,
         capacity: &Capacity,
-        slot: &mut Option<InFlight>,
-        waited: Duration,
-        delayed: bool,
-    ) -> Step {
+        slot: Option<InFlight>,
+    ) -> (Result<Pass, Stop>, Duration) {
         let now = self.clock.now();
         self.limiter
             .decide_with(&layers.enforced, cost, now, |decision| match decision {
                 Decision::Admitted(admission) => {
+                    // A held request is in-flight work: a full gateway cannot hold more.
+                    let Some(slot) = slot.or_else(|| capacity.try_acquire()) else {
+                        self.limiter.refund(admission);
+                        return (Err(Stop::Overloaded), Duration::ZERO);
+                    };
                     let reports = admission
                         .reports(&self.limiter)
                         .map(|r| (r.limit, r))
                         .collect();
-                    let Some(slot) = slot.take().or_else(|| capacity.try_acquire()) else {
-                        self.limiter.refund(admission);
-                        return Step::Done(Err(Stop::Overloaded));
-                    };
+                    let hold = admission.wait();
                     let (dry_run, dry_refused) = self.dry_run_in_memory(layers, cost);
-                    let outcome = Outcome::of(dry_refused, delayed);
                     let held = Held {
                         _enforced: Some(admission.take_slots()),
                         _dry_run: dry_run,
                         _lease: None,
                     };
-                    Step::Done(Ok(Pass {
+                    let pass = Pass {
                         slot,
                         held,
                         reports,
-                        outcome,
-                    }))
+                        outcome: Outcome::of(dry_refused, !hold.is_zero()),
+                    };
+                    (Ok(pass), hold)
                 }
                 Decision::Refused(refusal) => {
-                    let refusing = refusal.refusing(&self.limiter);
-                    let Some(wait) = self.delay_for(refusing, waited) else {
-                        return Step::Done(Err(Stop::Quota(Box::new(self.refused(refusal)))));
-                    };
-                    // Held requests are in-flight work: a full gateway cannot hold more.
-                    if slot.is_none() {
-                        match capacity.try_acquire() {
-                            Some(s) => *slot = Some(s),
-                            None => return Step::Done(Err(Stop::Overloaded)),
-                        }
-                    }
-                    Step::Wait(wait)
+                    let refused = Stop::Quota(Box::new(self.refused(refusal)));
+                    (Err(refused), Duration::ZERO)
                 }
-                Decision::CostTooLarge(c) => Step::Done(Err(Stop::CostTooLarge(c.limit()))),
+                Decision::CostTooLarge(c) => (Err(Stop::CostTooLarge(c.limit())), Duration::ZERO),
             })
     }
 

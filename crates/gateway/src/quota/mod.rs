@@ -243,18 +243,15 @@ impl Quota {
         // own future stays small: it was 6 KB, copied into its box on every request.
         match &self.remote {
             None => {
-                let mut slot = None;
-                match self.step_in_memory(layers, cost, capacity, &mut slot, Duration::ZERO, false)
-                {
-                    memory::Step::Done(result) => result,
-                    memory::Step::Wait(wait) => {
-                        // Arrival is counted from here, microseconds after the request came.
-                        let start = tokio::time::Instant::now();
-                        let hold =
-                            self.hold_in_memory(layers, cost, capacity, slot, start, Some(wait));
-                        Box::pin(hold).await
-                    }
+                let (result, hold) = self.decide_in_memory(layers, cost, capacity, None);
+                if hold.is_zero() {
+                    return result;
                 }
+                Box::pin(async move {
+                    tokio::time::sleep(hold).await;
+                    result
+                })
+                .await
             }
             Some(remote) => Box::pin(remote.admit(self, layers, cost, capacity)).await,
         }
@@ -351,9 +348,15 @@ fn compile(l: &config::Limit, divide_by: u32) -> Limit {
     let window = l.window.unwrap_or(Duration::from_secs(1));
     let limit =
         Limit::new(l.name.clone(), algorithm, share(l.quota), window).expect("validated limit");
-    match l.block_for {
+    let limit = match l.block_for {
         Some(b) => limit.with_block_for(b).expect("validated block_for"),
         None => limit,
+    };
+    match l.mode {
+        Mode::Delay { max_delay } => limit
+            .with_max_delay(max_delay)
+            .expect("validated max_delay"),
+        Mode::Enforce | Mode::DryRun => limit,
     }
 }
 

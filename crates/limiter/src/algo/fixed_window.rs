@@ -1,7 +1,7 @@
 //! Fixed window: one counter per window, windows aligned to multiples of the window length since
 //! the Unix epoch. State: window index in the high 64 bits, count in the low 64.
 
-use super::{Algo, Step};
+use super::{later, Algo, Step};
 
 /// `quota` per aligned window of `window` nanoseconds.
 #[derive(Debug, Clone, Copy)]
@@ -23,15 +23,26 @@ impl FixedWindow {
         FixedWindow { quota, window }
     }
 
-    /// The count charged to the window containing `now`.
+    /// The count charged to the window containing `now`. A state of a later window (charged
+    /// ahead for a delayed request, or by a request that read the clock after this one) means
+    /// this window is spent: its count was given up when the state moved on.
     #[inline]
     fn count_at(&self, state: u128, now: u64) -> u64 {
         let (index, count) = unpack(state);
-        if index == now / self.window {
+        let now_index = now / self.window;
+        if index == now_index {
             count
+        } else if index > now_index {
+            u64::from(self.quota)
         } else {
             0
         }
+    }
+
+    /// For a state of a window after `now`'s: the start of that window.
+    fn later_start(&self, state: u128, now: u64) -> Option<u64> {
+        let (index, _) = unpack(state);
+        (index > now / self.window).then(|| index.saturating_mul(self.window))
     }
 
     /// Nanoseconds from `now` to the end of its window.
@@ -43,6 +54,9 @@ impl FixedWindow {
 impl Algo for FixedWindow {
     #[inline]
     fn eval(&self, state: u128, cost: u32, now: u64) -> Step {
+        if self.later_start(state, now).is_some() {
+            return later(state, cost, || self.wait(state, cost, now));
+        }
         let count = self.count_at(state, now) + u64::from(cost);
         if count <= u64::from(self.quota) {
             let index = now / self.window;
@@ -81,6 +95,9 @@ impl Algo for FixedWindow {
     }
 
     fn wait(&self, state: u128, cost: u32, now: u64) -> Option<u64> {
+        if let Some(start) = self.later_start(state, now) {
+            return Some((start - now).saturating_add(self.wait(state, cost, start)?));
+        }
         if self.count_at(state, now) + u64::from(cost) <= u64::from(self.quota) {
             Some(0)
         } else {
@@ -118,6 +135,32 @@ mod tests {
         );
         assert!(matches!(fw.eval(state, 1, 660 * SEC), Step::Admit { .. }));
         assert_eq!(fw.expiry(state), 660 * SEC);
+    }
+
+    #[test]
+    fn a_state_of_a_later_window_is_kept_and_waited_for() {
+        let fw = FixedWindow::new(2, 10 * SEC);
+        let later = pack(3, 1); // window [30 s, 40 s) holds 1
+        assert_eq!(
+            fw.eval(later, 1, 25 * SEC),
+            Step::Refuse {
+                wait: Some(5 * SEC)
+            }
+        );
+        assert_eq!(
+            fw.eval(later, 2, 25 * SEC),
+            Step::Refuse {
+                wait: Some(15 * SEC)
+            }
+        );
+        assert_eq!(fw.remaining(later, 25 * SEC), 0);
+        assert_eq!(
+            fw.eval(later, 1, 30 * SEC),
+            Step::Admit {
+                state: pack(3, 2),
+                tag: 3
+            }
+        );
     }
 
     #[test]

@@ -136,6 +136,17 @@ impl Algo for Rule {
     }
 }
 
+/// A window algorithm's step for a state of a window after `now`'s: nothing fits now, and the
+/// state is left as it is (a free request passes without touching it; its tag is that window).
+fn later(state: u128, cost: u32, wait: impl FnOnce() -> Option<u64>) -> Step {
+    if cost == 0 {
+        let tag = (state >> 64) as u64;
+        Step::Admit { state, tag }
+    } else {
+        Step::Refuse { wait: wait() }
+    }
+}
+
 /// `ceil(a / b)` saturated into u64 nanoseconds.
 pub(crate) fn ceil_div_u64(a: u128, b: u128) -> u64 {
     u64::try_from(a.div_ceil(b)).unwrap_or(u64::MAX)

@@ -2,7 +2,7 @@
 //! computed exactly in integers (`previous * (window - elapsed) + current * window`, compared
 //! with `quota * window`). State: window index (high 64 bits), previous count (32), current (32).
 
-use super::{Algo, Step};
+use super::{later, Algo, Step};
 
 /// `quota` per sliding window of `window` nanoseconds.
 #[derive(Debug, Clone, Copy)]
@@ -24,7 +24,10 @@ impl SlidingWindow {
         SlidingWindow { quota, window }
     }
 
-    /// (previous, current) counts as seen from the window containing `now`.
+    /// (previous, current) counts as seen from the window containing `now`. A state of a later
+    /// window (charged ahead for a delayed request, or by a request that read the clock after
+    /// this one) leaves no room now: the counts `now` would need were given up when the state
+    /// moved on.
     #[inline]
     fn counts_at(&self, state: u128, now: u64) -> (u32, u32) {
         let (index, previous, current) = unpack(state);
@@ -33,9 +36,17 @@ impl SlidingWindow {
             (previous, current)
         } else if index.checked_add(1) == Some(now_index) {
             (current, 0)
+        } else if index > now_index {
+            (0, self.quota)
         } else {
             (0, 0)
         }
+    }
+
+    /// For a state of a window after `now`'s: the start of that window.
+    fn later_start(&self, state: u128, now: u64) -> Option<u64> {
+        let (index, _, _) = unpack(state);
+        (index > now / self.window).then(|| index.saturating_mul(self.window))
     }
 
     /// The estimate scaled by the window: `previous * (window - elapsed) + current * window`.
@@ -60,6 +71,9 @@ impl SlidingWindow {
 impl Algo for SlidingWindow {
     #[inline]
     fn eval(&self, state: u128, cost: u32, now: u64) -> Step {
+        if self.later_start(state, now).is_some() {
+            return later(state, cost, || self.wait(state, cost, now));
+        }
         let (previous, current) = self.counts_at(state, now);
         let used = self.used_scaled(previous, current, now);
         let limit = u128::from(self.quota) * u128::from(self.window);
@@ -111,6 +125,9 @@ impl Algo for SlidingWindow {
     }
 
     fn wait(&self, state: u128, cost: u32, now: u64) -> Option<u64> {
+        if let Some(start) = self.later_start(state, now) {
+            return Some((start - now).saturating_add(self.wait(state, cost, start)?));
+        }
         let (previous, current) = self.counts_at(state, now);
         let (q, n, w) = (self.quota, cost, u128::from(self.window));
         let used = self.used_scaled(previous, current, now);
@@ -156,6 +173,25 @@ mod tests {
         assert_eq!(sw.remaining(state, now), 30);
         assert!(matches!(sw.eval(state, 30, now), Step::Admit { .. }));
         assert!(matches!(sw.eval(state, 31, now), Step::Refuse { .. }));
+    }
+
+    #[test]
+    fn a_state_of_a_later_window_is_kept_and_waited_for() {
+        let sw = SlidingWindow::new(100, 60 * SEC);
+        let later = pack(1_001, 80, 10); // the minute after `now`'s
+        let now = 1_000 * 60 * SEC + 45 * SEC;
+        assert_eq!(sw.remaining(later, now), 0);
+        // From that minute's start: 80 * (1 - e) + 10 + 30 <= 100 at e = 0.25 (the seed's
+        // example: 70 used a quarter in).
+        assert_eq!(sw.wait(later, 30, now), Some(15 * SEC + 15 * SEC));
+        assert!(matches!(sw.eval(later, 1, now), Step::Refuse { .. }));
+        assert_eq!(
+            sw.eval(later, 30, now + 30 * SEC),
+            Step::Admit {
+                state: pack(1_001, 80, 40),
+                tag: 1_001
+            }
+        );
     }
 
     #[test]

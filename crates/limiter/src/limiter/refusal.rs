@@ -76,6 +76,8 @@ impl Limiter {
             } else {
                 match c.rule.eval(layer.state(), cost, now) {
                     Step::Admit { .. } => continue,
+                    // It would have held the request: it did not refuse.
+                    Step::Refuse { wait: Some(wait) } if wait <= c.ahead => continue,
                     Step::Refuse { wait } => match (&c.blocks, block) {
                         (Some((block_for, blocks)), true) => {
                             // The block covers the counters' wait too, so its end is a real retry time.
