@@ -227,6 +227,81 @@ async fn a_full_instance_asks_redis_check_only_and_charges_nothing() {
     );
 }
 
+#[tokio::test]
+async fn a_held_request_is_charged_ahead_in_redis_and_decided_once_across_two_instances() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    // 2 per second with a bucket of 1: a request every 500 ms; hold up to 1200 ms.
+    let limit = r#"
+[[limits]]
+name = "smooth"
+by = "api_key"
+quota = 2
+window = "1s"
+burst = 1
+mode = "delay"
+max_delay = "1200ms"
+"#;
+    let shared = config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "2s"),
+        64,
+        limit,
+    );
+    let (a, b) = (start(&shared), start(&shared));
+    let before = redis.calls("evalsha");
+    let started = Instant::now();
+    let replies: Vec<_> = [a.main, b.main, a.main, b.main]
+        .into_iter()
+        .map(|addr| {
+            tokio::spawn(async move {
+                let reply = call(addr, "/v1/items", "queued").await;
+                (reply.status.as_u16(), started.elapsed())
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for r in replies {
+        outcomes.push(r.await.unwrap());
+    }
+    outcomes.sort_unstable();
+    let codes: Vec<u16> = outcomes.iter().map(|(c, _)| *c).collect();
+    assert_eq!(
+        codes,
+        [200, 200, 200, 429],
+        "held 0, 500 and 1000 ms; the fourth would need 1500 ms: {outcomes:?}"
+    );
+    let last = outcomes[..3].iter().map(|(_, t)| *t).max().unwrap();
+    assert!(
+        last >= Duration::from_millis(900),
+        "the third came back after {last:?}, before its place"
+    );
+    assert!(
+        outcomes[3].1 < Duration::from_millis(450),
+        "a request that cannot pass in time is refused at once, not after a hold: {outcomes:?}"
+    );
+    let calls = redis.calls("evalsha") - before;
+    assert!(
+        (1..=4).contains(&calls),
+        "{calls} EVALSHAs for 4 requests: a held request is not decided again"
+    );
+    // Each instance logs its own requests; together, two were held.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let decisions = loop {
+        let lines: Vec<_> = [&a, &b].iter().flat_map(|gw| gw.access_logs()).collect();
+        if lines.len() >= 4 || Instant::now() > deadline {
+            break lines;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let mut decisions: Vec<_> = decisions
+        .iter()
+        .map(|v| v["decision"].as_str().unwrap_or("?").to_owned())
+        .collect();
+    decisions.sort_unstable();
+    assert_eq!(decisions, ["DELAYED", "DELAYED", "PASSED", "REJECTED"]);
+}
+
 /// Sends `n` requests from 4 concurrent callers; returns (status, latency) of each.
 async fn load(addr: std::net::SocketAddr, n: usize) -> Vec<(u16, Duration, String)> {
     let per = n / 4;

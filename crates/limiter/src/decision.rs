@@ -5,7 +5,7 @@ use smallvec::SmallVec;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::algo::Algo;
+use crate::algo::{Algo, Step};
 use crate::clock::Nanos;
 use crate::table::Table;
 use crate::{Key, Limiter};
@@ -241,7 +241,7 @@ impl Decision {
     /// One [`Report`] per limit of the decision, in the order they were given.
     pub fn reports<'a>(&'a self, limiter: &'a Limiter) -> impl Iterator<Item = Report> + 'a {
         let (layers, cost, now, admitted) = match self {
-            Decision::Admitted(a) => (&a.layers, a.cost, a.passes(), true),
+            Decision::Admitted(a) => (&a.layers, a.cost, a.now, true),
             Decision::Refused(r) => (&r.layers, r.cost, r.now, false),
             Decision::CostTooLarge(c) => (&c.layers, c.cost, c.now, false),
         };
@@ -251,14 +251,9 @@ impl Decision {
 
 impl Admission {
     /// One [`Report`] per limit, in the order they were given: the figures after this charge,
-    /// as they will be when the request passes (after [`Admission::wait`]).
+    /// at the decision (for a held request, before its [`Admission::wait`]).
     pub fn reports<'a>(&'a self, limiter: &'a Limiter) -> impl Iterator<Item = Report> + 'a {
-        reports(&self.layers, self.cost, self.passes(), true, limiter)
-    }
-
-    /// When the request passes: after its wait, which is when its figures are reported for.
-    fn passes(&self) -> u64 {
-        self.now.saturating_add(self.wait)
+        reports(&self.layers, self.cost, self.now, true, limiter)
     }
 }
 
@@ -267,6 +262,31 @@ impl Refusal {
     /// charged.
     pub fn reports<'a>(&'a self, limiter: &'a Limiter) -> impl Iterator<Item = Report> + 'a {
         reports(&self.layers, self.cost, self.now, false, limiter)
+    }
+
+    /// Every limit that refused, with its own wait (the rest of a block; `None` for a full
+    /// concurrency limit). [`Refusal::limit`] is the one with the longest wait. A limit that
+    /// would have held the request (its wait within its `max_delay`) did not refuse.
+    pub fn refusing<'a>(
+        &'a self,
+        limiter: &'a Limiter,
+    ) -> impl Iterator<Item = (LimitId, Option<Duration>)> + 'a {
+        self.layers.iter().filter_map(move |layer| {
+            let wait = match layer.blocked_until() {
+                Some(until) => Some(until.saturating_sub(self.now)),
+                None => match limiter
+                    .rule(layer.limit)
+                    .eval(layer.state(), self.cost, self.now)
+                {
+                    Step::Admit { .. } => return None,
+                    Step::Refuse { wait: Some(w) } if w <= limiter.ahead(layer.limit) => {
+                        return None
+                    }
+                    Step::Refuse { wait } => wait,
+                },
+            };
+            Some((layer.limit, wait.map(Duration::from_nanos)))
+        })
     }
 }
 

@@ -97,13 +97,14 @@ fn charge_any(
 fn eval_ahead(rule: &Rule, state: u128, cost: u32, now: u64, ahead: u64) -> Result<Charged, Seen> {
     match rule.eval(state, cost, now) {
         Step::Admit { state, tag } => Ok((state, tag, 0)),
-        Step::Refuse { wait: Some(wait) } if wait <= ahead => {
-            match rule.eval(state, cost, now.saturating_add(wait)) {
+        Step::Refuse { wait: Some(wait) } if wait <= ahead => match rule {
+            Rule::Gcra(gcra) => Ok((gcra.charge_ahead(state, cost, now), 0, wait)),
+            _ => match rule.eval(state, cost, now.saturating_add(wait)) {
                 Step::Admit { state, tag } => Ok((state, tag, wait)),
                 // Not reached: a wait is when the same request passes.
                 Step::Refuse { .. } => Err((state, Some(wait))),
-            }
-        }
+            },
+        },
         Step::Refuse { wait } => Err((state, wait)),
     }
 }
@@ -191,6 +192,11 @@ impl Limiter {
 
     pub(crate) fn rule(&self, id: LimitId) -> &Rule {
         &self.limits[id.index()].rule
+    }
+
+    /// How long limit `id` may hold a request, in nanoseconds.
+    pub(crate) fn ahead(&self, id: LimitId) -> u64 {
+        self.limits[id.index()].ahead
     }
 
     /// Decides a request of `cost` against every `(limit, key)` at `now`: either admits it and

@@ -126,7 +126,7 @@ fn a_refusal_by_another_layer_takes_the_reservation_back() {
 }
 
 #[test]
-fn a_held_admission_reports_as_of_when_it_passes_and_refunds_exactly() {
+fn a_held_admission_reports_as_of_its_decision_and_refunds_exactly() {
     let limiter = held(bucket("b", 2, Duration::from_secs(1), 2), secs(1.0));
     let layers = all_layers(&limiter, &["b"]);
     let _first_two = [
@@ -141,8 +141,8 @@ fn a_held_admission_reports_as_of_when_it_passes_and_refunds_exactly() {
     let report = a.reports(&limiter).next().unwrap();
     assert_eq!(
         (report.remaining, report.reset),
-        (0, Some(secs(0.5))),
-        "when it passes, the bucket is empty and the next token comes 500 ms later"
+        (0, Some(secs(1.0))),
+        "nothing left, and the next token comes 500 ms after the held request passes"
     );
     limiter.refund(&mut a);
     assert_eq!(observe(&limiter, &layers, T0), before);

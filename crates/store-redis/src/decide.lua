@@ -240,6 +240,15 @@ local function decide(k, p)
         if a >= now then u = (a - now) * scale + b end
         L = { key, algo, dry, quota, u, blk, a, b, 0, 0, scale, interval, false, exp, at, changed }
         fits = u + cost * interval <= quota * interval
+        if not fits and mode ~= 'r' and not dry then
+          -- A bucket with a max_delay admits what passes within it: charged now (the TAT moves
+          -- by the cost, as for any charge), held by the gateway for L[17] us, so that whoever
+          -- comes later queues behind it. Read only here: few requests get this far.
+          local ahead = select(8, unpack('<c1c1dddddd', ARGV[specs + i]))
+          local need = u + cost * interval - quota * interval
+          local hold = (need + -need % scale) / scale
+          if hold <= ahead then fits, L[17] = true, hold end
+        end
       else
         local index = (now - now % w) / w
         local p, u = 0, 0
@@ -358,6 +367,9 @@ local function decide(k, p)
           end
           if not write then tag = -1 end
           local left, reset = figures(L)
+          -- The request's wait is its longest hold (its figures are as of now, as in memory).
+          local hold = L[17]
+          if hold and hold > out[3] then out[3] = hold end
           local o = 1 + 5 * i
           out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = left, reset or -1, tag, -2, 0
         end
@@ -369,7 +381,8 @@ local function decide(k, p)
       local worst, wrank, wwait, wreason = 0, -1, nil, 0
       for i = 1, n do
         local L = layers[i]
-        if L[3] == dry then
+        -- A layer that would have held the request (L[17], not blocked) did not refuse.
+        if L[3] == dry and not (L[17] and L[6] <= now) then
           local blk, w, reason = L[6], nil, 0
           if blk > now then
             w, reason = blk - now, blk

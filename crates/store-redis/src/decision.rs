@@ -53,6 +53,10 @@ pub enum RemoteDecision {
 /// [`RedisStore::refund`] takes every charge back.
 #[derive(Debug)]
 pub struct RemoteAdmission {
+    /// How long to hold the request before forwarding it: zero unless a token bucket with a
+    /// `max_delay` admitted it ahead of time (its charge is made; do not decide again). The
+    /// reports are as of the decision, as in memory.
+    pub hold: Duration,
     /// One report per layer, in the order given (dry-run layers included).
     pub reports: Vec<LayerReport>,
     /// The first dry-run layer that refused (the one with the longest wait), if any: it was

@@ -11,12 +11,13 @@ const EXACT: u128 = 1 << 52;
 /// Why a limit cannot be decided exactly by the script.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LimitTooLarge {
-    /// The window or `block_for` is not a whole number of microseconds (Redis `TIME`'s unit).
+    /// The window, `block_for` or `max_delay` is not a whole number of microseconds (Redis
+    /// `TIME`'s unit).
     #[error("limit {name:?}: {what} {value:?} is not a whole number of microseconds")]
     NotMicroseconds {
         /// The limit's name.
         name: String,
-        /// `window` or `block_for`.
+        /// `window`, `block_for` or `max_delay`.
         what: &'static str,
         /// The rejected duration.
         value: Duration,
@@ -47,17 +48,24 @@ pub struct RemoteLimit {
     pub(crate) spec: [Vec<u8>; 2],
 }
 
-/// A layer's parameters as the script reads them with one `struct.unpack('<c1c1ddddd', ..)`:
+/// A layer's parameters as the script reads them with one `struct.unpack('<c1c1dddddd', ..)`:
 /// the algorithm's letter, `1` for a dry-run layer (else `0`), then as little-endian doubles
 /// (exact: all are below 2^53) the quota advertised (a token bucket's burst, also the most one
-/// request may cost), the window, the GCRA scale and interval, and `block_for` (0: none), times
-/// in microseconds.
-fn spec(code: &str, dry_run: bool, quota: u32, window_us: u64, rest: [u64; 3]) -> Vec<u8> {
-    let [scale, interval, block_us] = rest;
-    let mut out = Vec::with_capacity(2 + 5 * 8);
+/// request may cost), the window, the GCRA scale and interval, `block_for` (0: none) and how
+/// long a token bucket may hold a request (its `max_delay`; 0: none), times in microseconds.
+fn spec(code: &str, dry_run: bool, quota: u32, window_us: u64, rest: [u64; 4]) -> Vec<u8> {
+    let [scale, interval, block_us, ahead_us] = rest;
+    let mut out = Vec::with_capacity(2 + 6 * 8);
     out.extend_from_slice(code.as_bytes());
     out.push(if dry_run { b'1' } else { b'0' });
-    for v in [u64::from(quota), window_us, scale, interval, block_us] {
+    for v in [
+        u64::from(quota),
+        window_us,
+        scale,
+        interval,
+        block_us,
+        ahead_us,
+    ] {
         out.extend_from_slice(&(v as f64).to_le_bytes());
     }
     out
@@ -119,7 +127,13 @@ impl RemoteLimit {
             Algorithm::Concurrency => "c",
         };
         let advertised = if code == "g" { burst } else { quota };
-        let rest = [scale, interval, block_us];
+        // Only a token bucket's requests are held by the script (charged ahead, as in memory);
+        // a window limit's are decided again by the gateway after their wait.
+        let ahead_us = match limit.max_delay() {
+            Some(d) if code == "g" => micros(name, "max_delay", d)?,
+            _ => 0,
+        };
+        let rest = [scale, interval, block_us, ahead_us];
         Ok(RemoteLimit {
             limit: limit.clone(),
             prefix: format!("sluice:{name}:"),

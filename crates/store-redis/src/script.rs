@@ -18,10 +18,11 @@
 //! then one per layer, in KEYS order: its parameters, one binary string read with a single
 //! `struct.unpack` (cheaper in Redis than parsing several decimal arguments): the algorithm
 //! (`g` token bucket, `f` fixed window, `s` sliding window, `c` concurrency) and dry-run (`1`/`0`)
-//! as one byte each, then five little-endian doubles: the quota advertised (a token bucket's
+//! as one byte each, then six little-endian doubles: the quota advertised (a token bucket's
 //! burst, the most one request may cost), the window, the GCRA scale (units per us), the GCRA
-//! interval (units) and `block_for` (0: none). [`RemoteLimit`](crate::RemoteLimit) computes both
-//! forms once. In refund mode only, then one per layer: its refund tag (`-1`: not charged).
+//! interval (units), `block_for` (0: none) and a token bucket's `max_delay` (0: none; the script
+//! then admits a request that passes within it, charged now, and tells how long to hold it).
+//! [`RemoteLimit`](crate::RemoteLimit) computes both forms once. In refund mode only, then one per layer: its refund tag (`-1`: not charged).
 //!
 //! Reply: an array with one bulk string per request, in order: its figures as little-endian
 //! doubles (all integers below 2^53, so exact; one string costs Redis less to send than the
@@ -32,7 +33,9 @@
 //!   mode: nothing else), 4 failed: `[4, layer]`, that layer's key holds another type in Redis
 //!   (read with `redis.pcall`, so the request fails alone, before writing anything);
 //! - layer: 1-based refusing layer (the longest wait) or the layer whose capacity is too small;
-//! - wait / reset: -1 for none; own_wait: -2 not refusing, -1 refusing without a wait;
+//! - wait: refused, until the request would pass (-1 for none); admitted, how long to hold it
+//!   first (-1: not held; a token bucket's `max_delay`), its figures being as of the decision;
+//! - reset: -1 for none; own_wait: -2 not refusing, -1 refusing without a wait;
 //! - blocked_until: 0 for none; in the header, non-zero when the refusal is due to an
 //!   earlier block (`RefusalReason::Blocked`); dry_refused: 1-based dry-run layer, 0 none;
 //! - tag: the charge's window index for a refund, -1 if this layer was not charged.
@@ -220,6 +223,7 @@ pub(crate) fn decision(
     }
     match reply[0] {
         1 => Ok(RemoteDecision::Admitted(RemoteAdmission {
+            hold: micros(reply[2]).unwrap_or(Duration::ZERO),
             reports,
             dry_run_refused: (reply[4] != 0)
                 .then(|| index(reply[4], layers.len()))

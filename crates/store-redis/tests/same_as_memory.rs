@@ -47,7 +47,7 @@ async fn same_sequence(
     let layers: Vec<Layer> = remotes.iter().map(|r| Layer::enforced(r, k)).collect();
     let mut rng = Rng(seed);
     let mut t = 0;
-    let mut admitted = 0;
+    let (mut admitted, mut held) = (0, 0);
     for step in 0..steps {
         t += if rng.below(3) == 0 {
             0
@@ -65,6 +65,8 @@ async fn same_sequence(
         match (&memory, &remote) {
             (Decision::Admitted(m), RemoteDecision::Admitted(s)) => {
                 admitted += 1;
+                held += usize::from(!s.hold.is_zero());
+                assert_eq!(ceil_us(m.wait()), s.hold, "{ctx}: hold");
                 same_reports(m.reports(&limiter), &s.reports, &ctx);
             }
             (Decision::Refused(m), RemoteDecision::Refused(s)) => {
@@ -99,6 +101,9 @@ async fn same_sequence(
         "the sequence admitted too little to test much"
     );
     assert!(admitted < steps, "the sequence never refused");
+    if limits.iter().any(|l| l.max_delay().is_some()) {
+        assert!(held > 0, "the sequence held no request");
+    }
 }
 
 #[tokio::test]
@@ -121,6 +126,27 @@ async fn sliding_window_matches_memory() {
     same_sequence(vec![limit], 4, 200, 2_000_000, 6).await;
     let odd = sliding("odd", 7, Duration::from_micros(1_234_567));
     same_sequence(vec![odd], 5, 200, 400_000, 3).await;
+}
+
+#[tokio::test]
+async fn a_held_token_bucket_request_is_charged_ahead_and_held_as_in_memory() {
+    let second = Duration::from_secs(1);
+    let smooth = bucket("smooth", 10, second, 2)
+        .with_max_delay(Duration::from_millis(450))
+        .unwrap();
+    same_sequence(vec![smooth], 40, 250, 150_000, 2).await;
+    let third = bucket("third", 3, second, 1)
+        .with_max_delay(Duration::from_millis(900))
+        .unwrap();
+    same_sequence(vec![third], 41, 250, 500_000, 1).await;
+    // With an enforced layer that may refuse what the held one charged: taken back.
+    let layers = vec![
+        bucket("held", 5, second, 1)
+            .with_max_delay(Duration::from_millis(600))
+            .unwrap(),
+        fixed("cap", 6, 2 * second),
+    ];
+    same_sequence(layers, 42, 250, 300_000, 1).await;
 }
 
 #[tokio::test]

@@ -148,6 +148,11 @@ impl Remote {
                         _lease: a.lease,
                         ..Held::default()
                     };
+                    // A token bucket with a max_delay charged it ahead: hold it, as in memory.
+                    if !a.hold.is_zero() {
+                        delayed = true;
+                        tokio::time::sleep(a.hold).await;
+                    }
                     return Ok(Pass {
                         slot,
                         held,

@@ -64,6 +64,13 @@ impl Gcra {
         (new_tat - now <= tolerance).then_some(new_tat)
     }
 
+    /// The TAT after charging `cost` at `now` whatever the debt: for a request admitted ahead
+    /// (held until it conforms). Its TAT already says when it passes; charging it at the
+    /// moment it passes instead, rounded up to the nanosecond, would add that rounding.
+    pub(crate) fn charge_ahead(&self, tat: u128, cost: u32, now: u64) -> u128 {
+        tat.max(u128::from(now) * self.scale) + u128::from(cost) * self.interval
+    }
+
     /// Debt at `now` in units: how far the TAT is ahead of now.
     #[inline]
     fn debt(&self, tat: u128, now: u64) -> u128 {
