@@ -51,6 +51,15 @@ local batched -- whether this EVALSHA carries several requests
 -- wait for one more than is left, 0 when all is left. (One function for both: a call costs.)
 local function figures(L, n)
   local algo, u, q, left = L[2], L[5], L[4], 0
+  local later = L[18]
+  if later then
+    -- A state of a later window (charged ahead for a held request), `later` us from now:
+    -- nothing is left now, and `n` fits from that window's start as figured there, from its
+    -- counts L[19] (previous) and L[20] (current).
+    local _, wait = figures({ L[1], algo, L[3], q, L[20], 0, 0, 0, 0, L[19], L[11], 0 }, n or 1)
+    if wait == nil then return 0, nil end
+    return 0, later + wait
+  end
   if algo == 'g' then
     local interval = L[12]
     local tol = q * interval
@@ -256,11 +265,26 @@ local function decide(k, p)
           if algo == 'f' then u = b else p, u = b, c end
         elseif algo == 's' and a + 1 == index then
           p = c
+        elseif a > index then
+          u = quota -- a later window's state (charged ahead): this window is spent
         end
         local el = now - index * w
         L = { key, algo, dry, quota, u, blk, a, b, c, p, w, el, false, exp, at, changed }
+        if a > index then
+          if algo == 'f' then L[18], L[19], L[20] = a * w - now, 0, b
+          else L[18], L[19], L[20] = a * w - now, b, c end
+        end
         if algo == 'f' then fits = u + cost <= quota
         else fits = p * (w - el) + (u + cost) * w <= quota * w end
+        if not fits and mode ~= 'r' and not dry then
+          -- A window with a max_delay admits what passes within it, charged now in the window
+          -- it passes in (below) and held by the gateway for L[17] us, as a bucket's.
+          local ahead = select(8, unpack('<c1c1dddddd', ARGV[specs + i]))
+          if ahead > 0 then
+            local _, wait = figures(L, cost)
+            if wait and wait <= ahead then fits, L[17] = true, wait end
+          end
+        end
       end
       if prev and batched then entries[key] = L end
     end
@@ -356,13 +380,37 @@ local function decide(k, p)
               L[7], L[8], L[15], L[16] = now + (d - frac) / scale, frac, now, true -- new state
             end
           else
-            local w = L[11]
+            local w, hold = L[11], L[17]
             tag = (now - now % w) / w
-            L[5] = L[5] + cost
-            if write then
-              -- The new state: window index and counts.
-              if algo == 'f' then L[7], L[8], L[15], L[16] = tag, L[5], now, true
-              else L[7], L[8], L[9], L[15], L[16] = tag, L[10], L[5], now, true end
+            if hold then
+              -- Charged in the window it passes in, from the state as it will be seen then.
+              local t = now + hold
+              local index, a, p, u = (t - t % w) / w, L[7], 0, 0
+              if a == index then
+                if algo == 'f' then u = L[8] else p, u = L[8], L[9] end
+              elseif algo == 's' and a + 1 == index then
+                p = L[9]
+              end
+              u = u + cost
+              if index > tag then
+                L[5], L[10], L[18], L[19], L[20] = L[4], 0, index * w - now, p, u
+              else
+                L[5], L[10] = u, p
+              end
+              tag = index
+              if write then
+                if algo == 'f' then L[7], L[8], L[15], L[16] = tag, u, now, true
+                else L[7], L[8], L[9], L[15], L[16] = tag, p, u, now, true end
+              end
+            elseif L[18] then
+              tag = L[7] -- free (cost 0) under a later window's state: left as it is
+            else
+              L[5] = L[5] + cost
+              if write then
+                -- The new state: window index and counts.
+                if algo == 'f' then L[7], L[8], L[15], L[16] = tag, L[5], now, true
+                else L[7], L[8], L[9], L[15], L[16] = tag, L[10], L[5], now, true end
+              end
             end
           end
           if not write then tag = -1 end

@@ -53,7 +53,7 @@ pub enum RemoteDecision {
 /// [`RedisStore::refund`] takes every charge back.
 #[derive(Debug)]
 pub struct RemoteAdmission {
-    /// How long to hold the request before forwarding it: zero unless a token bucket with a
+    /// How long to hold the request before forwarding it: zero unless a limit with a
     /// `max_delay` admitted it ahead of time (its charge is made; do not decide again). The
     /// reports are as of the decision, as in memory.
     pub hold: Duration,

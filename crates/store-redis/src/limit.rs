@@ -52,7 +52,7 @@ pub struct RemoteLimit {
 /// the algorithm's letter, `1` for a dry-run layer (else `0`), then as little-endian doubles
 /// (exact: all are below 2^53) the quota advertised (a token bucket's burst, also the most one
 /// request may cost), the window, the GCRA scale and interval, `block_for` (0: none) and how
-/// long a token bucket may hold a request (its `max_delay`; 0: none), times in microseconds.
+/// long the limit may hold a request (its `max_delay`; 0: none), times in microseconds.
 fn spec(code: &str, dry_run: bool, quota: u32, window_us: u64, rest: [u64; 4]) -> Vec<u8> {
     let [scale, interval, block_us, ahead_us] = rest;
     let mut out = Vec::with_capacity(2 + 6 * 8);
@@ -127,11 +127,9 @@ impl RemoteLimit {
             Algorithm::Concurrency => "c",
         };
         let advertised = if code == "g" { burst } else { quota };
-        // Only a token bucket's requests are held by the script (charged ahead, as in memory);
-        // a window limit's are decided again by the gateway after their wait.
         let ahead_us = match limit.max_delay() {
-            Some(d) if code == "g" => micros(name, "max_delay", d)?,
-            _ => 0,
+            Some(d) => micros(name, "max_delay", d)?,
+            None => 0,
         };
         let rest = [scale, interval, block_us, ahead_us];
         Ok(RemoteLimit {

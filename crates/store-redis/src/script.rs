@@ -20,8 +20,9 @@
 //! (`g` token bucket, `f` fixed window, `s` sliding window, `c` concurrency) and dry-run (`1`/`0`)
 //! as one byte each, then six little-endian doubles: the quota advertised (a token bucket's
 //! burst, the most one request may cost), the window, the GCRA scale (units per us), the GCRA
-//! interval (units), `block_for` (0: none) and a token bucket's `max_delay` (0: none; the script
-//! then admits a request that passes within it, charged now, and tells how long to hold it).
+//! interval (units), `block_for` (0: none) and the limit's `max_delay` (0: none; the script then
+//! admits a request that passes within it, charged now in the window it passes in, and tells how
+//! long to hold it).
 //! [`RemoteLimit`](crate::RemoteLimit) computes both forms once. In refund mode only, then one per layer: its refund tag (`-1`: not charged).
 //!
 //! Reply: an array with one bulk string per request, in order: its figures as little-endian
@@ -34,7 +35,7 @@
 //!   (read with `redis.pcall`, so the request fails alone, before writing anything);
 //! - layer: 1-based refusing layer (the longest wait) or the layer whose capacity is too small;
 //! - wait: refused, until the request would pass (-1 for none); admitted, how long to hold it
-//!   first (-1: not held; a token bucket's `max_delay`), its figures being as of the decision;
+//!   first (-1: not held; a limit's `max_delay`), its figures being as of the decision;
 //! - reset: -1 for none; own_wait: -2 not refusing, -1 refusing without a wait;
 //! - blocked_until: 0 for none; in the header, non-zero when the refusal is due to an
 //!   earlier block (`RefusalReason::Blocked`); dry_refused: 1-based dry-run layer, 0 none;

@@ -129,6 +129,34 @@ async fn sliding_window_matches_memory() {
 }
 
 #[tokio::test]
+async fn a_held_window_request_is_charged_in_the_window_it_passes_in_as_in_memory() {
+    let second = Duration::from_secs(1);
+    let fixed_held = fixed("fixed", 3, second)
+        .with_max_delay(Duration::from_millis(1_500))
+        .unwrap();
+    same_sequence(vec![fixed_held], 50, 300, 150_000, 2).await;
+    let sliding_held = sliding("sliding", 6, 2 * second)
+        .with_max_delay(Duration::from_millis(1_200))
+        .unwrap();
+    same_sequence(vec![sliding_held], 51, 300, 200_000, 3).await;
+    let odd = sliding("odd", 5, Duration::from_micros(1_234_567))
+        .with_max_delay(Duration::from_millis(2_500))
+        .unwrap();
+    same_sequence(vec![odd], 52, 300, 150_000, 2).await;
+    // Layered: a held window beside a held bucket and an enforced window.
+    let layers = vec![
+        fixed("held-fixed", 4, second)
+            .with_max_delay(Duration::from_millis(900))
+            .unwrap(),
+        bucket("held-bucket", 6, second, 2)
+            .with_max_delay(Duration::from_millis(400))
+            .unwrap(),
+        sliding("cap", 12, 3 * second),
+    ];
+    same_sequence(layers, 53, 300, 120_000, 1).await;
+}
+
+#[tokio::test]
 async fn a_held_token_bucket_request_is_charged_ahead_and_held_as_in_memory() {
     let second = Duration::from_secs(1);
     let smooth = bucket("smooth", 10, second, 2)

@@ -1,6 +1,7 @@
 //! The quota step: one all-or-nothing decision over every limit that applies to the route,
 //! charging the route's cost; and the capacity step, so that a 503 never costs quota.
-//! `delay` limits hold a request until it would pass (as in-flight work); `dry_run` limits are
+//! `delay` limits admit a request that passes within their `max_delay`, charged at once, and it
+//! is held until then (as in-flight work), not decided again; `dry_run` limits are
 //! decided after admission and never refuse. Limits are counted in this instance's memory
 //! (`memory.rs`) or in Redis shared by every instance (`remote.rs`).
 
@@ -49,7 +50,6 @@ pub(crate) struct LimitInfo {
     /// The name as the RateLimit fields write it (an sf-string), made once.
     pub(crate) field_name: Box<str>,
     parts: Vec<Part>,
-    pub(crate) mode: Mode,
     pub(crate) config: config::Limit,
 }
 
@@ -171,7 +171,6 @@ impl Quota {
                 name: Arc::from(l.name.as_str()),
                 field_name: crate::advertise::sf_string(&l.name),
                 parts: l.by.iter().map(part).collect(),
-                mode: l.mode,
                 config: l.clone(),
             })
             .collect();
@@ -255,27 +254,6 @@ impl Quota {
             }
             Some(remote) => Box::pin(remote.admit(self, layers, cost, capacity)).await,
         }
-    }
-
-    /// How long to hold a refused request: only when every refusing limit is in `delay` mode
-    /// and the request would pass within each one's `max_delay`, counted from arrival.
-    fn delay_for(
-        &self,
-        refusing: impl Iterator<Item = (LimitId, Option<Duration>)>,
-        waited: Duration,
-    ) -> Option<Duration> {
-        let mut longest = Duration::ZERO;
-        for (id, wait) in refusing {
-            let Mode::Delay { max_delay } = self.limits[id.index()].mode else {
-                return None;
-            };
-            let wait = wait?;
-            if waited + wait > max_delay {
-                return None;
-            }
-            longest = longest.max(wait);
-        }
-        Some(longest)
     }
 
     /// Removes keys that returned to their fresh state (each table at most once per window).

@@ -80,7 +80,6 @@ impl Remote {
         cost: u32,
         capacity: &Capacity,
     ) -> Result<Pass, Stop> {
-        let start = tokio::time::Instant::now();
         let slot = capacity.try_acquire();
         if layers.enforced.is_empty() && layers.dry_run.is_empty() {
             // No limit applies to this request: nothing to ask Redis.
@@ -92,101 +91,78 @@ impl Remote {
                 outcome: Outcome::Passed,
             });
         }
-        let mut delayed = false;
-        loop {
-            let Some(store) = self.store.get() else {
-                self.note_fallback(&"not connected");
-                return self.fallback(quota, layers, cost, capacity, slot).await;
-            };
-            let gate = self.breaker.gate();
-            if gate == Gate::Skip {
-                self.note_fallback(&"circuit open");
-                return self.fallback(quota, layers, cost, capacity, slot).await;
+        let Some(store) = self.store.get() else {
+            self.note_fallback(&"not connected");
+            return self.fallback(quota, layers, cost, capacity, slot).await;
+        };
+        let gate = self.breaker.gate();
+        if gate == Gate::Skip {
+            self.note_fallback(&"circuit open");
+            return self.fallback(quota, layers, cost, capacity, slot).await;
+        }
+        let remote: SmallVec<[Layer<'_>; 8]> = layers
+            .enforced
+            .iter()
+            .map(|(id, key)| Layer::enforced(&self.limits[id.index()], *key))
+            .chain(
+                layers
+                    .dry_run
+                    .iter()
+                    .map(|(id, key)| Layer::dry_run(&self.limits[id.index()], *key)),
+            )
+            .collect();
+        let mode = if slot.is_some() {
+            Mode::Charge
+        } else {
+            Mode::CheckOnly
+        };
+        let decision = match store.decide(&remote, cost, mode).await {
+            Ok(d) => {
+                self.breaker.success();
+                d
             }
-            let remote: SmallVec<[Layer<'_>; 8]> = layers
-                .enforced
-                .iter()
-                .map(|(id, key)| Layer::enforced(&self.limits[id.index()], *key))
-                .chain(
-                    layers
-                        .dry_run
-                        .iter()
-                        .map(|(id, key)| Layer::dry_run(&self.limits[id.index()], *key)),
-                )
-                .collect();
-            let mode = if slot.is_some() {
-                Mode::Charge
-            } else {
-                Mode::CheckOnly
-            };
-            let decision = match store.decide(&remote, cost, mode).await {
-                Ok(d) => {
+            Err(e) => {
+                // A request's own key holding foreign data is not the store failing: Redis
+                // answered.
+                if e.is_store_failure() {
+                    self.breaker.failure(gate == Gate::Probe);
+                } else {
                     self.breaker.success();
-                    d
                 }
-                Err(e) => {
-                    // A request's own key holding foreign data is not the store failing: Redis
-                    // answered.
-                    if e.is_store_failure() {
-                        self.breaker.failure(gate == Gate::Probe);
-                    } else {
-                        self.breaker.success();
-                    }
-                    self.note_fallback(&e);
-                    return self.fallback(quota, layers, cost, capacity, slot).await;
-                }
-            };
-            match decision {
-                RemoteDecision::Admitted(a) => {
-                    // Check-only said "would pass": the caller is within quota, the instance is full.
-                    let Some(slot) = slot else {
-                        return Err(Stop::Overloaded);
-                    };
-                    let reports = reports(layers, &a.reports);
-                    let dry_refused = a.dry_run_refused.map(|i| id_of(layers, i));
-                    let held = Held {
-                        _lease: a.lease,
-                        ..Held::default()
-                    };
-                    // A token bucket with a max_delay charged it ahead: hold it, as in memory.
-                    if !a.hold.is_zero() {
-                        delayed = true;
-                        tokio::time::sleep(a.hold).await;
-                    }
-                    return Ok(Pass {
-                        slot,
-                        held,
-                        reports,
-                        outcome: Outcome::of(dry_refused, delayed),
-                    });
-                }
-                RemoteDecision::Refused(r) => {
-                    let n = layers.enforced.len();
-                    let refusing = r
-                        .refusing()
-                        .filter(|(i, _)| *i < n)
-                        .map(|(i, w)| (id_of(layers, i), w));
-                    match quota.delay_for(refusing, start.elapsed()) {
-                        Some(_) if slot.is_none() => return Err(Stop::Overloaded),
-                        Some(wait) => {
-                            delayed = true;
-                            tokio::time::sleep(wait).await;
-                        }
-                        None => {
-                            let refused = Refused {
-                                limit: id_of(layers, r.layer),
-                                wait: r.wait,
-                                reason: r.reason,
-                                reports: reports(layers, &r.reports),
-                            };
-                            return Err(Stop::Quota(Box::new(refused)));
-                        }
-                    }
-                }
-                RemoteDecision::CostTooLarge { layer } => {
-                    return Err(Stop::CostTooLarge(id_of(layers, layer)))
-                }
+                self.note_fallback(&e);
+                return self.fallback(quota, layers, cost, capacity, slot).await;
             }
+        };
+        match decision {
+            RemoteDecision::Admitted(a) => {
+                // Check-only said "would pass": the caller is within quota, the instance is full.
+                let Some(slot) = slot else {
+                    return Err(Stop::Overloaded);
+                };
+                let reports = reports(layers, &a.reports);
+                let dry_refused = a.dry_run_refused.map(|i| id_of(layers, i));
+                let held = Held {
+                    _lease: a.lease,
+                    ..Held::default()
+                };
+                // A `delay` limit charged it ahead, in the script: hold it, as in memory.
+                if !a.hold.is_zero() {
+                    tokio::time::sleep(a.hold).await;
+                }
+                Ok(Pass {
+                    slot,
+                    held,
+                    reports,
+                    outcome: Outcome::of(dry_refused, !a.hold.is_zero()),
+                })
+            }
+            RemoteDecision::Refused(r) => Err(Stop::Quota(Box::new(Refused {
+                limit: id_of(layers, r.layer),
+                wait: r.wait,
+                reason: r.reason,
+                reports: reports(layers, &r.reports),
+            }))),
+            RemoteDecision::CostTooLarge { layer } => Err(Stop::CostTooLarge(id_of(layers, layer))),
         }
     }
 
