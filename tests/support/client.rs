@@ -115,6 +115,31 @@ where
         .expect("request finished in time")
 }
 
+/// `GET path`: the status, the body bytes received, and how the body ended (`Err` with the
+/// error when it did not end cleanly, e.g. the connection closed before the promised length).
+pub async fn get_until_end(addr: SocketAddr, path: &str) -> (StatusCode, u64, Result<(), String>) {
+    let req = Request::get(path)
+        .header("host", addr.to_string())
+        .body(Empty::<Bytes>::new())
+        .unwrap();
+    let fut = async {
+        let res = exchange(addr, req).await;
+        let status = res.status();
+        let mut body = res.into_body();
+        let mut n = 0u64;
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(f) => n += f.into_data().map_or(0, |d| d.len() as u64),
+                Err(e) => return (status, n, Err(e.to_string())),
+            }
+        }
+        (status, n, Ok(()))
+    };
+    tokio::time::timeout(REQUEST_TIMEOUT, fut)
+        .await
+        .expect("request finished in time")
+}
+
 /// `GET path`, returning an error instead of panicking when the connection fails.
 pub async fn try_get(addr: SocketAddr, path: &str) -> Result<StatusCode, String> {
     let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;

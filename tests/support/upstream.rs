@@ -1,7 +1,8 @@
 //! A real HTTP upstream on a loopback port, with endpoints the tests steer:
 //! routed by the last path segment: `echo` (reports what it received), `/hold` (answers only when released),
 //! `/download?bytes=N` (streams N bytes), `/upload` (counts the body without keeping it),
-//! `/reset` (drops the connection), `/hop` (answers with hop-by-hop headers).
+//! `/reset` (drops the connection), `/hop` (answers with hop-by-hop headers), `/stall` (promises
+//! 1000 bytes, sends 10, then nothing).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -141,6 +142,7 @@ async fn serve(
                 .unwrap_or(0);
             Ok(Response::new(Repeat::new(n).boxed()))
         }
+        "stall" => Ok(Response::new(Stall { sent: false }.boxed())),
         "hop" => {
             let mut res = text(StatusCode::OK, "hop\n");
             let h = res.headers_mut();
@@ -188,6 +190,32 @@ fn text(status: StatusCode, s: &str) -> Response<MockBody> {
     let mut res = Response::new(Full::new(Bytes::from(s.to_owned())).boxed());
     *res.status_mut() = status;
     res
+}
+
+/// A body that announces 1000 bytes, sends 10 and then never another (never wakes again).
+#[derive(Debug)]
+pub struct Stall {
+    sent: bool,
+}
+
+impl Body for Stall {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.sent {
+            return Poll::Pending;
+        }
+        self.sent = true;
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"0123456789")))))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(1000)
+    }
 }
 
 /// A body of `n` bytes made on the fly in 64 KiB chunks, so nothing holds it whole.

@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use http::Request;
 use http_body_util::Full;
-use sluice_tests::client::send_counting;
+use sluice_tests::client::{get_until_end, send_counting};
 use sluice_tests::upstream::Repeat;
 use sluice_tests::{closed_port, get, send, MockUpstream, Sluice};
 use std::time::Duration;
@@ -315,6 +315,33 @@ async fn refused_and_reset_upstreams_are_502_and_slow_ones_504() {
         "https://api.example.com/problems/upstream-timeout"
     );
     up.release(1);
+}
+
+/// An upstream that stops in the middle of its body: after `timeout` without a piece of it,
+/// the exchange is cut (the client sees the body end early) and its in-flight slot is free.
+#[tokio::test]
+async fn an_upstream_body_that_stalls_is_cut_after_the_timeout_and_frees_its_slot() {
+    let up = MockUpstream::start().await;
+    let one_slot = config(&up.url(), "400ms").replace("max_in_flight = 64", "max_in_flight = 1");
+    let gw = Sluice::start(&one_slot);
+    let started = tokio::time::Instant::now();
+    let (status, bytes, ended) = get_until_end(gw.main, "/api/stall").await;
+    let took = started.elapsed();
+    assert_eq!((status, bytes), (http::StatusCode::OK, 10));
+    assert!(
+        ended.is_err(),
+        "the body ended cleanly after 10 of 1000 bytes"
+    );
+    assert!(
+        took >= Duration::from_millis(390) && took < Duration::from_secs(5),
+        "cut after {took:?}, not after the 400 ms timeout"
+    );
+    // The only in-flight slot is free again.
+    assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
+    let line = gw
+        .wait_log("the stalled request", |v| v["path"] == "/api/stall")
+        .await;
+    assert_eq!(line["body_failed"], true, "{line}");
 }
 
 /// Each kept upstream connection has one response timer, re-armed by every request: one left

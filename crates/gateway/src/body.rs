@@ -1,14 +1,19 @@
 //! The response body: either bytes the gateway wrote or the upstream's body streamed through.
 //! It carries the request's in-flight slot and access-log record, so both end exactly when the
-//! body does, or when the client goes away and hyper drops it.
+//! body does, or when the client goes away and hyper drops it. An upstream body that stops
+//! arriving for the upstream's `timeout` ends in an error, which closes the exchange: a stalled
+//! upstream cannot hold an in-flight slot for ever.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
 
 use crate::access_log::AccessLog;
 use crate::capacity::InFlight;
@@ -39,7 +44,42 @@ pin_project! {
     #[derive(Debug)]
     enum Kind {
         Full { data: Option<Bytes> },
-        Upstream { #[pin] body: Incoming },
+        Upstream {
+            #[pin]
+            body: Incoming,
+            // The longest wait for the next piece of the body.
+            timeout: Duration,
+            // Made the first time the body is not ready (most bodies never wait: no timer to
+            // register and cancel), then moved on by each piece that arrives.
+            idle: Option<Pin<Box<Sleep>>>,
+        },
+    }
+}
+
+/// Why a response body failed.
+#[derive(Debug)]
+pub enum BodyError {
+    /// The upstream's body failed (connection reset, malformed chunk).
+    Upstream(hyper::Error),
+    /// No piece of the upstream's body came within the upstream's `timeout`.
+    Stalled(Duration),
+}
+
+impl std::fmt::Display for BodyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BodyError::Upstream(e) => write!(f, "upstream body: {e}"),
+            BodyError::Stalled(t) => write!(f, "upstream body stalled for {t:?}"),
+        }
+    }
+}
+
+impl std::error::Error for BodyError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            BodyError::Upstream(e) => Some(e),
+            BodyError::Stalled(_) => None,
+        }
     }
 }
 
@@ -53,9 +93,14 @@ impl Body {
         }
     }
 
-    pub(crate) fn upstream(body: Incoming) -> Self {
+    /// The upstream's `body`, failed when no piece of it arrives within `timeout`.
+    pub(crate) fn upstream(body: Incoming, timeout: Duration) -> Self {
         Self {
-            kind: Kind::Upstream { body },
+            kind: Kind::Upstream {
+                body,
+                timeout,
+                idle: None,
+            },
             extras: None,
         }
     }
@@ -80,16 +125,34 @@ impl Body {
 
 impl http_body::Body for Body {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = self.project();
         let polled = match this.kind.project() {
             KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
-            KindProj::Upstream { body } => body.poll_frame(cx),
+            KindProj::Upstream {
+                body,
+                timeout,
+                idle,
+            } => match body.poll_frame(cx) {
+                Poll::Pending => {
+                    let timer = idle.get_or_insert_with(|| Box::pin(tokio::time::sleep(*timeout)));
+                    match timer.as_mut().poll(cx) {
+                        Poll::Ready(()) => Poll::Ready(Some(Err(BodyError::Stalled(*timeout)))),
+                        Poll::Pending => Poll::Pending,
+                    }
+                }
+                Poll::Ready(frame) => {
+                    if let Some(timer) = idle {
+                        timer.as_mut().reset(Instant::now() + *timeout);
+                    }
+                    Poll::Ready(frame.map(|f| f.map_err(BodyError::Upstream)))
+                }
+            },
         };
         if let Poll::Ready(frame) = &polled {
             match frame {
@@ -120,7 +183,7 @@ impl http_body::Body for Body {
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Kind::Full { data } => data.is_none(),
-            Kind::Upstream { body } => body.is_end_stream(),
+            Kind::Upstream { body, .. } => body.is_end_stream(),
         }
     }
 
@@ -129,7 +192,7 @@ impl http_body::Body for Body {
             Kind::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
-            Kind::Upstream { body } => body.size_hint(),
+            Kind::Upstream { body, .. } => body.size_hint(),
         }
     }
 }

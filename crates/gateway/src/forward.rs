@@ -102,6 +102,11 @@ impl UpstreamClient {
         }
     }
 
+    /// How long to wait for the response head, and then for each piece of the body.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// How long a tunnel to this upstream may carry no byte before it is closed.
     pub(crate) fn tunnel_idle_timeout(&self) -> Duration {
         self.tunnel_idle_timeout

@@ -191,7 +191,8 @@ async fn walk(
                 (Ok(res), _) => {
                     let (mut parts, body) = res.into_parts();
                     strip_hop_by_hop(&mut parts.headers);
-                    Response::from_parts(parts, Body::upstream(body))
+                    let timeout = shared.upstreams[*u].timeout();
+                    Response::from_parts(parts, Body::upstream(body, timeout))
                 }
                 (Err(problem), _) => problem.into_response(&shared.problem_base),
             }

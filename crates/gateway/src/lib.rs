@@ -39,7 +39,7 @@ use sluice_limiter::{Clock, SystemClock};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-pub use body::Body;
+pub use body::{Body, BodyError};
 
 use handle::Shared;
 use server::{accept_loop, Drain, Listener};
