@@ -344,6 +344,57 @@ async fn an_upstream_body_that_stalls_is_cut_after_the_timeout_and_frees_its_slo
     assert_eq!(line["body_failed"], true, "{line}");
 }
 
+/// A client that stops reading a large response ("slow read"): once no byte has moved for
+/// `send_timeout`, the connection is dropped and its in-flight slot is free again.
+#[tokio::test]
+async fn a_client_that_stops_reading_is_dropped_after_the_send_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), "30s").replace(
+        "max_in_flight = 64",
+        "max_in_flight = 1\nsend_timeout = \"500ms\"",
+    );
+    let gw = Sluice::start(&cfg);
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut client = socket.connect(gw.main).await.unwrap();
+    client
+        .write_all(b"GET /api/download?bytes=268435456 HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = [0u8; 1024];
+    let n = client.read(&mut head).await.unwrap();
+    assert!(head[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &head[..n]);
+    // Now it reads nothing: the gateway's buffers fill, the response stalls. Its one slot is
+    // taken meanwhile (503), and free again once the connection is dropped.
+    let started = tokio::time::Instant::now();
+    let freed = loop {
+        let status = get(gw.main, "/api/echo", &[]).await.status.as_u16();
+        if status == 200 {
+            break started.elapsed();
+        }
+        assert_eq!(status, 503);
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the stalled response still holds the slot"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(freed >= Duration::from_millis(400), "freed after {freed:?}");
+    // The dropped connection ends: reading what is left reaches its end (or a reset).
+    let mut sink = vec![0u8; 1 << 20];
+    let drained = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match client.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(drained.is_ok(), "the connection was not closed");
+}
+
 /// Each kept upstream connection has one response timer, re-armed by every request: one left
 /// idle past its deadline must still carry the next request, and time the one after out.
 #[tokio::test]

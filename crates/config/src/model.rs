@@ -39,6 +39,8 @@ pub struct Gateway {
     pub health_path: Option<String>,
     /// Time a client has to finish sending its request head.
     pub header_timeout: Duration,
+    /// Time a response being sent may go without a byte moving on its connection.
+    pub send_timeout: Duration,
     /// Time in-flight requests get to finish after SIGTERM.
     pub shutdown_grace: Duration,
     /// The range a 503's `Retry-After` is drawn from.

@@ -46,6 +46,13 @@ fn shipped_config_is_accepted_as_written() {
     assert_eq!(c.identity.trusted_proxies.len(), 2);
     assert_eq!(c.upstreams[0].idle_connections, 256);
     assert_eq!(c.upstreams[0].tunnel_idle_timeout, Duration::from_secs(60));
+    assert_eq!(c.gateway.send_timeout, Duration::from_secs(60));
+    let quick = parse(
+        &shipped_with("send_timeout = \"60s\"", "send_timeout = \"5s\""),
+        Path::new("c.toml"),
+    )
+    .unwrap();
+    assert_eq!(quick.gateway.send_timeout, Duration::from_secs(5));
 }
 
 #[test]
@@ -54,6 +61,7 @@ fn empty_file_takes_every_default() {
     assert_eq!(c.gateway.listen.to_string(), "127.0.0.1:8080");
     assert_eq!(c.admin.listen.to_string(), "127.0.0.1:9901");
     assert_eq!(c.gateway.header_timeout, Duration::from_secs(10));
+    assert_eq!(c.gateway.send_timeout, Duration::from_secs(60));
     assert_eq!(c.identity.ipv6_prefix, 64);
     assert!(c.routes.is_empty());
 }

@@ -111,9 +111,10 @@ impl Body {
         self.extras.get_or_insert_default().slot = Some((slot, held));
     }
 
-    /// Keeps the connection counted busy (no header timeout) until the body ends or is
-    /// dropped.
-    pub(crate) fn keep_busy(&mut self, busy: Busy) {
+    /// Keeps the connection counted busy (no header timeout) and sending (the send timeout)
+    /// until the body ends or is dropped.
+    pub(crate) fn keep_busy(&mut self, mut busy: Busy) {
+        busy.sending();
         self.extras.get_or_insert_default().busy = Some(busy);
     }
 

@@ -1,42 +1,78 @@
 //! `header_timeout`: a connection with no request in flight must send its next request head
 //! within the timeout of becoming idle (of connecting, or of its last response ending), or it
-//! is closed (gracefully: HTTP/2 first sends `GOAWAY`; see `server::drive`). This stops clients that connect and send nothing, or half a head, from holding
-//! connections (slowloris), over HTTP/1.1 and HTTP/2 alike.
+//! is closed (gracefully: HTTP/2 first sends `GOAWAY`; see `server::drive`). This stops clients
+//! that connect and send nothing, or half a head, from holding connections (slowloris), over
+//! HTTP/1.1 and HTTP/2 alike.
 //!
-//! One timer per connection, which wakes at most once per timeout period to look at the
-//! connection's state; a request only counts itself in and out. It replaces hyper's HTTP/1
-//! header timeout, which covers neither HTTP/2 nor a connection that sends nothing at all
-//! (the protocol detection waits for the first bytes before hyper's timer starts; that took a
-//! `peek` of our own). Measured with callgrind, a forwarded request costs the same either way:
-//! hyper made and dropped a timer per request, this one polls the connection's timer when the
-//! connection waits.
+//! `send_timeout`: while a response is being sent, some byte must move on the connection
+//! (either way) within the timeout, or the connection is dropped. This stops a client that
+//! stops reading (its socket full, hyper no longer polls the body) from holding its in-flight
+//! slot for ever ("slow read"); an upstream that stops sending is the body's own timeout
+//! (`body.rs`).
+//!
+//! One timer per connection, which wakes at most once per the shorter timeout to look at the
+//! connection's state; a request only counts itself in and out, and each read or write that
+//! moves bytes bumps a counter ([`Counted`]). It replaces hyper's HTTP/1 header timeout, which
+//! covers neither HTTP/2 nor a connection that sends nothing at all (the protocol detection
+//! waits for the first bytes before hyper's timer starts; that took a `peek` of our own).
+//! Measured with callgrind, a forwarded request costs the same either way: hyper made and
+//! dropped a timer per request, this one polls the connection's timer when the connection
+//! waits.
 
-use std::pin::pin;
+use std::io;
+use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use pin_project_lite::pin_project;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
-/// One connection's state for its header timeout.
+/// A connection's two timeouts (`[gateway]` `header_timeout` and `send_timeout`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timeouts {
+    pub(crate) header: Duration,
+    pub(crate) send: Duration,
+}
+
+/// Why a connection's timer went off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Expiry {
+    /// No request head within the header timeout: close it gracefully.
+    Idle,
+    /// A response was being sent and no byte moved for the send timeout: drop it.
+    Stalled,
+}
+
+/// One connection's state for its header and send timeouts.
 #[derive(Debug)]
 pub(crate) struct HeadTimeout {
     timeout: Duration,
+    send: Duration,
     /// When the connection was accepted; `idle_since` counts from here.
     start: Instant,
     /// Requests whose heads have arrived and whose responses have not ended.
     in_flight: AtomicUsize,
     /// When the last response ended, in nanoseconds after `start` (0: none yet).
     idle_since: AtomicU64,
+    /// Responses whose head has gone to hyper and whose body has not ended.
+    sending: AtomicUsize,
+    /// Bumped by each read or write that moves bytes (only the connection's IO writes it).
+    moved: AtomicU64,
 }
 
 impl HeadTimeout {
-    pub(crate) fn new(timeout: Duration) -> Arc<Self> {
+    pub(crate) fn new(timeouts: Timeouts) -> Arc<Self> {
         Arc::new(HeadTimeout {
-            timeout,
+            timeout: timeouts.header,
+            send: timeouts.send,
             start: Instant::now(),
             in_flight: AtomicUsize::new(0),
             idle_since: AtomicU64::new(0),
+            sending: AtomicUsize::new(0),
+            moved: AtomicU64::new(0),
         })
     }
 
@@ -44,7 +80,10 @@ impl HeadTimeout {
     /// (when the response ends, or the request is abandoned).
     pub(crate) fn begin(self: &Arc<Self>) -> Busy {
         self.in_flight.fetch_add(1, Ordering::AcqRel);
-        Busy(Arc::clone(self))
+        Busy {
+            head: Arc::clone(self),
+            sending: false,
+        }
     }
 
     /// Whether a request is in flight on the connection.
@@ -52,23 +91,54 @@ impl HeadTimeout {
         self.in_flight.load(Ordering::Acquire) > 0
     }
 
-    /// Resolves when the connection has been idle for the timeout: then close it.
-    pub(crate) async fn expired(&self) {
-        let mut timer = pin!(tokio::time::sleep_until(self.idle_deadline()));
+    fn is_sending(&self) -> bool {
+        self.sending.load(Ordering::Acquire) > 0
+    }
+
+    /// Resolves when the connection has been idle for the header timeout ([`Expiry::Idle`],
+    /// only if `idle`), or when a response was being sent through a whole send timeout
+    /// without a byte moving ([`Expiry::Stalled`]; found within one more look, at most the
+    /// shorter timeout later).
+    pub(crate) async fn expired(&self, idle: bool) -> Expiry {
+        let period = self.timeout.min(self.send);
+        let first = match idle {
+            true => self.idle_deadline().min(Instant::now() + period),
+            false => Instant::now() + period,
+        };
+        let mut timer = pin!(tokio::time::sleep_until(first));
+        // The counter at the last look, when that was, and how long the connection has been
+        // sending without a byte moving, as of then.
+        let (mut seen, mut looked, mut still) = (self.moved(), Instant::now(), Duration::ZERO);
         loop {
             timer.as_mut().await;
-            let next = if !self.is_busy() {
+            let now = Instant::now();
+            let moved = self.moved();
+            still = match self.is_sending() && moved == seen {
+                true => still + (now - looked),
+                false => Duration::ZERO,
+            };
+            (seen, looked) = (moved, now);
+            if still >= self.send {
+                return Expiry::Stalled;
+            }
+            let next = if idle && !self.is_busy() {
                 let deadline = self.idle_deadline();
-                if Instant::now() >= deadline {
-                    return;
+                if now >= deadline {
+                    return Expiry::Idle;
                 }
-                deadline
+                deadline.min(now + period)
+            } else if self.is_sending() {
+                now + period.min(self.send - still)
             } else {
-                // Busy: no head is awaited now; look again a timeout later.
-                Instant::now() + self.timeout
+                // Busy waiting for its response (no head is awaited, nothing is sent).
+                now + period
             };
             timer.as_mut().reset(next);
         }
+    }
+
+    fn moved(&self) -> u64 {
+        self.moved.load(Ordering::Relaxed)
     }
 
     fn idle_deadline(&self) -> Instant {
@@ -80,15 +150,111 @@ impl HeadTimeout {
 /// A request in flight on its connection; dropping it makes the connection idle again (if it
 /// was the last).
 #[derive(Debug)]
-pub(crate) struct Busy(Arc<HeadTimeout>);
+pub(crate) struct Busy {
+    head: Arc<HeadTimeout>,
+    sending: bool,
+}
+
+impl Busy {
+    /// Its response is being sent: until this drops, the send timeout applies.
+    pub(crate) fn sending(&mut self) {
+        if !self.sending {
+            self.sending = true;
+            self.head.sending.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        let t = &self.0;
+        let t = &self.head;
+        if self.sending {
+            t.sending.fetch_sub(1, Ordering::AcqRel);
+        }
         let now = u64::try_from(t.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         // Before the count: whoever sees no request in flight sees this end too.
         t.idle_since.fetch_max(now, Ordering::AcqRel);
         t.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+pin_project! {
+    /// A connection's IO, noting each read or write that moves bytes for the send timeout.
+    #[derive(Debug)]
+    pub(crate) struct Counted<T> {
+        #[pin]
+        io: T,
+        head: Arc<HeadTimeout>,
+    }
+}
+
+impl<T> Counted<T> {
+    pub(crate) fn new(io: T, head: Arc<HeadTimeout>) -> Self {
+        Counted { io, head }
+    }
+}
+
+impl HeadTimeout {
+    /// Bytes moved. A load and a store, not an atomic add: only the connection's IO writes it.
+    fn note_moved(&self) {
+        let n = self.moved.load(Ordering::Relaxed);
+        self.moved.store(n.wrapping_add(1), Ordering::Relaxed);
+    }
+}
+
+impl<T: AsyncRead> AsyncRead for Counted<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.project();
+        let before = buf.filled().len();
+        let polled = this.io.poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.head.note_moved();
+        }
+        polled
+    }
+}
+
+impl<T: AsyncWrite> AsyncWrite for Counted<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.project();
+        let polled = this.io.poll_write(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.head.note_moved();
+        }
+        polled
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.project();
+        let polled = this.io.poll_write_vectored(cx, bufs);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.head.note_moved();
+        }
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.project().io.poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.project().io.poll_shutdown(cx)
     }
 }
 
@@ -98,27 +264,41 @@ mod tests {
     use std::future::Future;
 
     const T: Duration = Duration::from_secs(10);
+    /// A send timeout long enough not to matter to the header timeout's tests.
+    const NEVER: Duration = Duration::from_secs(1_000_000);
+
+    fn head(send: Duration) -> Arc<HeadTimeout> {
+        HeadTimeout::new(Timeouts { header: T, send })
+    }
 
     /// Whether `expired` has resolved after `after` more (paused) time.
     async fn expired_after(
-        f: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+        f: &mut std::pin::Pin<&mut impl Future<Output = Expiry>>,
         after: Duration,
     ) -> bool {
         tokio::time::timeout(after, f.as_mut()).await.is_ok()
     }
 
+    /// How `expired` resolved within `after` more (paused) time, if it did.
+    async fn expiry_within(
+        f: &mut std::pin::Pin<&mut impl Future<Output = Expiry>>,
+        after: Duration,
+    ) -> Option<Expiry> {
+        tokio::time::timeout(after, f.as_mut()).await.ok()
+    }
+
     #[tokio::test(start_paused = true)]
     async fn an_idle_connection_expires_a_timeout_after_it_started() {
-        let t = HeadTimeout::new(T);
-        let mut expired = pin!(t.expired());
+        let t = head(NEVER);
+        let mut expired = pin!(t.expired(true));
         assert!(!expired_after(&mut expired, T - Duration::from_millis(1)).await);
         assert!(expired_after(&mut expired, Duration::from_millis(2)).await);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_busy_connection_never_expires_and_an_idle_one_counts_from_its_last_response() {
-        let t = HeadTimeout::new(T);
-        let mut expired = pin!(t.expired());
+        let t = head(NEVER);
+        let mut expired = pin!(t.expired(true));
         tokio::time::advance(Duration::from_secs(5)).await;
         let first = t.begin();
         let second = t.begin();
@@ -136,13 +316,61 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn each_response_end_moves_the_deadline() {
-        let t = HeadTimeout::new(T);
-        let mut expired = pin!(t.expired());
+        let t = head(NEVER);
+        let mut expired = pin!(t.expired(true));
         for _ in 0..5 {
             assert!(!expired_after(&mut expired, T - Duration::from_secs(1)).await);
             drop(t.begin());
         }
         assert!(!expired_after(&mut expired, T - Duration::from_millis(1)).await);
         assert!(expired_after(&mut expired, Duration::from_millis(2)).await);
+    }
+
+    const SEND: Duration = Duration::from_secs(4);
+
+    #[tokio::test(start_paused = true)]
+    async fn a_response_sent_without_a_byte_moving_is_stalled_after_the_send_timeout() {
+        let t = head(SEND);
+        let mut expired = pin!(t.expired(true));
+        let mut busy = t.begin();
+        t.note_moved(); // its head arrived
+        busy.sending();
+        // Looks come every 4 s (the shorter timeout): the stall is found at the first look a
+        // whole send timeout after the last one that saw bytes move, by 8 s.
+        assert_eq!(
+            expiry_within(&mut expired, SEND - Duration::from_millis(1)).await,
+            None
+        );
+        assert_eq!(
+            expiry_within(&mut expired, SEND + Duration::from_millis(2)).await,
+            Some(Expiry::Stalled)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bytes_moving_while_sending_keep_the_connection() {
+        let t = head(SEND);
+        let mut expired = pin!(t.expired(false));
+        let mut busy = t.begin();
+        busy.sending();
+        for _ in 0..10 {
+            assert!(!expired_after(&mut expired, SEND - Duration::from_secs(1)).await);
+            t.note_moved();
+        }
+        drop(busy);
+        assert!(
+            !expired_after(&mut expired, SEND * 10).await,
+            "idle, but idle expiry is off"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_waiting_for_its_response_is_never_stalled() {
+        let t = head(SEND);
+        let mut expired = pin!(t.expired(true));
+        let busy = t.begin();
+        // Waiting for the upstream's head or held by a delay limit: nothing to send yet.
+        assert!(!expired_after(&mut expired, SEND * 10).await);
+        drop(busy);
     }
 }

@@ -42,6 +42,7 @@ use tokio::sync::watch;
 pub use body::{Body, BodyError};
 
 use handle::Shared;
+use head_timeout::Timeouts;
 use server::{accept_loop, Drain, Listener};
 
 /// What can stop the gateway from starting.
@@ -70,7 +71,7 @@ pub struct Gateway {
     admin: TcpListener,
     /// The listening sockets of the worker threads, one each.
     workers: Vec<std::net::TcpListener>,
-    header_timeout: Duration,
+    timeouts: Timeouts,
     shutdown_grace: Duration,
 }
 
@@ -135,7 +136,10 @@ impl Gateway {
             main,
             admin,
             workers,
-            header_timeout: config.gateway.header_timeout,
+            timeouts: Timeouts {
+                header: config.gateway.header_timeout,
+                send: config.gateway.send_timeout,
+            },
             shutdown_grace: config.gateway.shutdown_grace,
         })
     }
@@ -163,7 +167,7 @@ impl Gateway {
             main,
             admin,
             workers,
-            header_timeout,
+            timeouts,
             shutdown_grace,
         } = self;
         let (stop_workers, workers_stopped) = watch::channel(false);
@@ -174,7 +178,7 @@ impl Gateway {
                 let worker = Worker {
                     shared: shared.clone(),
                     listener,
-                    header_timeout,
+                    timeouts,
                     shutdown_grace,
                     stop: workers_stopped.clone(),
                 };
@@ -190,15 +194,7 @@ impl Gateway {
                 let stop = async move {
                     let _ = rx.wait_for(|stop| *stop).await;
                 };
-                accept_loop(
-                    admin,
-                    Listener::Admin,
-                    shared,
-                    header_timeout,
-                    &graceful,
-                    stop,
-                )
-                .await;
+                accept_loop(admin, Listener::Admin, shared, timeouts, &graceful, stop).await;
             })
         };
 
@@ -220,7 +216,7 @@ impl Gateway {
             main,
             Listener::Main,
             shared.clone(),
-            header_timeout,
+            timeouts,
             &graceful,
             drain,
         )
@@ -266,7 +262,7 @@ fn reuse_port_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
 struct Worker {
     shared: Arc<Shared>,
     listener: std::net::TcpListener,
-    header_timeout: Duration,
+    timeouts: Timeouts,
     shutdown_grace: Duration,
     stop: watch::Receiver<bool>,
 }
@@ -311,12 +307,12 @@ impl Worker {
         let stopped = async move {
             let _ = stop.wait_for(|stop| *stop).await;
         };
-        let (shared, timeout) = (self.shared, self.header_timeout);
+        let (shared, timeouts) = (self.shared, self.timeouts);
         accept_loop(
             listener,
             Listener::Main,
             shared.clone(),
-            timeout,
+            timeouts,
             &graceful,
             stopped,
         )

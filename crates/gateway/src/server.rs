@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use crate::admin;
 use crate::forward::Peer;
 use crate::handle::{self, Shared};
-use crate::head_timeout::HeadTimeout;
+use crate::head_timeout::{Counted, Expiry, HeadTimeout, Timeouts};
 
 /// Request heads (and HTTP/2 header lists) larger than this are refused (431 on HTTP/1.1).
 pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
@@ -81,7 +81,7 @@ pub(crate) async fn accept_loop(
     listener: TcpListener,
     kind: Listener,
     shared: Arc<Shared>,
-    header_timeout: Duration,
+    timeouts: Timeouts,
     graceful: &Drain,
     stop: impl Future<Output = ()>,
 ) {
@@ -99,7 +99,7 @@ pub(crate) async fn accept_loop(
                     builder: builder.clone(),
                     shared: shared.clone(),
                     peer,
-                    header_timeout,
+                    timeouts,
                     kind,
                 };
                 tokio::spawn(conn.serve(stream, graceful.watcher()));
@@ -117,15 +117,15 @@ struct Conn {
     builder: Arc<auto::Builder<TokioExecutor>>,
     shared: Arc<Shared>,
     peer: SocketAddr,
-    header_timeout: Duration,
+    timeouts: Timeouts,
     kind: Listener,
 }
 
 impl Conn {
     async fn serve(self, stream: TcpStream, drain: watch::Receiver<()>) {
-        let io = TokioIo::new(stream);
         let shared = self.shared;
-        let head = HeadTimeout::new(self.header_timeout);
+        let head = HeadTimeout::new(self.timeouts);
+        let io = TokioIo::new(Counted::new(stream, Arc::clone(&head)));
         let requests = Arc::clone(&head);
         let result = match self.kind {
             Listener::Main => {
@@ -161,7 +161,8 @@ const GOODBYE: Duration = Duration::from_secs(1);
 /// the header timeout, it is shut down gracefully: an idle HTTP/1.1 connection (or one with
 /// half a head) closes at once, HTTP/2 sends `GOAWAY`; a connection that does not end within
 /// [`GOODBYE`] after its header timeout is dropped, unless a request slipped in just before
-/// the `GOAWAY` (then that request finishes first).
+/// the `GOAWAY` (then that request finishes first). Whatever it is doing, a connection that
+/// sends a response without a byte moving for the send timeout is dropped.
 async fn drive<C, E>(
     mut conn: Pin<&mut C>,
     graceful_shutdown: impl Fn(Pin<&mut C>),
@@ -172,25 +173,40 @@ async fn drive<C, E>(
 where
     C: Future<Output = Result<(), E>>,
 {
-    let expired = head.expired();
+    let expired = head.expired(true);
     tokio::pin!(expired);
-    let timed_out = tokio::select! {
+    let why = tokio::select! {
         // The connection first: the others matter only when it has nothing to do.
         biased;
         result = conn.as_mut() => return result,
-        _ = drain.changed() => false,
-        () = expired.as_mut() => true,
+        _ = drain.changed() => None,
+        expiry = expired.as_mut() => Some(expiry),
     };
-    graceful_shutdown(conn.as_mut());
-    if !timed_out {
-        // Draining: a busy connection finishes its requests within the shutdown grace.
-        return conn.await;
+    if why == Some(Expiry::Stalled) {
+        tracing::debug!(%peer, "no byte moved within send_timeout while sending: dropping");
+        return Ok(());
     }
-    tracing::debug!(%peer, "no request head within header_timeout: closing");
-    match tokio::time::timeout(GOODBYE, conn.as_mut()).await {
-        Ok(result) => result,
-        Err(_) if head.is_busy() => conn.await,
-        Err(_) => Ok(()),
+    graceful_shutdown(conn.as_mut());
+    let finish = async {
+        if why.is_none() {
+            // Draining: a busy connection finishes its requests within the shutdown grace.
+            return conn.await;
+        }
+        tracing::debug!(%peer, "no request head within header_timeout: closing");
+        match tokio::time::timeout(GOODBYE, conn.as_mut()).await {
+            Ok(result) => result,
+            Err(_) if head.is_busy() => conn.await,
+            Err(_) => Ok(()),
+        }
+    };
+    // From here on, only a stall cuts it short.
+    tokio::select! {
+        biased;
+        result = finish => result,
+        _ = head.expired(false) => {
+            tracing::debug!(%peer, "no byte moved within send_timeout while sending: dropping");
+            Ok(())
+        }
     }
 }
 
@@ -202,6 +218,7 @@ mod tests {
     use tokio::time::Instant;
 
     const T: Duration = Duration::from_secs(10);
+    const SEND: Duration = Duration::from_secs(60);
     const PEER: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
         std::net::Ipv4Addr::LOCALHOST,
         1,
@@ -220,7 +237,11 @@ mod tests {
             let _ = ends.await;
             Ok(())
         };
-        (HeadTimeout::new(T), Drain::new(), end, conn)
+        let timeouts = Timeouts {
+            header: T,
+            send: SEND,
+        };
+        (HeadTimeout::new(timeouts), Drain::new(), end, conn)
     }
 
     #[tokio::test(start_paused = true)]
@@ -286,6 +307,46 @@ mod tests {
             "not cut at a goodbye"
         );
         finish.await.unwrap();
+        shutdown.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_sending_without_a_byte_moving_is_dropped_after_the_send_timeout() {
+        let (head, drain, _end, conn) = setup();
+        tokio::pin!(conn);
+        let mut busy = head.begin();
+        busy.sending();
+        let told = Cell::new(false);
+        let start = Instant::now();
+        let result = drive(conn, |_| told.set(true), &head, drain.watcher(), PEER).await;
+        assert_eq!(result, Ok(()));
+        assert!(!told.get(), "dropped, not asked to finish its response");
+        assert_eq!(start.elapsed(), SEND);
+        drop(busy);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn while_draining_a_stalled_connection_is_still_dropped() {
+        let (head, drain, _end, conn) = setup();
+        tokio::pin!(conn);
+        let mut busy = head.begin();
+        busy.sending();
+        let watcher = drain.watcher();
+        let shutdown = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            drain.shutdown().await;
+        });
+        let told = Cell::new(false);
+        let start = Instant::now();
+        let result = drive(conn, |_| told.set(true), &head, watcher, PEER).await;
+        assert_eq!(result, Ok(()));
+        assert!(told.get());
+        assert!(
+            start.elapsed() >= SEND && start.elapsed() <= SEND + T,
+            "dropped after {:?}",
+            start.elapsed()
+        );
+        drop(busy);
         shutdown.await.unwrap();
     }
 }

@@ -44,6 +44,11 @@ impl Validator<'_> {
             "gateway.header_timeout",
             Duration::from_secs(10),
         );
+        let send_timeout = self.duration(
+            &raw.send_timeout,
+            "gateway.send_timeout",
+            Duration::from_secs(60),
+        );
         let shutdown_grace = self.duration(
             &raw.shutdown_grace,
             "gateway.shutdown_grace",
@@ -55,6 +60,7 @@ impl Validator<'_> {
             max_in_flight,
             health_path,
             header_timeout,
+            send_timeout,
             shutdown_grace,
             overload_retry_after,
         }
