@@ -156,3 +156,56 @@ pub async fn try_get(addr: SocketAddr, path: &str) -> Result<StatusCode, String>
     res.into_body().collect().await.map_err(|e| e.to_string())?;
     Ok(status)
 }
+
+/// A request body of `pieces` pieces of 1 KiB, one every `every`, then (unless `stall`) its
+/// end; with `stall`, it never ends after the last piece.
+#[derive(Debug)]
+pub struct Trickle {
+    left: usize,
+    every: Duration,
+    stall: bool,
+    next: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl Trickle {
+    /// `pieces` pieces, one every `every`.
+    pub fn new(pieces: usize, every: Duration, stall: bool) -> Self {
+        Trickle {
+            left: pieces,
+            every,
+            stall,
+            next: Box::pin(tokio::time::sleep(every)),
+        }
+    }
+}
+
+impl Body for Trickle {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        use std::future::Future;
+        use std::task::Poll;
+        if self.left == 0 {
+            return match self.stall {
+                true => Poll::Pending,
+                false => Poll::Ready(None),
+            };
+        }
+        if self.next.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        self.left -= 1;
+        let every = self.every;
+        self.next
+            .as_mut()
+            .reset(tokio::time::Instant::now() + every);
+        Poll::Ready(Some(Ok(hyper::body::Frame::data(Bytes::from(vec![
+            b'u';
+            1024
+        ])))))
+    }
+}

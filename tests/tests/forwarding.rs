@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use http::Request;
 use http_body_util::Full;
-use sluice_tests::client::{get_until_end, send_counting};
+use sluice_tests::client::{get_until_end, send_counting, Trickle};
 use sluice_tests::upstream::Repeat;
 use sluice_tests::{closed_port, get, send, MockUpstream, Sluice};
 use std::time::Duration;
@@ -315,6 +315,37 @@ async fn refused_and_reset_upstreams_are_502_and_slow_ones_504() {
         "https://api.example.com/problems/upstream-timeout"
     );
     up.release(1);
+}
+
+/// An upload longer than the upstream's `timeout` passes while its pieces keep coming (the
+/// response timer counts from its last piece, then from its end); one that stops is 504.
+#[tokio::test]
+async fn a_slow_upload_passes_while_it_moves_and_a_stalled_one_is_504() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "400ms"));
+    let started = tokio::time::Instant::now();
+    let slow = Request::post("/api/upload")
+        .header("host", "x")
+        .body(Trickle::new(12, Duration::from_millis(100), false))
+        .unwrap();
+    let reply = send(gw.main, slow).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["body_bytes"], 12 * 1024);
+    assert!(started.elapsed() >= Duration::from_millis(1_200));
+
+    let stalled = Request::post("/api/upload")
+        .header("host", "x")
+        .header("content-length", "10240")
+        .body(Trickle::new(2, Duration::from_millis(100), true))
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let reply = send(gw.main, stalled).await;
+    assert_eq!(reply.status, 504, "{}", reply.text());
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(550) && took < Duration::from_secs(5),
+        "504 after {took:?}: 400 ms after the last piece, at 200 ms"
+    );
 }
 
 /// An upstream that stops in the middle of its body: after `timeout` without a piece of it,

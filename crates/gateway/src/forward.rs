@@ -7,17 +7,22 @@ use std::error::Error as StdError;
 use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::time::{Instant, Sleep};
 
+use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONNECTION, HOST, UPGRADE};
 use http::uri::{Authority, PathAndQuery};
 use http::{HeaderMap, Request, Response, StatusCode, Uri};
+use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
+use pin_project_lite::pin_project;
 use sluice_config::Upstream;
 use tokio::net::TcpStream;
 
@@ -74,7 +79,7 @@ pub(crate) struct UpstreamClient {
 /// forwarded request).
 #[derive(Debug)]
 struct Kept {
-    sender: SendRequest<Incoming>,
+    sender: SendRequest<Upload>,
     timer: Pin<Box<Sleep>>,
 }
 
@@ -112,11 +117,10 @@ impl UpstreamClient {
         self.tunnel_idle_timeout
     }
 
-    /// Sends `req` (already rewritten) and waits for the response head within `timeout`.
-    pub(crate) async fn send(
-        &self,
-        mut req: Request<Incoming>,
-    ) -> Result<Response<Incoming>, Problem> {
+    /// Sends `req` (already rewritten) and waits for the response head within `timeout` of
+    /// the end of its body (while the body is sent, of its last piece).
+    pub(crate) async fn send(&self, req: Request<Incoming>) -> Result<Response<Incoming>, Problem> {
+        let mut req = req.map(Upload::new);
         let path = req
             .uri()
             .path_and_query()
@@ -141,13 +145,14 @@ impl UpstreamClient {
     }
 
     /// Sends `req` on a kept connection or a new one, and waits for the response head until
-    /// `deadline`.
+    /// `deadline`, or later while its body is still being sent.
     async fn exchange(
         &self,
-        mut req: Request<Incoming>,
+        mut req: Request<Upload>,
         now: Instant,
         deadline: Instant,
     ) -> Result<Response<Incoming>, Failure> {
+        let moved = req.body().moved.clone();
         loop {
             let (mut conn, pooled) = match self.checkout(now) {
                 Some(conn) => (conn, true),
@@ -156,10 +161,20 @@ impl UpstreamClient {
                 None => (Box::pin(self.connect(deadline)).await?, false),
             };
             conn.timer.as_mut().reset(deadline);
-            let sent = tokio::select! {
-                biased;
-                sent = conn.sender.try_send_request(req) => sent,
-                () = conn.timer.as_mut() => return Err(Failure::Timeout),
+            let sending = conn.sender.try_send_request(req);
+            tokio::pin!(sending);
+            let sent = loop {
+                tokio::select! {
+                    biased;
+                    sent = sending.as_mut() => break sent,
+                    () = conn.timer.as_mut() => {
+                        // A body still coming moves the deadline: it counts from its last piece.
+                        match moved.as_ref().map(|m| m.deadline(self.timeout)) {
+                            Some(later) if later > Instant::now() => conn.timer.as_mut().reset(later),
+                            _ => return Err(Failure::Timeout),
+                        }
+                    }
+                }
             };
             match sent {
                 Ok(res) => {
@@ -239,6 +254,77 @@ impl UpstreamClient {
         });
         let timer = Box::pin(tokio::time::sleep_until(deadline));
         Ok(Kept { sender, timer })
+    }
+}
+
+pin_project! {
+    /// A request body on its way to the upstream. One that is not empty notes when its last
+    /// piece passed, so that the response timer counts from the end of the upload, not from
+    /// its start: an upload longer than the timeout passes while it keeps moving, and one
+    /// that stops is timed out from its last piece.
+    #[derive(Debug)]
+    pub(crate) struct Upload {
+        #[pin]
+        body: Incoming,
+        moved: Option<Arc<Moved>>,
+    }
+}
+
+/// When a request body's last piece passed (or it ended).
+#[derive(Debug)]
+struct Moved {
+    start: Instant,
+    /// Nanoseconds after `start`.
+    last: AtomicU64,
+}
+
+impl Moved {
+    fn note(&self) {
+        let nanos = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.last.store(nanos, Ordering::Release);
+    }
+
+    /// `timeout` after the last piece (or the end).
+    fn deadline(&self, timeout: Duration) -> Instant {
+        self.start + Duration::from_nanos(self.last.load(Ordering::Acquire)) + timeout
+    }
+}
+
+impl Upload {
+    fn new(body: Incoming) -> Self {
+        // Most requests have no body: no clock and no allocation for them.
+        let moved = (!http_body::Body::is_end_stream(&body)).then(|| {
+            Arc::new(Moved {
+                start: Instant::now(),
+                last: AtomicU64::new(0),
+            })
+        });
+        Upload { body, moved }
+    }
+}
+
+impl http_body::Body for Upload {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.project();
+        let polled = this.body.poll_frame(cx);
+        if let (Poll::Ready(_), Some(moved)) = (&polled, this.moved) {
+            moved.note();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 
