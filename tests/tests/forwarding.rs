@@ -317,6 +317,46 @@ async fn refused_and_reset_upstreams_are_502_and_slow_ones_504() {
     up.release(1);
 }
 
+/// `max_body_size`: a body declared larger is 413 before it reaches the upstream; one that turns
+/// out larger while it streams (no length given) is cut there and answered 413 too.
+#[tokio::test]
+async fn request_bodies_over_max_body_size_are_413() {
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), "5s").replace(
+        "max_in_flight = 64",
+        "max_in_flight = 64\nmax_body_size = \"4KiB\"",
+    );
+    let gw = Sluice::start(&cfg);
+    let fits = Request::post("/api/upload")
+        .header("host", "x")
+        .body(Full::new(Bytes::from(vec![b'a'; 4096])))
+        .unwrap();
+    let reply = send(gw.main, fits).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.json()["body_bytes"], 4096);
+
+    let before = up.requests();
+    let declared = Request::post("/api/upload")
+        .header("host", "x")
+        .body(Full::new(Bytes::from(vec![b'a'; 4097])))
+        .unwrap();
+    let reply = send(gw.main, declared).await;
+    assert_eq!(reply.status, 413, "{}", reply.text());
+    assert_eq!(
+        reply.json()["type"],
+        "https://api.example.com/problems/body-too-large"
+    );
+    assert_eq!(up.requests(), before, "refused before the upstream");
+
+    // No length given: 5 pieces of 1 KiB, the fifth over the limit.
+    let streamed = Request::post("/api/upload")
+        .header("host", "x")
+        .body(Trickle::new(5, Duration::from_millis(20), false))
+        .unwrap();
+    let reply = send(gw.main, streamed).await;
+    assert_eq!(reply.status, 413, "{}", reply.text());
+}
+
 /// An upload longer than the upstream's `timeout` passes while its pieces keep coming (the
 /// response timer counts from its last piece, then from its end); one that stops is 504.
 #[tokio::test]

@@ -13,6 +13,7 @@ mod duration;
 mod error;
 mod model;
 mod raw;
+mod size;
 mod validate;
 
 use std::path::Path;
@@ -21,6 +22,7 @@ pub use cidr::{mask_v4, mask_v6, Cidr};
 pub use duration::format_duration;
 pub use error::{ConfigError, ConfigErrors, Location};
 pub use model::*;
+pub use size::format_size;
 
 /// Reads and validates the configuration file at `path`.
 pub fn load(path: &Path) -> Result<Config, ConfigErrors> {

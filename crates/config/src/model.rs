@@ -41,6 +41,8 @@ pub struct Gateway {
     pub header_timeout: Duration,
     /// Time a response being sent may go without a byte moving on its connection.
     pub send_timeout: Duration,
+    /// The largest request body forwarded, in bytes (`None`: no limit).
+    pub max_body_size: Option<u64>,
     /// Time in-flight requests get to finish after SIGTERM.
     pub shutdown_grace: Duration,
     /// The range a 503's `Retry-After` is drawn from.

@@ -37,6 +37,7 @@ pub(crate) struct RawGateway {
     pub health_path: Option<S<String>>,
     pub header_timeout: Option<S<String>>,
     pub send_timeout: Option<S<String>>,
+    pub max_body_size: Option<S<String>>,
     pub shutdown_grace: Option<S<String>>,
     pub overload_retry_after: Option<S<RawRange>>,
 }

@@ -47,6 +47,7 @@ fn shipped_config_is_accepted_as_written() {
     assert_eq!(c.upstreams[0].idle_connections, 256);
     assert_eq!(c.upstreams[0].tunnel_idle_timeout, Duration::from_secs(60));
     assert_eq!(c.gateway.send_timeout, Duration::from_secs(60));
+    assert_eq!(c.gateway.max_body_size, Some(10 << 20));
     let quick = parse(
         &shipped_with("send_timeout = \"60s\"", "send_timeout = \"5s\""),
         Path::new("c.toml"),
@@ -62,6 +63,7 @@ fn empty_file_takes_every_default() {
     assert_eq!(c.admin.listen.to_string(), "127.0.0.1:9901");
     assert_eq!(c.gateway.header_timeout, Duration::from_secs(10));
     assert_eq!(c.gateway.send_timeout, Duration::from_secs(60));
+    assert_eq!(c.gateway.max_body_size, None);
     assert_eq!(c.identity.ipv6_prefix, 64);
     assert!(c.routes.is_empty());
 }
@@ -224,6 +226,16 @@ fn bad_values_in_other_sections_are_named() {
             "algorithm = \"concurrency\"",
             "algorithm = \"leaky\"",
             "limits[3].algorithm: \"leaky\" is not an algorithm",
+        ),
+        (
+            "max_body_size = \"10MiB\"",
+            "max_body_size = \"10mb\"",
+            "gateway.max_body_size: \"10mb\" is not a size (write an integer and a unit: 512KiB, 10MiB, 1GiB, 100MB, 4096B)",
+        ),
+        (
+            "max_body_size = \"10MiB\"",
+            "max_body_size = \"0B\"",
+            "gateway.max_body_size: \"0B\" must be larger than zero",
         ),
         (
             "quota = 1000\nwindow = \"1h\"",

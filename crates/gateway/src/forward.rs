@@ -118,9 +118,14 @@ impl UpstreamClient {
     }
 
     /// Sends `req` (already rewritten) and waits for the response head within `timeout` of
-    /// the end of its body (while the body is sent, of its last piece).
-    pub(crate) async fn send(&self, req: Request<Incoming>) -> Result<Response<Incoming>, Problem> {
-        let mut req = req.map(Upload::new);
+    /// the end of its body (while the body is sent, of its last piece). A body that turns out
+    /// longer than `max_body` bytes is cut, and the answer is 413.
+    pub(crate) async fn send(
+        &self,
+        req: Request<Incoming>,
+        max_body: u64,
+    ) -> Result<Response<Incoming>, Problem> {
+        let mut req = req.map(|body| Upload::new(body, max_body));
         let path = req
             .uri()
             .path_and_query()
@@ -137,6 +142,9 @@ impl UpstreamClient {
                 Err(Problem::upstream_unavailable())
             }
             Err(Failure::Http(e)) if caused_by_timeout(&e) => Err(Problem::upstream_timeout()),
+            Err(Failure::Http(e)) if caused_by::<BodyTooLarge>(&e) => {
+                Err(Problem::body_too_large(max_body))
+            }
             Err(Failure::Http(e)) => {
                 tracing::debug!(error = %display_chain(&e), "upstream request failed");
                 Err(Problem::upstream_unavailable())
@@ -267,8 +275,22 @@ pin_project! {
         #[pin]
         body: Incoming,
         moved: Option<Arc<Moved>>,
+        // Bytes still allowed (`max_body_size`).
+        allowed: u64,
     }
 }
+
+/// A request body went past `max_body_size` while it was forwarded.
+#[derive(Debug)]
+struct BodyTooLarge;
+
+impl std::fmt::Display for BodyTooLarge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the request body is larger than max_body_size")
+    }
+}
+
+impl StdError for BodyTooLarge {}
 
 /// When a request body's last piece passed (or it ended).
 #[derive(Debug)]
@@ -291,7 +313,7 @@ impl Moved {
 }
 
 impl Upload {
-    fn new(body: Incoming) -> Self {
+    fn new(body: Incoming, allowed: u64) -> Self {
         // Most requests have no body: no clock and no allocation for them.
         let moved = (!http_body::Body::is_end_stream(&body)).then(|| {
             Arc::new(Moved {
@@ -299,24 +321,35 @@ impl Upload {
                 last: AtomicU64::new(0),
             })
         });
-        Upload { body, moved }
+        Upload {
+            body,
+            moved,
+            allowed,
+        }
     }
 }
 
 impl http_body::Body for Upload {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = Box<dyn StdError + Send + Sync>;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = self.project();
         let polled = this.body.poll_frame(cx);
         if let (Poll::Ready(_), Some(moved)) = (&polled, this.moved) {
             moved.note();
         }
-        polled
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            let len = frame.data_ref().map_or(0, |d| d.len() as u64);
+            match this.allowed.checked_sub(len) {
+                Some(left) => *this.allowed = left,
+                None => return Poll::Ready(Some(Err(Box::new(BodyTooLarge)))),
+            }
+        }
+        polled.map(|frame| frame.map(|f| f.map_err(Into::into)))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -326,6 +359,18 @@ impl http_body::Body for Upload {
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
     }
+}
+
+/// Whether `e` or one of its sources is an `E`.
+fn caused_by<E: StdError + 'static>(e: &(dyn StdError + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err.is::<E>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 /// A connect timeout is a 504 (the upstream did not answer in time), like nginx.

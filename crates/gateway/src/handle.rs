@@ -39,6 +39,8 @@ pub(crate) struct Shared {
     pub(crate) quota: Quota,
     pub(crate) capacity: Capacity,
     health_path: Option<String>,
+    /// The largest request body forwarded (`u64::MAX`: no limit).
+    max_body_size: u64,
     pub(crate) problem_base: String,
     legacy_headers: bool,
     overload_retry_after: RetryRange,
@@ -68,6 +70,7 @@ impl Shared {
             quota: Quota::new(config, clock).await?,
             capacity: Capacity::new(config.gateway.max_in_flight.get()),
             health_path: config.gateway.health_path.clone(),
+            max_body_size: config.gateway.max_body_size.unwrap_or(u64::MAX),
             problem_base: config.responses.problem_base.clone(),
             legacy_headers: config.responses.legacy_headers,
             overload_retry_after: config.gateway.overload_retry_after,
@@ -115,6 +118,10 @@ async fn walk(
         return Problem::not_found().into_response(&shared.problem_base);
     };
     log.route(shared.route_names[index].clone());
+    // A body declared over the limit is refused before it costs any quota.
+    if http_body::Body::size_hint(req.body()).lower() > shared.max_body_size {
+        return Problem::body_too_large(shared.max_body_size).into_response(&shared.problem_base);
+    }
 
     // Identify.
     let client = shared
@@ -159,7 +166,7 @@ async fn walk(
             if let Some(protocol) = upgrade {
                 set_upgrade(req.headers_mut(), protocol);
             }
-            let sent = shared.upstreams[*u].send(req).await;
+            let sent = shared.upstreams[*u].send(req, shared.max_body_size).await;
             log.upstream_done();
             match (sent, client_side) {
                 (Ok(mut res), Some(client_side))

@@ -68,6 +68,16 @@ impl Problem {
         )
     }
 
+    /// 413: the request's body is over `max_body_size` (declared, or found while forwarding).
+    pub(crate) fn body_too_large(limit: u64) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body-too-large",
+            "The request body is too large",
+            format!("The request body is larger than the gateway's limit of {limit} bytes."),
+        )
+    }
+
     pub(crate) fn upstream_unavailable() -> Self {
         Self::new(StatusCode::BAD_GATEWAY, "upstream-unavailable", "The upstream service could not be reached", "The connection to the upstream service was refused, reset or closed before it answered.")
     }

@@ -4,8 +4,8 @@ use std::fmt::Write;
 use std::path::Path;
 
 use sluice_config::{
-    format_duration, Algorithm, Config, ConfigError, ConfigErrors, KeyPart, Mode, RouteAction,
-    Store,
+    format_duration, format_size, Algorithm, Config, ConfigError, ConfigErrors, KeyPart, Mode,
+    RouteAction, Store,
 };
 
 /// A summary of the routes and limits `config` defines.
@@ -13,9 +13,12 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
     let mut out = String::new();
     let g = &config.gateway;
     let _ = writeln!(out, "{}: ok", file.display());
+    let body = g
+        .max_body_size
+        .map_or_else(|| "no limit".to_owned(), format_size);
     let _ = writeln!(
         out,
-        "listen {} (admin {}), max_in_flight {}",
+        "listen {} (admin {}), max_in_flight {}, request bodies {body}",
         g.listen, config.admin.listen, g.max_in_flight
     );
     let _ = match &config.store {

@@ -49,6 +49,21 @@ impl Validator<'_> {
             "gateway.send_timeout",
             Duration::from_secs(60),
         );
+        let max_body_size = raw
+            .max_body_size
+            .as_ref()
+            .and_then(|v| match crate::size::parse_size(v.get_ref()) {
+                Ok(0) => {
+                    let msg = format!("\"{}\" must be larger than zero", v.get_ref());
+                    self.err(Some(v.span()), "gateway.max_body_size", msg);
+                    None
+                }
+                Ok(n) => Some(n),
+                Err(msg) => {
+                    self.err(Some(v.span()), "gateway.max_body_size", msg);
+                    None
+                }
+            });
         let shutdown_grace = self.duration(
             &raw.shutdown_grace,
             "gateway.shutdown_grace",
@@ -61,6 +76,7 @@ impl Validator<'_> {
             health_path,
             header_timeout,
             send_timeout,
+            max_body_size,
             shutdown_grace,
             overload_retry_after,
         }
