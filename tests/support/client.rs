@@ -98,21 +98,9 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let fut = async {
-        let res = exchange(addr, req).await;
-        let status = res.status();
-        let mut body = res.into_body();
-        let mut n = 0u64;
-        while let Some(frame) = body.frame().await {
-            if let Ok(d) = frame.expect("body frame").into_data() {
-                n += d.len() as u64;
-            }
-        }
-        (status, n)
-    };
-    tokio::time::timeout(REQUEST_TIMEOUT, fut)
-        .await
-        .expect("request finished in time")
+    let (status, n, ended) = count(addr, req).await;
+    ended.expect("body frame");
+    (status, n)
 }
 
 /// `GET path`: the status, the body bytes received, and how the body ended (`Err` with the
@@ -122,6 +110,17 @@ pub async fn get_until_end(addr: SocketAddr, path: &str) -> (StatusCode, u64, Re
         .header("host", addr.to_string())
         .body(Empty::<Bytes>::new())
         .unwrap();
+    count(addr, req).await
+}
+
+/// Sends `req` and reads the response body to its end, counting its bytes: the status, the
+/// count, and how the body ended.
+async fn count<B>(addr: SocketAddr, req: Request<B>) -> (StatusCode, u64, Result<(), String>)
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let fut = async {
         let res = exchange(addr, req).await;
         let status = res.status();
