@@ -143,7 +143,12 @@ pub(crate) async fn handle(
 
             // Quota, then capacity.
             let cost = route.cost.get();
-            let pass = match shared.quota.admit(&layers, cost, &shared.capacity).await {
+            let mut reports = Reports::new();
+            let pass = match shared
+                .quota
+                .admit(&layers, cost, &shared.capacity, &mut reports)
+                .await
+            {
                 Ok(pass) => pass,
                 Err(stop) => break 'walk stopped(shared, index, stop, cost, log),
             };
@@ -173,7 +178,7 @@ pub(crate) async fn handle(
                                 set_upgrade(&mut parts.headers, protocol);
                             }
                             let mut res = Response::from_parts(parts, Body::full(Bytes::new()));
-                            advertise(shared, index, res.headers_mut(), &pass.reports, cost);
+                            advertise(shared, index, res.headers_mut(), &reports, cost);
                             let hold = (pass.slot, pass.held);
                             let idle = shared.upstreams[*u].tunnel_idle_timeout();
                             tokio::spawn(crate::tunnel::splice(
@@ -198,7 +203,7 @@ pub(crate) async fn handle(
                     }
                 }
             };
-            advertise(shared, index, res.headers_mut(), &pass.reports, cost);
+            advertise(shared, index, res.headers_mut(), &reports, cost);
             res.body_mut().hold(pass.slot, pass.held);
             res
         }

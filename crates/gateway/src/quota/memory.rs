@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sluice_limiter::{Decision, LimitId, Refusal, Slots};
 
-use super::{Held, Layers, Outcome, Pass, Quota, Refused, Stop};
+use super::{Held, Layers, Outcome, Pass, Quota, Refused, Reports, Stop};
 use crate::capacity::{Capacity, InFlight};
 
 impl Quota {
@@ -17,8 +17,9 @@ impl Quota {
         cost: u32,
         capacity: &Capacity,
         slot: Option<InFlight>,
+        reports: &mut Reports,
     ) -> Result<Pass, Stop> {
-        let (result, hold) = self.decide_in_memory(layers, cost, capacity, slot);
+        let (result, hold) = self.decide_in_memory(layers, cost, capacity, slot, reports);
         if !hold.is_zero() {
             tokio::time::sleep(hold).await;
         }
@@ -35,6 +36,7 @@ impl Quota {
         cost: u32,
         capacity: &Capacity,
         slot: Option<InFlight>,
+        reports: &mut Reports,
     ) -> (Result<Pass, Stop>, Duration) {
         let now = self.clock.now();
         self.limiter
@@ -45,10 +47,7 @@ impl Quota {
                         self.limiter.refund(admission);
                         return (Err(Stop::Overloaded), Duration::ZERO);
                     };
-                    let reports = admission
-                        .reports(&self.limiter)
-                        .map(|r| (r.limit, r))
-                        .collect();
+                    reports.extend(admission.reports(&self.limiter).map(|r| (r.limit, r)));
                     let hold = admission.wait();
                     let (dry_run, dry_refused) = self.dry_run_in_memory(layers, cost);
                     let held = Held {
@@ -59,7 +58,6 @@ impl Quota {
                     let pass = Pass {
                         slot,
                         held,
-                        reports,
                         outcome: Outcome::of(dry_refused, !hold.is_zero()),
                     };
                     (Ok(pass), hold)

@@ -87,12 +87,13 @@ pub(crate) struct Layers {
     dry_run: KeyedLayers,
 }
 
-/// An admitted request: its charges and slots live as long as its response body.
+/// An admitted request: its charges and slots live as long as its response body. (Its
+/// figures for the headers are written to the caller's `Reports`, not carried here: a pass is
+/// moved several times on its way out, and the figures are most of its size.)
 #[derive(Debug)]
 pub(crate) struct Pass {
     pub(crate) slot: InFlight,
     pub(crate) held: Held,
-    pub(crate) reports: Reports,
     pub(crate) outcome: Outcome,
 }
 
@@ -230,19 +231,20 @@ impl Quota {
         }
     }
 
-    /// Quota and capacity: admits the request or says why not. Nothing is charged unless
-    /// the request is admitted.
+    /// Quota and capacity: admits the request (its figures in `reports`) or says why not.
+    /// Nothing is charged unless the request is admitted.
     pub(crate) async fn admit(
         &self,
         layers: &Layers,
         cost: u32,
         capacity: &Capacity,
+        reports: &mut Reports,
     ) -> Result<Pass, Stop> {
         // The futures that wait (a delay, a call to Redis) are boxed, so that the request's
         // own future stays small: it was 6 KB, copied into its box on every request.
         match &self.remote {
             None => {
-                let (result, hold) = self.decide_in_memory(layers, cost, capacity, None);
+                let (result, hold) = self.decide_in_memory(layers, cost, capacity, None, reports);
                 if hold.is_zero() {
                     return result;
                 }
@@ -252,7 +254,7 @@ impl Quota {
                 })
                 .await
             }
-            Some(remote) => Box::pin(remote.admit(self, layers, cost, capacity)).await,
+            Some(remote) => Box::pin(remote.admit(self, layers, cost, capacity, reports)).await,
         }
     }
 

@@ -79,6 +79,7 @@ impl Remote {
         layers: &Layers,
         cost: u32,
         capacity: &Capacity,
+        reports: &mut Reports,
     ) -> Result<Pass, Stop> {
         let slot = capacity.try_acquire();
         if layers.enforced.is_empty() && layers.dry_run.is_empty() {
@@ -87,18 +88,21 @@ impl Remote {
             return Ok(Pass {
                 slot,
                 held: Held::default(),
-                reports: Reports::new(),
                 outcome: Outcome::Passed,
             });
         }
         let Some(store) = self.store.get() else {
             self.note_fallback(&"not connected");
-            return self.fallback(quota, layers, cost, capacity, slot).await;
+            return self
+                .fallback(quota, layers, cost, capacity, slot, reports)
+                .await;
         };
         let gate = self.breaker.gate();
         if gate == Gate::Skip {
             self.note_fallback(&"circuit open");
-            return self.fallback(quota, layers, cost, capacity, slot).await;
+            return self
+                .fallback(quota, layers, cost, capacity, slot, reports)
+                .await;
         }
         let remote: SmallVec<[Layer<'_>; 8]> = layers
             .enforced
@@ -130,7 +134,9 @@ impl Remote {
                     self.breaker.success();
                 }
                 self.note_fallback(&e);
-                return self.fallback(quota, layers, cost, capacity, slot).await;
+                return self
+                    .fallback(quota, layers, cost, capacity, slot, reports)
+                    .await;
             }
         };
         match decision {
@@ -139,7 +145,7 @@ impl Remote {
                 let Some(slot) = slot else {
                     return Err(Stop::Overloaded);
                 };
-                let reports = reports(layers, &a.reports);
+                reports.extend(figures(layers, &a.reports));
                 let dry_refused = a.dry_run_refused.map(|i| id_of(layers, i));
                 let held = Held {
                     _lease: a.lease,
@@ -152,7 +158,6 @@ impl Remote {
                 Ok(Pass {
                     slot,
                     held,
-                    reports,
                     outcome: Outcome::of(dry_refused, !a.hold.is_zero()),
                 })
             }
@@ -160,7 +165,7 @@ impl Remote {
                 limit: id_of(layers, r.layer),
                 wait: r.wait,
                 reason: r.reason,
-                reports: reports(layers, &r.reports),
+                reports: figures(layers, &r.reports).collect(),
             }))),
             RemoteDecision::CostTooLarge { layer } => Err(Stop::CostTooLarge(id_of(layers, layer))),
         }
@@ -174,19 +179,23 @@ impl Remote {
         cost: u32,
         capacity: &Capacity,
         slot: Option<InFlight>,
+        reports: &mut Reports,
     ) -> Result<Pass, Stop> {
         match self.on_error {
             OnError::Allow => match slot.or_else(|| capacity.try_acquire()) {
                 Some(slot) => Ok(Pass {
                     slot,
                     held: Held::default(),
-                    reports: Reports::new(),
                     outcome: Outcome::Passed,
                 }),
                 None => Err(Stop::Overloaded),
             },
             OnError::Deny => Err(Stop::StoreUnavailable),
-            OnError::Local => quota.admit_in_memory(layers, cost, capacity, slot).await,
+            OnError::Local => {
+                quota
+                    .admit_in_memory(layers, cost, capacity, slot, reports)
+                    .await
+            }
         }
     }
 
@@ -239,22 +248,18 @@ fn id_of(layers: &Layers, i: usize) -> LimitId {
 }
 
 /// Header figures for the enforced layers (dry-run limits stay invisible to callers).
-fn reports(layers: &Layers, remote: &[LayerReport]) -> Reports {
-    layers
-        .enforced
-        .iter()
-        .zip(remote)
-        .map(|((id, _), r)| {
-            (
-                *id,
-                Report {
-                    limit: *id,
-                    quota: r.quota,
-                    window: r.window,
-                    remaining: r.remaining,
-                    reset: r.reset,
-                },
-            )
-        })
-        .collect()
+fn figures<'a>(
+    layers: &'a Layers,
+    remote: &'a [LayerReport],
+) -> impl Iterator<Item = (LimitId, Report)> + 'a {
+    layers.enforced.iter().zip(remote).map(|((id, _), r)| {
+        let report = Report {
+            limit: *id,
+            quota: r.quota,
+            window: r.window,
+            remaining: r.remaining,
+            reset: r.reset,
+        };
+        (*id, report)
+    })
 }
