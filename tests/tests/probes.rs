@@ -278,3 +278,50 @@ async fn shutdown_grace_bounds_the_drain() {
     );
     up.release(1);
 }
+
+/// `max_connections`: at the cap the gateway stops accepting, so a new connection waits in the
+/// listen backlog until an open one ends (here idle ones, closed by their header timeout), and
+/// the admin listener, which is not counted, still answers its probes.
+#[tokio::test]
+async fn at_max_connections_new_connections_wait_until_one_ends() {
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), 64, "700ms", "5s").replace(
+        "max_in_flight = 64",
+        "max_in_flight = 64\nmax_connections = 2",
+    );
+    let gw = Sluice::start_with_args(&cfg, &["--threads", "1"]);
+    // Two idle connections take the two places (a request on each proves they were accepted).
+    let mut idle = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(gw.main).await.unwrap();
+        s.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 256];
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+        idle.push(s);
+    }
+    let started = Instant::now();
+    assert_eq!(
+        get(gw.admin, "/ready", &[]).await.status,
+        200,
+        "probes still answer"
+    );
+    let reply = get(gw.main, "/health", &[]).await;
+    let waited = started.elapsed();
+    assert_eq!(reply.status, 200);
+    assert!(
+        waited >= Duration::from_millis(500),
+        "served after {waited:?}: before an idle connection's 700 ms header timeout"
+    );
+    let warning = gw
+        .wait_log("the cap", |v| {
+            v["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("max_connections reached"))
+        })
+        .await;
+    assert_eq!(warning["max_connections"], 2);
+    drop(idle);
+}

@@ -35,6 +35,9 @@ pub struct Gateway {
     pub listen: SocketAddr,
     /// Admitted, unfinished requests at which the gateway is full.
     pub max_in_flight: NonZeroUsize,
+    /// Client connections open at once on the main listener (`None`: half the process's
+    /// open-files limit, decided at start).
+    pub max_connections: Option<NonZeroUsize>,
     /// A path on the main listener answered 200 (503 when full or draining), outside every limit.
     pub health_path: Option<String>,
     /// Time a client has to finish sending its request head.

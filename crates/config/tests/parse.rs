@@ -64,6 +64,7 @@ fn empty_file_takes_every_default() {
     assert_eq!(c.gateway.header_timeout, Duration::from_secs(10));
     assert_eq!(c.gateway.send_timeout, Duration::from_secs(60));
     assert_eq!(c.gateway.max_body_size, None);
+    assert_eq!(c.gateway.max_connections, None);
     assert_eq!(c.identity.ipv6_prefix, 64);
     assert!(c.routes.is_empty());
 }

@@ -28,6 +28,7 @@ use crate::quota::{Caller, Outcome, Quota, Reports, Stop};
 use crate::refusal::quota_exceeded;
 use crate::request_id::{RequestIds, X_REQUEST_ID};
 use crate::route::Router;
+use crate::server::{default_max_connections, ConnectionCap};
 
 /// Everything a request needs, built once from the configuration.
 #[derive(Debug)]
@@ -38,6 +39,7 @@ pub(crate) struct Shared {
     pub(crate) identify: Identify,
     pub(crate) quota: Quota,
     pub(crate) capacity: Capacity,
+    pub(crate) connections: ConnectionCap,
     health_path: Option<String>,
     /// The largest request body forwarded (`u64::MAX`: no limit).
     max_body_size: u64,
@@ -69,6 +71,12 @@ impl Shared {
             identify: Identify::new(&config.identity),
             quota: Quota::new(config, clock).await?,
             capacity: Capacity::new(config.gateway.max_in_flight.get()),
+            connections: ConnectionCap::new(
+                config
+                    .gateway
+                    .max_connections
+                    .map_or_else(default_max_connections, |n| n.get()),
+            ),
             health_path: config.gateway.health_path.clone(),
             max_body_size: config.gateway.max_body_size.unwrap_or(u64::MAX),
             problem_base: config.responses.problem_base.clone(),

@@ -5,6 +5,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::admin;
 use crate::forward::Peer;
@@ -68,6 +69,74 @@ impl Drain {
     }
 }
 
+/// `max_connections`: the client connections the main listener keeps open at once, over every
+/// serving thread. At the cap the listeners stop accepting, so new connections wait in the
+/// kernel's listen backlog (as with HAProxy's `maxconn`) instead of taking file descriptors
+/// that upstream and Redis connections need. The admin listener is not counted, so probes
+/// still answer.
+#[derive(Debug)]
+pub(crate) struct ConnectionCap {
+    permits: Arc<Semaphore>,
+    max: usize,
+    start: tokio::time::Instant,
+    /// When the cap was last reported, in ms after `start` (plus one second).
+    last_warning_ms: AtomicU64,
+}
+
+impl ConnectionCap {
+    pub(crate) fn new(max: usize) -> Self {
+        ConnectionCap {
+            permits: Arc::new(Semaphore::new(max)),
+            max,
+            start: tokio::time::Instant::now(),
+            last_warning_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// Room for one more connection, held until the connection ends; waits while the cap is
+    /// reached, and says so at most once a second.
+    async fn room(&self) -> OwnedSemaphorePermit {
+        if let Ok(permit) = Arc::clone(&self.permits).try_acquire_owned() {
+            return permit;
+        }
+        let now = self.start.elapsed().as_millis() as u64 + 1_000;
+        let last = self.last_warning_ms.load(Ordering::Relaxed);
+        if now >= last + 1_000
+            && self
+                .last_warning_ms
+                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(
+                max_connections = self.max,
+                "max_connections reached: new connections wait in the listen backlog"
+            );
+        }
+        Arc::clone(&self.permits)
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed")
+    }
+}
+
+/// The default `max_connections`: half the process's open-files limit (the rest is for
+/// upstream and Redis connections and the listeners), at least 64; 10,000 if the limit cannot
+/// be read.
+pub(crate) fn default_max_connections() -> usize {
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
+    open_files_limit(&limits).map_or(10_000, |n| (n / 2).max(64))
+}
+
+/// The soft "Max open files" limit in `/proc/<pid>/limits` text.
+fn open_files_limit(limits: &str) -> Option<usize> {
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    let soft = line["Max open files".len()..].split_whitespace().next()?;
+    match soft {
+        "unlimited" => Some(usize::MAX / 2),
+        n => n.parse().ok(),
+    }
+}
+
 /// Which service a listener runs.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Listener {
@@ -88,6 +157,13 @@ pub(crate) async fn accept_loop(
     let builder = Arc::new(builder());
     tokio::pin!(stop);
     loop {
+        let permit = match kind {
+            Listener::Main => tokio::select! {
+                () = &mut stop => return,
+                permit = shared.connections.room() => Some(permit),
+            },
+            Listener::Admin => None,
+        };
         let accepted = tokio::select! {
             () = &mut stop => return,
             accepted = listener.accept() => accepted,
@@ -102,7 +178,7 @@ pub(crate) async fn accept_loop(
                     timeouts,
                     kind,
                 };
-                tokio::spawn(conn.serve(stream, graceful.watcher()));
+                tokio::spawn(conn.serve(stream, graceful.watcher(), permit));
             }
             Err(e) => {
                 // Out of file descriptors and the like: say so, and do not spin.
@@ -122,7 +198,13 @@ struct Conn {
 }
 
 impl Conn {
-    async fn serve(self, stream: TcpStream, drain: watch::Receiver<()>) {
+    /// Serves the connection; `_permit` is its room under `max_connections`, freed when it ends.
+    async fn serve(
+        self,
+        stream: TcpStream,
+        drain: watch::Receiver<()>,
+        _permit: Option<OwnedSemaphorePermit>,
+    ) {
         let shared = self.shared;
         let head = HeadTimeout::new(self.timeouts);
         let io = TokioIo::new(Counted::new(stream, Arc::clone(&head)));
@@ -348,5 +430,36 @@ mod tests {
         );
         drop(busy);
         shutdown.await.unwrap();
+    }
+
+    #[test]
+    fn the_open_files_limit_is_read_from_proc_limits() {
+        let limits = "Limit                     Soft Limit           Hard Limit           Units     \n\
+                      Max processes             unlimited            unlimited            processes \n\
+                      Max open files            1024                 524288               files     \n";
+        assert_eq!(open_files_limit(limits), Some(1024));
+        assert_eq!(
+            open_files_limit("Max open files  unlimited  unlimited  files"),
+            Some(usize::MAX / 2)
+        );
+        assert_eq!(open_files_limit("nothing here"), None);
+        assert!(default_max_connections() >= 64);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn at_the_cap_room_waits_for_a_connection_to_end() {
+        let cap = ConnectionCap::new(2);
+        let (a, _b) = (cap.room().await, cap.room().await);
+        let third = cap.room();
+        tokio::pin!(third);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(60), third.as_mut())
+                .await
+                .is_err()
+        );
+        drop(a);
+        assert!(tokio::time::timeout(Duration::from_millis(1), third)
+            .await
+            .is_ok());
     }
 }

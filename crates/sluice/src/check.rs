@@ -16,9 +16,12 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
     let body = g
         .max_body_size
         .map_or_else(|| "no limit".to_owned(), format_size);
+    let connections = g
+        .max_connections
+        .map_or_else(|| "half the open-files limit".to_owned(), |n| n.to_string());
     let _ = writeln!(
         out,
-        "listen {} (admin {}), max_in_flight {}, request bodies {body}",
+        "listen {} (admin {}), max_in_flight {}, max_connections {connections}, request bodies {body}",
         g.listen, config.admin.listen, g.max_in_flight
     );
     let _ = match &config.store {

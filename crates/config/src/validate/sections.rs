@@ -35,6 +35,10 @@ impl Validator<'_> {
                 .and_then(|n| NonZeroUsize::new(n.get() as usize)),
         }
         .unwrap_or(NonZeroUsize::MIN);
+        let max_connections = raw.max_connections.as_ref().and_then(|v| {
+            self.positive_u32(v, "gateway.max_connections")
+                .and_then(|n| NonZeroUsize::new(n.get() as usize))
+        });
         let health_path = raw.health_path.as_ref().map(|p| {
             self.path(p, "gateway.health_path");
             p.get_ref().clone()
@@ -73,6 +77,7 @@ impl Validator<'_> {
         Gateway {
             listen,
             max_in_flight,
+            max_connections,
             health_path,
             header_timeout,
             send_timeout,
