@@ -20,6 +20,7 @@ mod forward;
 mod handle;
 mod head_timeout;
 mod identify;
+mod once_a_second;
 mod problem;
 mod quota;
 mod refusal;

@@ -5,7 +5,6 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,6 +18,7 @@ use crate::admin;
 use crate::forward::Peer;
 use crate::handle::{self, Shared};
 use crate::head_timeout::{Counted, Expiry, HeadTimeout, Timeouts};
+use crate::once_a_second::OnceASecond;
 
 /// Request heads (and HTTP/2 header lists) larger than this are refused (431 on HTTP/1.1).
 pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
@@ -78,9 +78,7 @@ impl Drain {
 pub(crate) struct ConnectionCap {
     permits: Arc<Semaphore>,
     max: usize,
-    start: tokio::time::Instant,
-    /// When the cap was last reported, in ms after `start` (plus one second).
-    last_warning_ms: AtomicU64,
+    warning: OnceASecond,
 }
 
 impl ConnectionCap {
@@ -88,8 +86,7 @@ impl ConnectionCap {
         ConnectionCap {
             permits: Arc::new(Semaphore::new(max)),
             max,
-            start: tokio::time::Instant::now(),
-            last_warning_ms: AtomicU64::new(0),
+            warning: OnceASecond::new(),
         }
     }
 
@@ -99,14 +96,7 @@ impl ConnectionCap {
         if let Ok(permit) = Arc::clone(&self.permits).try_acquire_owned() {
             return permit;
         }
-        let now = self.start.elapsed().as_millis() as u64 + 1_000;
-        let last = self.last_warning_ms.load(Ordering::Relaxed);
-        if now >= last + 1_000
-            && self
-                .last_warning_ms
-                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
-        {
+        if self.warning.now() {
             tracing::warn!(
                 max_connections = self.max,
                 "max_connections reached: new connections wait in the listen backlog"

@@ -19,6 +19,7 @@ use smallvec::SmallVec;
 use super::breaker::{Breaker, Gate};
 use super::{Held, Layers, Outcome, Pass, Quota, Refused, Reports, Stop};
 use crate::capacity::{Capacity, InFlight};
+use crate::once_a_second::OnceASecond;
 
 /// How long a tripped breaker keeps requests away from Redis before one probes it, and how
 /// often an instance that could not connect at start-up tries again.
@@ -36,8 +37,7 @@ pub(super) struct Remote {
     on_error: OnError,
     breaker: Breaker,
     fallbacks: AtomicU64,
-    last_warning_ms: AtomicU64,
-    epoch: tokio::time::Instant,
+    warning: OnceASecond,
 }
 
 impl Remote {
@@ -68,8 +68,7 @@ impl Remote {
             on_error: cfg.on_error,
             breaker: Breaker::new(COOL_DOWN, cfg.timeout.min(FAILURE_SPACING), cfg.timeout),
             fallbacks: AtomicU64::new(0),
-            last_warning_ms: AtomicU64::new(0),
-            epoch: tokio::time::Instant::now(),
+            warning: OnceASecond::new(),
         })
     }
 
@@ -202,14 +201,7 @@ impl Remote {
     /// Counts every fallback; says so at most once a second.
     fn note_fallback(&self, why: &dyn Display) {
         let total = self.fallbacks.fetch_add(1, Ordering::Relaxed) + 1;
-        let now = self.epoch.elapsed().as_millis() as u64 + 1_000;
-        let last = self.last_warning_ms.load(Ordering::Relaxed);
-        if now >= last + 1_000
-            && self
-                .last_warning_ms
-                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
-        {
+        if self.warning.now() {
             tracing::warn!(fallbacks_total = total, on_error = ?self.on_error, reason = %why, "the shared store cannot decide; following on_error");
         }
     }
