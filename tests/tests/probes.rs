@@ -325,3 +325,48 @@ async fn at_max_connections_new_connections_wait_until_one_ends() {
     assert_eq!(warning["max_connections"], 2);
     drop(idle);
 }
+
+/// The soft and hard "Max open files" limits of process `pid`.
+fn open_files(pid: u32) -> Option<(u64, u64)> {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    let mut fields = line["Max open files".len()..].split_whitespace();
+    let soft = fields.next()?.parse().ok()?;
+    let hard = fields.next()?.parse().ok()?;
+    Some((soft, hard))
+}
+
+/// `sluice run` raises its soft open-files limit to the hard one (at most 2^20), as HAProxy and
+/// Go programs do, so the default `max_connections` is not capped by a low soft limit.
+#[test]
+fn run_raises_the_soft_open_files_limit_to_the_hard_one() {
+    let (_, hard) = open_files(std::process::id()).expect("this process's limits");
+    assert!(
+        hard > 256,
+        "the test needs a hard limit above 256, not {hard}"
+    );
+    let file = sluice_tests::process::TempFile::new(
+        "toml",
+        "[gateway]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n",
+    );
+    let mut child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -Sn 256 && exec \"$0\" run --config \"$1\"")
+        .arg(sluice_tests::process::binary())
+        .arg(&file.0)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start sluice under sh");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let seen = loop {
+        let limits = open_files(child.id());
+        if limits.is_some_and(|(soft, _)| soft != 256) || Instant::now() > deadline {
+            break limits;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(seen, Some((hard.min(1 << 20), hard)));
+}

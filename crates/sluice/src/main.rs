@@ -121,6 +121,9 @@ fn invalid(errors: &ConfigErrors) -> ExitCode {
 /// Serves until a signal, then drains. A drain cut short by `shutdown_grace` still ends
 /// normally (the orchestrator asked us to stop); the log says so.
 fn run(config: Config, threads: Option<u16>) -> anyhow::Result<()> {
+    if let Some((from, to)) = raise_open_files_limit() {
+        tracing::info!(from, to, "raised the open-files limit to the hard limit");
+    }
     // Thread per core: every thread runs a current-thread runtime with its own listening
     // socket, so a request never crosses threads; a work-stealing scheduler cost about 9 us
     // more per request in cross-thread wake-ups (docs/benchmarks.md).
@@ -143,6 +146,26 @@ fn run(config: Config, threads: Option<u16>) -> anyhow::Result<()> {
         tracing::info!(every_request_finished = finished, "stopped");
         Ok(())
     })
+}
+
+/// Raises the soft open-files limit to the hard one (at most 2^20, Linux's default `nr_open`),
+/// as Go programs and HAProxy do at start: the soft limit (1,024 under systemd) would cap
+/// client, upstream and Redis connections far below what the system allows, and
+/// `max_connections` defaults to half of it. Returns the limits before and after, if raised.
+fn raise_open_files_limit() -> Option<(u64, u64)> {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let current = limit.current?; // `None`: unlimited already
+    let target = limit.maximum.unwrap_or(u64::MAX).min(1 << 20);
+    if current >= target {
+        return None;
+    }
+    let raised = Rlimit {
+        current: Some(target),
+        maximum: limit.maximum,
+    };
+    setrlimit(Resource::Nofile, raised).ok()?;
+    Some((current, target))
 }
 
 async fn signal() {
