@@ -244,6 +244,8 @@ impl Quota {
         // own future stays small: it was 6 KB, copied into its box on every request.
         match &self.remote {
             None => {
+                // `admit_in_memory` written out rather than awaited: an inner future on this,
+                // the common path, cost about 300 instructions per request (callgrind).
                 let (result, hold) = self.decide_in_memory(layers, cost, capacity, None, reports);
                 if hold.is_zero() {
                     return result;
