@@ -15,6 +15,23 @@ pub use inproc::InProcess;
 pub use process::Sluice;
 pub use upstream::MockUpstream;
 
+/// A `delay` limit "smooth" by API key: 2 per second with a bucket of 1 (a request every
+/// 500 ms), holding a request up to `max_delay`.
+pub fn smooth_delay_limit(max_delay: &str) -> String {
+    format!(
+        r#"
+[[limits]]
+name = "smooth"
+by = "api_key"
+quota = 2
+window = "1s"
+burst = 1
+mode = "delay"
+max_delay = "{max_delay}"
+"#
+    )
+}
+
 /// A loopback port that was free a moment ago (bound, then released): for an upstream that
 /// must refuse connections.
 pub fn closed_port() -> u16 {

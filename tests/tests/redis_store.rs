@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sluice_tests::inproc::InProcess;
 use sluice_tests::redis::{RedisServer, HASH_SECRET};
-use sluice_tests::{get, MockUpstream, Reply, Sluice};
+use sluice_tests::{get, smooth_delay_limit, MockUpstream, Reply, Sluice};
 use tokio::time::Instant;
 
 fn config(upstream: &str, store: &str, max_in_flight: u32, limits: &str) -> String {
@@ -231,22 +231,13 @@ async fn a_full_instance_asks_redis_check_only_and_charges_nothing() {
 async fn a_held_request_is_charged_ahead_in_redis_and_decided_once_across_two_instances() {
     let redis = RedisServer::start();
     let up = MockUpstream::start().await;
-    // 2 per second with a bucket of 1: a request every 500 ms; hold up to 1200 ms.
-    let limit = r#"
-[[limits]]
-name = "smooth"
-by = "api_key"
-quota = 2
-window = "1s"
-burst = 1
-mode = "delay"
-max_delay = "1200ms"
-"#;
+    // A request every 500 ms; hold up to 1200 ms.
+    let limit = smooth_delay_limit("1200ms");
     let shared = config(
         &up.url(),
         &redis_store(&redis.url(), "deny", "2s"),
         64,
-        limit,
+        &limit,
     );
     let (a, b) = (start(&shared), start(&shared));
     let before = redis.calls("evalsha");

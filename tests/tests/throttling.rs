@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures_like::join_all;
 use sluice_tests::inproc::InProcess;
 use sluice_tests::redis::RedisServer;
-use sluice_tests::{get, MockUpstream, Reply, Sluice};
+use sluice_tests::{get, smooth_delay_limit, MockUpstream, Reply, Sluice};
 
 mod futures_like {
     /// Awaits spawned tasks in order.
@@ -758,18 +758,8 @@ async fn refusals_and_overloads_are_logged_with_their_policy() {
 #[tokio::test]
 async fn delay_mode_holds_then_forwards_and_refuses_what_cannot_pass_in_time() {
     let up = MockUpstream::start().await;
-    // 2 per second with a bucket of 1: a request every 500 ms; hold up to 750 ms.
-    let limit = r#"
-[[limits]]
-name = "smooth"
-by = "api_key"
-quota = 2
-window = "1s"
-burst = 1
-mode = "delay"
-max_delay = "750ms"
-"#;
-    let gw = Sluice::start(&config(&up.url(), 64, limit));
+    // A request every 500 ms; hold up to 750 ms.
+    let gw = Sluice::start(&config(&up.url(), 64, &smooth_delay_limit("750ms")));
     let main = gw.main;
     let started = tokio::time::Instant::now();
     let replies = join_all(
