@@ -2,14 +2,17 @@
 //! routed by the last path segment: `echo` (reports what it received), `/hold` (answers only when released),
 //! `/download?bytes=N` (streams N bytes), `/upload` (counts the body without keeping it),
 //! `/reset` (drops the connection), `/hop` (answers with hop-by-hop headers), `/stall` (promises
-//! 1000 bytes, sends 10, then nothing).
+//! 1000 bytes, sends 10, then nothing), `/pause?ms=N` (sends `before\n`, waits N ms, sends
+//! `after\n`: a stream whose upstream is slow, not stalled).
 
 use std::convert::Infallible;
+use std::future::Future as _;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -143,6 +146,13 @@ async fn serve(
             Ok(Response::new(Repeat::new(n).boxed()))
         }
         "stall" => Ok(Response::new(Stall { sent: false }.boxed())),
+        "pause" => {
+            let ms: u64 = query
+                .strip_prefix("ms=")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            Ok(Response::new(Pause::new(Duration::from_millis(ms)).boxed()))
+        }
         "hop" => {
             let mut res = text(StatusCode::OK, "hop\n");
             let h = res.headers_mut();
@@ -215,6 +225,43 @@ impl Body for Stall {
 
     fn size_hint(&self) -> SizeHint {
         SizeHint::with_exact(1000)
+    }
+}
+
+/// A body that sends `before\n`, waits, then sends `after\n` and ends.
+#[derive(Debug)]
+pub struct Pause {
+    pieces: std::vec::IntoIter<&'static [u8]>,
+    wait: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Pause {
+    /// Waits `wait` between its two pieces.
+    pub fn new(wait: Duration) -> Self {
+        Self {
+            pieces: vec![&b"before\n"[..], &b"after\n"[..]].into_iter(),
+            wait: Some(Box::pin(tokio::time::sleep(wait))),
+        }
+    }
+}
+
+impl Body for Pause {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        // The first piece at once, the second after the wait.
+        if self.pieces.len() == 1 {
+            if let Some(wait) = self.wait.as_mut() {
+                std::task::ready!(wait.as_mut().poll(cx));
+                self.wait = None;
+            }
+        }
+        let piece = self.pieces.next();
+        Poll::Ready(piece.map(|p| Ok(Frame::data(Bytes::from_static(p)))))
     }
 }
 

@@ -466,6 +466,104 @@ async fn a_client_that_stops_reading_is_dropped_after_the_send_timeout() {
     assert!(drained.is_ok(), "the connection was not closed");
 }
 
+/// A stream whose upstream pauses longer than `send_timeout` (but within its own `timeout`)
+/// waits on the upstream, not on the client: the send timeout does not cut it.
+#[tokio::test]
+async fn a_response_waiting_on_its_upstream_is_not_cut_by_the_send_timeout() {
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), "10s").replace(
+        "max_in_flight = 64",
+        "max_in_flight = 64\nsend_timeout = \"300ms\"",
+    );
+    let gw = Sluice::start(&cfg);
+    let (status, bytes, ended) = get_until_end(gw.main, "/api/pause?ms=1500").await;
+    assert_eq!((status, bytes), (http::StatusCode::OK, 13));
+    assert!(ended.is_ok(), "the stream was cut: {ended:?}");
+}
+
+/// An HTTP/2 client that answers pings but never opens its flow-control window: its pings move
+/// bytes, but no piece of the response goes out, so the send timeout drops the connection.
+#[tokio::test]
+async fn an_http2_client_that_keeps_its_window_shut_is_dropped_after_the_send_timeout() {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), "30s").replace(
+        "max_in_flight = 64",
+        "max_in_flight = 1\nsend_timeout = \"500ms\"",
+    );
+    let gw = Sluice::start(&cfg);
+    let stream = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Duration::from_millis(100))
+        .keep_alive_while_idle(true)
+        .handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = Request::get("http://x/api/download?bytes=268435456")
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    // The head arrives; the body is never read, so the window stays shut after 64 KiB.
+    let res = sender.send_request(req).await.unwrap();
+    assert_eq!(res.status(), 200);
+    let started = tokio::time::Instant::now();
+    let freed = loop {
+        let status = get(gw.main, "/api/echo", &[]).await.status.as_u16();
+        if status == 200 {
+            break started.elapsed();
+        }
+        assert_eq!(status, 503);
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the shut stream still holds the slot"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(freed >= Duration::from_millis(400), "freed after {freed:?}");
+    let ended = tokio::time::timeout(Duration::from_secs(10), conn).await;
+    assert!(ended.is_ok(), "the connection was not dropped");
+    drop(res);
+}
+
+/// An HTTP/2 client that reads slowly but steadily, one small window at a time: each piece of
+/// the body hyper takes is progress, so the send timeout does not cut a download that keeps
+/// moving. (That the pieces are at most 16 KiB is `body.rs`'s unit test.)
+#[tokio::test]
+async fn a_slow_but_steady_http2_download_is_not_cut_by_the_send_timeout() {
+    use http_body_util::BodyExt;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), "30s").replace(
+        "max_in_flight = 64",
+        "max_in_flight = 64\nsend_timeout = \"1s\"",
+    );
+    let gw = Sluice::start(&cfg);
+    let stream = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(16 * 1024)
+        .initial_connection_window_size(16 * 1024)
+        .handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let total = 512 * 1024;
+    let req = Request::get(format!("http://x/api/download?bytes={total}"))
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    let res = sender.send_request(req).await.unwrap();
+    assert_eq!(res.status(), 200);
+    // One frame (at most one 16 KiB window) every 20 ms.
+    let mut body = res.into_body();
+    let mut received = 0;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.expect("the download was cut");
+        received += frame.data_ref().map_or(0, Bytes::len);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(received, total);
+}
+
 /// Each kept upstream connection has one response timer, re-armed by every request: one left
 /// idle past its deadline must still carry the next request, and time the one after out.
 #[tokio::test]

@@ -2,7 +2,10 @@
 //! It carries the request's in-flight slot and access-log record, so both end exactly when the
 //! body does, or when the client goes away and hyper drops it. An upstream body that stops
 //! arriving for the upstream's `timeout` ends in an error, which closes the exchange: a stalled
-//! upstream cannot hold an in-flight slot for ever.
+//! upstream cannot hold an in-flight slot for ever. The body also tells the connection's send
+//! timeout (`head_timeout.rs`) whether the response waits on the client or on its upstream, and
+//! on HTTP/2 hands the upstream's pieces on at most [`PIECE`] bytes at a time, each one
+//! progress.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -19,6 +22,13 @@ use crate::access_log::AccessLog;
 use crate::capacity::InFlight;
 use crate::head_timeout::Busy;
 use crate::quota::Held;
+
+/// The largest piece of an upstream body handed to an HTTP/2 connection at once. hyper takes
+/// the next piece only once the client's flow-control window has let the last one out, and
+/// each piece taken is the connection's progress for the send timeout: an upstream's piece can
+/// be hundreds of KiB, which a slow but honest client could take longer than the timeout to
+/// let in. 16 KiB is HTTP/2's default frame size.
+const PIECE: usize = 16 * 1024;
 
 pin_project! {
     /// A response body.
@@ -52,6 +62,8 @@ pin_project! {
             // Made the first time the body is not ready (most bodies never wait: no timer to
             // register and cancel), then moved on by each piece that arrives.
             idle: Option<Pin<Box<Sleep>>>,
+            // What is left of a piece being handed to an HTTP/2 connection in `PIECE`s.
+            rest: Bytes,
         },
     }
 }
@@ -100,6 +112,7 @@ impl Body {
                 body,
                 timeout,
                 idle: None,
+                rest: Bytes::new(),
             },
             extras: None,
         }
@@ -111,8 +124,8 @@ impl Body {
         self.extras.get_or_insert_default().slot = Some((slot, held));
     }
 
-    /// Keeps the connection counted busy (no header timeout) and sending (the send timeout)
-    /// until the body ends or is dropped.
+    /// Keeps the connection counted busy (no header timeout) until the body ends or is
+    /// dropped, and sending (the send timeout) whenever it is not waiting for its upstream.
     pub(crate) fn keep_busy(&mut self, mut busy: Busy) {
         busy.sending();
         self.extras.get_or_insert_default().busy = Some(busy);
@@ -133,14 +146,25 @@ impl http_body::Body for Body {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = self.project();
+        let busy = this.extras.as_mut().and_then(|e| e.busy.as_mut());
+        let split = busy.as_ref().is_some_and(|b| b.is_http2());
         let polled = match this.kind.project() {
             KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            KindProj::Upstream { rest, .. } if !rest.is_empty() => {
+                let piece = rest.split_to(rest.len().min(PIECE));
+                Poll::Ready(Some(Ok(Frame::data(piece))))
+            }
             KindProj::Upstream {
                 body,
                 timeout,
                 idle,
+                rest,
             } => match body.poll_frame(cx) {
                 Poll::Pending => {
+                    // Waiting for the upstream: the body's timeout, not the client's.
+                    if let Some(busy) = busy {
+                        busy.waiting();
+                    }
                     let timer = idle.get_or_insert_with(|| Box::pin(tokio::time::sleep(*timeout)));
                     match timer.as_mut().poll(cx) {
                         Poll::Ready(()) => Poll::Ready(Some(Err(BodyError::Stalled(*timeout)))),
@@ -151,27 +175,39 @@ impl http_body::Body for Body {
                     if let Some(timer) = idle {
                         timer.as_mut().reset(Instant::now() + *timeout);
                     }
-                    Poll::Ready(frame.map(|f| f.map_err(BodyError::Upstream)))
+                    match frame {
+                        Some(Ok(f)) if split && f.data_ref().is_some_and(|d| d.len() > PIECE) => {
+                            let mut data = f.into_data().unwrap_or_default();
+                            *rest = data.split_off(PIECE);
+                            Poll::Ready(Some(Ok(Frame::data(data))))
+                        }
+                        frame => Poll::Ready(frame.map(|f| f.map_err(BodyError::Upstream))),
+                    }
                 }
             },
         };
         if let Poll::Ready(frame) = &polled {
+            let extras = this.extras.as_mut();
             match frame {
                 Some(Ok(f)) => {
-                    let log = this.extras.as_mut().and_then(|e| e.log.as_mut());
-                    if let (Some(log), Some(data)) = (log, f.data_ref()) {
-                        log.add_bytes(data.len());
+                    if let Some(e) = extras {
+                        if let (Some(log), Some(data)) = (e.log.as_mut(), f.data_ref()) {
+                            log.add_bytes(data.len());
+                        }
+                        if let Some(busy) = e.busy.as_mut() {
+                            busy.delivered();
+                        }
                     }
                 }
                 Some(Err(_)) => {
-                    if let Some(log) = this.extras.as_mut().and_then(|e| e.log.as_mut()) {
+                    if let Some(log) = extras.and_then(|e| e.log.as_mut()) {
                         log.upstream_body_failed();
                     }
                 }
                 // The exchange is over: free the in-flight slot and concurrency slots now,
                 // not whenever hyper drops the body, and start the connection's header timeout.
                 None => {
-                    if let Some(e) = this.extras.as_mut() {
+                    if let Some(e) = extras {
                         drop(e.slot.take());
                         drop(e.busy.take());
                     }
@@ -184,7 +220,7 @@ impl http_body::Body for Body {
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Kind::Full { data } => data.is_none(),
-            Kind::Upstream { body, .. } => body.is_end_stream(),
+            Kind::Upstream { body, rest, .. } => rest.is_empty() && body.is_end_stream(),
         }
     }
 
@@ -193,7 +229,85 @@ impl http_body::Body for Body {
             Kind::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
-            Kind::Upstream { body, .. } => body.size_hint(),
+            Kind::Upstream { body, rest, .. } => {
+                let (body, rest) = (body.size_hint(), rest.len() as u64);
+                let mut hint = SizeHint::new();
+                if let Some(upper) = body.upper() {
+                    hint.set_upper(upper.saturating_add(rest));
+                }
+                hint.set_lower(body.lower().saturating_add(rest));
+                hint
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::head_timeout::{HeadTimeout, Timeouts};
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::rt::TokioIo;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A real upstream body of `len` bytes, sent in one write (so hyper's reads, and the pieces
+    /// it yields, grow to hundreds of KiB).
+    async fn upstream_body(len: usize) -> Incoming {
+        let (ours, mut theirs) = tokio::io::duplex(4 << 20);
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(ours))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let res = tokio::spawn(async move {
+            let req = http::Request::get("/").body(Empty::<Bytes>::new()).unwrap();
+            sender.send_request(req).await.unwrap()
+        });
+        let mut head = [0u8; 1024];
+        let n = theirs.read(&mut head).await.unwrap();
+        assert!(head[..n].ends_with(b"\r\n\r\n"));
+        let mut reply = format!("HTTP/1.1 200 OK\r\ncontent-length: {len}\r\n\r\n").into_bytes();
+        reply.resize(reply.len() + len, b'x');
+        theirs.write_all(&reply).await.unwrap();
+        tokio::spawn(async move { theirs }); // kept open until the test's runtime ends
+        res.await.unwrap().into_body()
+    }
+
+    /// The largest piece and the total of a body's data, checking that its size hint stays
+    /// exact (a piece held back counts).
+    async fn pieces(mut body: Body, len: usize) -> (usize, usize) {
+        let (mut largest, mut total) = (0, 0);
+        while let Some(frame) = body.frame().await {
+            let piece = frame.unwrap().into_data().unwrap().len();
+            (largest, total) = (largest.max(piece), total + piece);
+            let left = http_body::Body::size_hint(&body).exact();
+            assert_eq!(left, Some((len - total) as u64), "after {total} bytes");
+        }
+        (largest, total)
+    }
+
+    fn busy(http2: bool) -> Busy {
+        let head = HeadTimeout::new(Timeouts {
+            header: Duration::from_secs(10),
+            send: Duration::from_secs(10),
+        });
+        let mut busy = head.begin();
+        if http2 {
+            busy.http2();
+        }
+        busy
+    }
+
+    #[tokio::test]
+    async fn an_upstream_body_goes_to_http2_in_pieces_of_at_most_16_kib_and_whole_to_http1() {
+        const LEN: usize = 2 << 20;
+        let mut h2 = Body::upstream(upstream_body(LEN).await, Duration::from_secs(10));
+        h2.keep_busy(busy(true));
+        assert_eq!(http_body::Body::size_hint(&h2).exact(), Some(LEN as u64));
+        assert_eq!(pieces(h2, LEN).await, (PIECE, LEN));
+        let mut h1 = Body::upstream(upstream_body(LEN).await, Duration::from_secs(10));
+        h1.keep_busy(busy(false));
+        let (largest, total) = pieces(h1, LEN).await;
+        assert!(largest > PIECE, "HTTP/1.1 gets hyper's pieces as they are");
+        assert_eq!(total, LEN);
     }
 }

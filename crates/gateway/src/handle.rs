@@ -92,9 +92,12 @@ impl Shared {
 pub(crate) async fn handle(
     shared: Arc<Shared>,
     peer: Peer,
-    busy: Busy,
+    mut busy: Busy,
     mut req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
+    if req.version() == http::Version::HTTP_2 {
+        busy.http2();
+    }
     let request_id = shared.ids.ensure(req.headers_mut());
     let mut log = AccessLog::start(
         req.method().clone(),

@@ -4,11 +4,14 @@
 //! that connect and send nothing, or half a head, from holding connections (slowloris), over
 //! HTTP/1.1 and HTTP/2 alike.
 //!
-//! `send_timeout`: while a response is being sent, some byte must move on the connection
-//! (either way) within the timeout, or the connection is dropped. This stops a client that
-//! stops reading (its socket full, hyper no longer polls the body) from holding its in-flight
-//! slot for ever ("slow read"); an upstream that stops sending is the body's own timeout
-//! (`body.rs`).
+//! `send_timeout`: while a response waits on the client (it has something to send, not a
+//! body waiting on its upstream), the connection must make progress within the timeout, or it
+//! is dropped. This stops a client that stops reading (its socket full, hyper no longer polls
+//! the body) from holding its in-flight slot for ever ("slow read"). Progress on HTTP/1.1 is a
+//! byte moved either way; on HTTP/2 it is a piece of a response body taken by hyper (at most
+//! 16 KiB, see `body.rs`), because an HTTP/2 client that never opens its flow-control window
+//! still moves bytes with its pings. An upstream that stops sending is not the client's fault:
+//! the body's own timeout (`body.rs`) covers it, and the send timeout does not count meanwhile.
 //!
 //! One timer per connection, which wakes at most once per the shorter timeout to look at the
 //! connection's state; a request only counts itself in and out, and each read or write that
@@ -21,7 +24,7 @@
 
 use std::io;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -42,7 +45,8 @@ pub(crate) struct Timeouts {
 pub(crate) enum Expiry {
     /// No request head within the header timeout: close it gracefully.
     Idle,
-    /// A response was being sent and no byte moved for the send timeout: drop it.
+    /// A response waited on the client and the connection made no progress for the send
+    /// timeout: drop it.
     Stalled,
 }
 
@@ -57,10 +61,16 @@ pub(crate) struct HeadTimeout {
     in_flight: AtomicUsize,
     /// When the last response ended, in nanoseconds after `start` (0: none yet).
     idle_since: AtomicU64,
-    /// Responses whose head has gone to hyper and whose body has not ended.
+    /// Responses waiting on the client: their head has gone to hyper, their body has not
+    /// ended and is not waiting for its upstream.
     sending: AtomicUsize,
-    /// Bumped by each read or write that moves bytes (only the connection's IO writes it).
+    /// Bumped by each read or write that moves bytes (only the connection's IO writes it):
+    /// HTTP/1.1's progress.
     moved: AtomicU64,
+    /// Bumped by each piece of a response body hyper takes: HTTP/2's progress.
+    delivered: AtomicU64,
+    /// Whether the connection speaks HTTP/2 (set by its requests).
+    http2: AtomicBool,
 }
 
 impl HeadTimeout {
@@ -73,6 +83,8 @@ impl HeadTimeout {
             idle_since: AtomicU64::new(0),
             sending: AtomicUsize::new(0),
             moved: AtomicU64::new(0),
+            delivered: AtomicU64::new(0),
+            http2: AtomicBool::new(false),
         })
     }
 
@@ -83,6 +95,7 @@ impl HeadTimeout {
         Busy {
             head: Arc::clone(self),
             sending: false,
+            http2: false,
         }
     }
 
@@ -96,9 +109,9 @@ impl HeadTimeout {
     }
 
     /// Resolves when the connection has been idle for the header timeout ([`Expiry::Idle`],
-    /// only if `idle`), or when a response was being sent through a whole send timeout
-    /// without a byte moving ([`Expiry::Stalled`]; found within one more look, at most the
-    /// shorter timeout later).
+    /// only if `idle`), or when responses waited on the client through a whole send timeout
+    /// without progress ([`Expiry::Stalled`]; found within one more look, at most the shorter
+    /// timeout later).
     pub(crate) async fn expired(&self, idle: bool) -> Expiry {
         let period = self.timeout.min(self.send);
         let first = match idle {
@@ -106,13 +119,13 @@ impl HeadTimeout {
             false => Instant::now() + period,
         };
         let mut timer = pin!(tokio::time::sleep_until(first));
-        // The counter at the last look, when that was, and how long the connection has been
-        // sending without a byte moving, as of then.
-        let (mut seen, mut looked, mut still) = (self.moved(), Instant::now(), Duration::ZERO);
+        // The progress counter at the last look, when that was, and how long the connection
+        // has been sending without progress, as of then.
+        let (mut seen, mut looked, mut still) = (self.progress(), Instant::now(), Duration::ZERO);
         loop {
             timer.as_mut().await;
             let now = Instant::now();
-            let moved = self.moved();
+            let moved = self.progress();
             still = match self.is_sending() && moved == seen {
                 true => still + (now - looked),
                 false => Duration::ZERO,
@@ -137,8 +150,11 @@ impl HeadTimeout {
         }
     }
 
-    fn moved(&self) -> u64 {
-        self.moved.load(Ordering::Relaxed)
+    fn progress(&self) -> u64 {
+        match self.http2.load(Ordering::Relaxed) {
+            false => self.moved.load(Ordering::Relaxed),
+            true => self.delivered.load(Ordering::Relaxed),
+        }
     }
 
     fn idle_deadline(&self) -> Instant {
@@ -153,15 +169,44 @@ impl HeadTimeout {
 pub(crate) struct Busy {
     head: Arc<HeadTimeout>,
     sending: bool,
+    http2: bool,
 }
 
 impl Busy {
-    /// Its response is being sent: until this drops, the send timeout applies.
+    /// The request came over HTTP/2: its connection's progress is pieces of response bodies.
+    pub(crate) fn http2(&mut self) {
+        self.http2 = true;
+        self.head.http2.store(true, Ordering::Relaxed);
+    }
+
+    pub(crate) fn is_http2(&self) -> bool {
+        self.http2
+    }
+
+    /// Its response waits on the client: the send timeout applies until [`Busy::waiting`] or
+    /// the drop.
     pub(crate) fn sending(&mut self) {
         if !self.sending {
             self.sending = true;
             self.head.sending.fetch_add(1, Ordering::AcqRel);
         }
+    }
+
+    /// Its response body waits for its upstream (whose own timeout applies), not the client.
+    pub(crate) fn waiting(&mut self) {
+        if self.sending {
+            self.sending = false;
+            self.head.sending.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// hyper took a piece of its body: progress on HTTP/2 (on HTTP/1.1 the bytes moving on
+    /// the connection say it), and the response waits on the client again.
+    pub(crate) fn delivered(&mut self) {
+        if self.http2 {
+            self.head.delivered.fetch_add(1, Ordering::Relaxed);
+        }
+        self.sending();
     }
 }
 
@@ -362,6 +407,50 @@ mod tests {
             !expired_after(&mut expired, SEND * 10).await,
             "idle, but idle expiry is off"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_waiting_on_its_upstream_is_not_stalled_until_it_waits_on_the_client_again() {
+        let t = head(SEND);
+        let mut expired = pin!(t.expired(false));
+        let mut busy = t.begin();
+        busy.sending();
+        busy.waiting();
+        assert!(
+            !expired_after(&mut expired, SEND * 10).await,
+            "the upstream's wait"
+        );
+        busy.delivered();
+        assert_eq!(
+            expiry_within(&mut expired, SEND * 2 + Duration::from_millis(1)).await,
+            Some(Expiry::Stalled)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn on_http2_only_pieces_taken_are_progress_not_bytes() {
+        let t = head(SEND);
+        let mut expired = pin!(t.expired(false));
+        let mut busy = t.begin();
+        busy.http2();
+        busy.sending();
+        // Pieces taken keep it...
+        for _ in 0..10 {
+            assert!(!expired_after(&mut expired, SEND - Duration::from_secs(1)).await);
+            busy.delivered();
+        }
+        // ...bytes alone (pings) do not.
+        let stalled = async {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                t.note_moved();
+            }
+        };
+        tokio::select! {
+            expiry = expired.as_mut() => assert_eq!(expiry, Expiry::Stalled),
+            () = stalled => unreachable!(),
+            () = tokio::time::sleep(SEND * 3) => panic!("pings kept a shut stream alive"),
+        }
     }
 
     #[tokio::test(start_paused = true)]
