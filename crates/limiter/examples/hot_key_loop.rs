@@ -2,13 +2,15 @@
 //! instructions (the criterion bench's times move with code layout; instruction counts do not):
 //!
 //! ```text
-//! cargo build --release -p sluice-limiter --example hot_key_loop
+//! cargo build --profile bench -p sluice-limiter --example hot_key_loop
 //! valgrind --tool=callgrind --toggle-collect='hot_key_loop::run_*' \
 //!     target/release/examples/hot_key_loop sluice 200000
 //! ```
 //!
 //! and divide the instructions collected by `n + 1` (one warm-up decision). Same work per
-//! decision as the bench's `hot_single_key` group.
+//! decision as the bench's `hot_single_key` group, built as the bench is (one codegen unit, fat
+//! LTO: with the release profile's split, what gets inlined into governor's side moves with
+//! unrelated edits).
 
 use governor::{Quota, RateLimiter};
 use sluice_limiter::{Algorithm, Clock, KeyHasher, Limit, LimitId, Limiter, SystemClock};

@@ -97,6 +97,8 @@ impl Layer {
 }
 
 pub(crate) type Layers = SmallVec<[Layer; INLINE_LAYERS]>;
+// `Decision::holds_nothing` relies on layers being plain data.
+const _: () = assert!(!std::mem::needs_drop::<Layer>());
 
 /// A concurrency slot, released when dropped.
 #[derive(Debug)]
@@ -127,7 +129,8 @@ pub enum Decision {
 }
 
 /// An admitted request. Dropping it releases its concurrency slots (quota charges stay);
-/// [`Limiter::refund`] takes every charge back.
+/// [`Limiter::refund`] takes every charge back. (A field that needs dropping, other than
+/// `layers` and `slots`, must be known to [`Decision::holds_nothing`].)
 #[derive(Debug)]
 pub struct Admission {
     pub(crate) limiter: u64,
@@ -181,7 +184,8 @@ pub enum RefusalReason {
     },
 }
 
-/// A refused request: nothing was charged.
+/// A refused request: nothing was charged. (Plain data but for `layers`: see
+/// [`Decision::holds_nothing`].)
 #[derive(Debug, Clone)]
 pub struct Refusal {
     pub(crate) limit: LimitId,
@@ -211,6 +215,7 @@ impl Refusal {
 }
 
 /// A request whose cost exceeds a limit's capacity (a token bucket's burst, a window's quota).
+/// (Plain data but for `layers`: see [`Decision::holds_nothing`].)
 #[derive(Debug, Clone)]
 pub struct CostTooLarge {
     pub(crate) limit: LimitId,
@@ -233,6 +238,18 @@ impl CostTooLarge {
 }
 
 impl Decision {
+    /// Whether dropping it would do nothing: no concurrency slot to release and no layers on
+    /// the heap (every other field of every variant is plain data). Lets
+    /// [`Limiter::decide_with`] skip the drop.
+    #[inline]
+    pub(crate) fn holds_nothing(&self) -> bool {
+        match self {
+            Decision::Admitted(a) => a.slots.is_empty() && !a.layers.spilled(),
+            Decision::Refused(r) => !r.layers.spilled(),
+            Decision::CostTooLarge(c) => !c.layers.spilled(),
+        }
+    }
+
     /// Whether the request was admitted.
     pub fn is_admitted(&self) -> bool {
         matches!(self, Decision::Admitted(_))

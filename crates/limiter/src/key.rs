@@ -65,29 +65,38 @@ impl KeyHasher {
         Key([h1 | u64::from(h1 == 0 && h2 == 0), h2])
     }
 
-    /// SipHash-1-3 with 128-bit output over the parts as whole 64-bit words: each part is its
-    /// length, then its bytes zero-padded to a multiple of 8 (uniquely decodable, so distinct
-    /// part lists are distinct messages). Written out instead of `siphasher`'s byte-buffering
-    /// `Hasher` because a key is hashed per limit per request and whole words need no tail
-    /// handling: ~2x faster on short identities. A test checks it against `siphasher`.
+    /// SipHash-1-3 with 128-bit output over the parts as whole 64-bit words: each part but the
+    /// last is its length, then its bytes zero-padded to a multiple of 8; the last is its
+    /// padded bytes alone, and the final block's seven free bytes say its length and how many
+    /// parts there are. Uniquely decodable (the count and the last length tell where the last
+    /// part starts and ends), so distinct part lists are distinct messages; and the most
+    /// common identity, one part, costs no length word (one SipHash round fewer). Written out
+    /// instead of `siphasher`'s byte-buffering `Hasher` because a key is hashed per limit per
+    /// request and whole words need no tail handling: ~2x faster on short identities. A test
+    /// checks it against `siphasher`.
     #[inline]
     fn hash(&self, parts: &[&[u8]]) -> [u64; 2] {
         let mut s = Sip::new(self.k0, self.k1);
-        for part in parts {
+        let Some((last, framed)) = parts.split_last() else {
+            return s.finish128(0);
+        };
+        for part in framed {
             s.compress(part.len() as u64);
-            let mut words = part.chunks_exact(8);
-            for w in &mut words {
-                s.compress(u64::from_le_bytes(w.try_into().expect("8 bytes")));
-            }
-            let rest = words.remainder();
-            if !rest.is_empty() {
-                let mut word = [0u8; 8];
-                word[..rest.len()].copy_from_slice(rest);
-                s.compress(u64::from_le_bytes(word));
-            }
+            s.compress_padded(part);
         }
-        s.finish128()
+        s.compress_padded(last);
+        s.finish128(trailer(last.len(), parts.len()))
     }
+}
+
+/// The final block's seven free bytes: the last part's length (32 bits) and the number of
+/// parts (24 bits). Identity parts are request header values and configuration lists, far
+/// below either bound; beyond them the figures saturate.
+#[inline]
+fn trailer(last_len: usize, parts: usize) -> u64 {
+    let len = u64::try_from(last_len).unwrap_or(u64::MAX).min(0xffff_ffff);
+    let count = u64::try_from(parts).unwrap_or(u64::MAX).min(0xff_ffff);
+    len | count << 32
 }
 
 /// SipHash-1-3-128 state over a stream of 64-bit words.
@@ -134,10 +143,27 @@ impl Sip {
         self.v[0] ^= m;
     }
 
+    /// `bytes`, zero-padded to whole words.
+    #[inline(always)]
+    fn compress_padded(&mut self, bytes: &[u8]) {
+        let mut words = bytes.chunks_exact(8);
+        for w in &mut words {
+            self.compress(u64::from_le_bytes(w.try_into().expect("8 bytes")));
+        }
+        let rest = words.remainder();
+        if !rest.is_empty() {
+            let mut word = [0u8; 8];
+            word[..rest.len()].copy_from_slice(rest);
+            self.compress(u64::from_le_bytes(word));
+        }
+    }
+
+    /// Ends the message with seven more bytes, `trailer`'s low 56 bits: the last block is
+    /// they and the message's length in bytes (mod 256).
     #[inline]
-    fn finish128(mut self) -> [u64; 2] {
-        // The message is whole words: the last block is its length in bytes (mod 256) alone.
-        let b = self.words.wrapping_mul(8) << 56;
+    fn finish128(mut self, trailer: u64) -> [u64; 2] {
+        let b =
+            (self.words.wrapping_mul(8).wrapping_add(7) << 56) | (trailer & 0x00ff_ffff_ffff_ffff);
         self.v[3] ^= b;
         self.round();
         self.v[0] ^= b;
@@ -181,10 +207,18 @@ mod tests {
         assert_ne!(h.key(&[b"ab", b"c"]), h.key(&[b"a", b"bc"]));
         assert_ne!(h.key(&[b"abc"]), h.key(&[b"abc", b""]));
         assert_ne!(h.key(&[]), h.key(&[b""]));
+        assert_ne!(h.key(&[b""]), h.key(&[b"", b""]));
+        assert_ne!(h.key(&[b"a\0"]), h.key(&[b"a"]));
+        assert_ne!(h.key(&[b"abcdefgh", b""]), h.key(&[b"", b"abcdefgh"]));
+        // A framed part's length word cannot pose as a last part's bytes.
+        assert_ne!(
+            h.key(&[b"x", b"12345678"]),
+            h.key(&[&[1, 0, 0, 0, 0, 0, 0, 0, b'x', 0, 0, 0, 0, 0, 0, 0, b'1']])
+        );
     }
 
     #[test]
-    fn hash_is_siphash13_128_of_the_length_framed_padded_parts() {
+    fn hash_is_siphash13_128_of_the_framed_padded_parts_and_their_trailer() {
         use siphasher::sip128::{Hasher128 as _, SipHasher13};
         use std::hash::Hasher as _;
         let h = KeyHasher {
@@ -202,11 +236,19 @@ mod tests {
         ];
         for p in parts {
             let mut reference = SipHasher13::new_with_keys(h.k0, h.k1);
-            for part in p {
-                reference.write(&(part.len() as u64).to_le_bytes());
-                reference.write(part);
-                reference.write(&[0; 7][..(8 - part.len() % 8) % 8]);
+            let pad = |part: &[u8]| (8 - part.len() % 8) % 8;
+            if let Some((last, framed)) = p.split_last() {
+                for part in framed {
+                    reference.write(&(part.len() as u64).to_le_bytes());
+                    reference.write(part);
+                    reference.write(&[0; 7][..pad(part)]);
+                }
+                reference.write(last);
+                reference.write(&[0; 7][..pad(last)]);
             }
+            let (len, count) = (p.last().map_or(0, |l| l.len()), p.len());
+            reference.write(&(len as u32).to_le_bytes());
+            reference.write(&(count as u32).to_le_bytes()[..3]);
             let r = reference.finish128();
             assert_eq!(h.hash(p), [r.h1, r.h2], "parts {p:?}");
         }

@@ -240,7 +240,13 @@ impl Limiter {
                 decision = not_admitted;
             }
         }
-        f(&mut decision)
+        let result = f(&mut decision);
+        if decision.holds_nothing() {
+            // Its drop would only look through empty and inline vectors: about 25 of a hot-key
+            // decision's ~320 instructions (callgrind). It holds nothing, so nothing leaks.
+            std::mem::forget(decision);
+        }
+        result
     }
 
     /// Charges every layer in order into `admission`, or says why it stopped. The caller
