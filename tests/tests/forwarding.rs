@@ -119,38 +119,57 @@ fn listening_sockets(port: u16) -> usize {
         .count()
 }
 
+/// With `--threads 3`, one socket listens, and each new connection goes to the serving thread
+/// with the fewest open: six connections held open land two on each thread, whatever their
+/// addresses (one `SO_REUSEPORT` socket per thread let the kernel's hash pile them up).
 #[tokio::test]
-async fn each_thread_listens_on_the_main_address_with_its_own_socket() {
+async fn connections_spread_evenly_over_the_serving_threads() {
+    use hyper_util::rt::TokioIo;
     let up = MockUpstream::start().await;
     let gw = Sluice::start_with_args(&config(&up.url(), "5s"), &["--threads", "3"]);
-    assert_eq!(listening_sockets(gw.main.port()), 3);
-    // The "listening" line is written once the sockets are bound; the worker threads start
-    // just after it.
-    let threads = || -> Vec<String> {
-        std::fs::read_dir(format!("/proc/{}/task", gw.pid()))
-            .expect("list threads")
-            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-            .map(|n| n.trim().to_owned())
-            .collect()
-    };
-    let workers = ["sluice-worker-1", "sluice-worker-2"];
+    assert_eq!(listening_sockets(gw.main.port()), 1);
+    // Six connections, all open at once, one request each.
+    let mut senders = Vec::new();
+    for _ in 0..6 {
+        let stream = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        senders.push(sender);
+    }
+    for (i, sender) in senders.iter_mut().enumerate() {
+        let req = Request::get(format!("/api/echo?conn={i}"))
+            .header("host", "x")
+            .body(Full::<Bytes>::default())
+            .unwrap();
+        assert_eq!(sender.send_request(req).await.unwrap().status(), 200);
+    }
+    // Each line is written when its response ends, on the thread that served it.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let mut names = threads();
-    while !workers.iter().all(|w| names.iter().any(|n| n == w)) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "worker threads in {names:?}"
-        );
+    while gw.access_logs().len() < 6 {
+        assert!(tokio::time::Instant::now() < deadline, "{:#?}", gw.logs());
         tokio::time::sleep(Duration::from_millis(10)).await;
-        names = threads();
     }
-    // Connections land on any of the sockets; every one is served.
-    let replies: Vec<_> = (0..48)
-        .map(|_| tokio::spawn(get(gw.main, "/api/echo", &[])))
+    let mut threads: Vec<String> = gw
+        .access_logs()
+        .iter()
+        .map(|line| line["threadName"].as_str().unwrap_or("?").to_owned())
         .collect();
-    for r in replies {
-        assert_eq!(r.await.unwrap().status, 200);
-    }
+    threads.sort();
+    assert_eq!(
+        threads,
+        [
+            "main",
+            "main",
+            "sluice-worker-1",
+            "sluice-worker-1",
+            "sluice-worker-2",
+            "sluice-worker-2"
+        ],
+        "connections per serving thread"
+    );
+    drop(senders);
     let single = Sluice::start_with_args(&config(&up.url(), "5s"), &["--threads", "1"]);
     assert_eq!(listening_sockets(single.main.port()), 1);
 }

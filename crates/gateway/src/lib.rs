@@ -3,10 +3,10 @@
 //! A request walks one way (see `handle`): health -> route -> identify -> quota -> capacity
 //! -> forward -> headers -> log.
 //! [`Gateway::bind`] opens the listeners; [`Gateway::run`] serves until told to stop, then
-//! drains. [`Gateway::bind_workers`] adds worker threads, each a single-threaded runtime with
-//! its own listening socket on the same address (`SO_REUSEPORT`, the kernel spreads
-//! connections): a request never crosses threads, which costs less than a work-stealing
-//! scheduler's wake-ups.
+//! drains. [`Gateway::bind_workers`] adds worker threads, each a single-threaded runtime
+//! serving the connections the accepting thread hands it (each to the thread with the fewest
+//! open, see `spread`): a request never crosses threads, which costs less than a
+//! work-stealing scheduler's wake-ups.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -27,6 +27,7 @@ mod refusal;
 mod request_id;
 mod route;
 mod server;
+mod spread;
 mod tunnel;
 
 use std::future::Future;
@@ -44,7 +45,8 @@ pub use body::{Body, BodyError};
 
 use handle::Shared;
 use head_timeout::Timeouts;
-use server::{accept_loop, Drain, Listener};
+use server::{accept_loop, serve_handed, Drain, Listener};
+use spread::{Handoff, Spread};
 
 /// What can stop the gateway from starting.
 #[derive(Debug, thiserror::Error)]
@@ -70,8 +72,8 @@ pub struct Gateway {
     shared: Arc<Shared>,
     main: TcpListener,
     admin: TcpListener,
-    /// The listening sockets of the worker threads, one each.
-    workers: Vec<std::net::TcpListener>,
+    /// Worker threads serving the main listener's connections beside the calling one.
+    workers: usize,
     timeouts: Timeouts,
     shutdown_grace: Duration,
 }
@@ -96,29 +98,18 @@ impl Gateway {
         };
         let main = bind("gateway.listen", config.gateway.listen).await?;
         let admin = bind("admin.listen", config.admin.listen).await?;
-        Self::with_listeners(config, clock, main, admin, Vec::new()).await
+        Self::with_listeners(config, clock, main, admin, 0).await
     }
 
     /// Like [`bind`](Gateway::bind), and [`run`](Gateway::run) will also serve the main
-    /// address on `extra` more threads, each with its own current-thread runtime and its own
-    /// listening socket (`SO_REUSEPORT`). The admin listener, the sweeper and the store's
-    /// connection stay on the calling runtime, which serves the main address too.
+    /// address on `extra` more threads, each with its own current-thread runtime. The calling
+    /// runtime accepts every connection and hands each to the thread with the fewest open
+    /// (itself included); the admin listener, the sweeper and the store's connection stay on
+    /// it.
     pub async fn bind_workers(config: &Config, extra: usize) -> Result<Self, GatewayError> {
-        let err = |what, addr| move |source| GatewayError::Bind { what, addr, source };
-        let listen = config.gateway.listen;
-        let main = reuse_port_listener(listen).map_err(err("gateway.listen", listen))?;
-        // Port 0 picked a port for the first socket: the others share it.
-        let addr = main.local_addr().map_err(err("gateway.listen", listen))?;
-        let workers = (0..extra)
-            .map(|_| reuse_port_listener(addr).map_err(err("gateway.listen", addr)))
-            .collect::<Result<Vec<_>, _>>()?;
-        let main = TcpListener::from_std(main).map_err(err("gateway.listen", listen))?;
-        let admin_addr = config.admin.listen;
-        let admin = TcpListener::bind(admin_addr)
-            .await
-            .map_err(err("admin.listen", admin_addr))?;
-        let clock = Arc::new(SystemClock::new());
-        Self::with_listeners(config, clock, main, admin, workers).await
+        let mut gateway = Self::bind(config).await?;
+        gateway.workers = extra;
+        Ok(gateway)
     }
 
     async fn with_listeners(
@@ -126,7 +117,7 @@ impl Gateway {
         clock: Arc<dyn Clock>,
         main: TcpListener,
         admin: TcpListener,
-        workers: Vec<std::net::TcpListener>,
+        workers: usize,
     ) -> Result<Self, GatewayError> {
         Ok(Self {
             shared: Arc::new(
@@ -172,20 +163,20 @@ impl Gateway {
             shutdown_grace,
         } = self;
         let (stop_workers, workers_stopped) = watch::channel(false);
-        let workers: Vec<_> = workers
-            .into_iter()
-            .enumerate()
-            .map(|(i, listener)| {
+        let (senders, workers): (Vec<_>, Vec<_>) = (1..=workers)
+            .map(|n| {
+                let (tx, handed) = tokio::sync::mpsc::unbounded_channel();
                 let worker = Worker {
                     shared: shared.clone(),
-                    listener,
+                    handed,
                     timeouts,
                     shutdown_grace,
                     stop: workers_stopped.clone(),
                 };
-                worker.start(i + 1)
+                (tx, worker.start(n))
             })
-            .collect();
+            .unzip();
+        let spread = (!senders.is_empty()).then(|| Spread::new(senders));
         let (stop_admin, admin_stopped) = watch::channel(false);
         let admin_task = {
             let shared = shared.clone();
@@ -195,7 +186,16 @@ impl Gateway {
                 let stop = async move {
                     let _ = rx.wait_for(|stop| *stop).await;
                 };
-                accept_loop(admin, Listener::Admin, shared, timeouts, &graceful, stop).await;
+                accept_loop(
+                    admin,
+                    Listener::Admin,
+                    shared,
+                    timeouts,
+                    &graceful,
+                    None,
+                    stop,
+                )
+                .await;
             })
         };
 
@@ -219,6 +219,7 @@ impl Gateway {
             shared.clone(),
             timeouts,
             &graceful,
+            spread,
             drain,
         )
         .await;
@@ -247,22 +248,10 @@ impl Gateway {
     }
 }
 
-/// A listening socket on `addr` that other sockets may share (`SO_REUSEPORT`).
-fn reuse_port_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
-    use socket2::{Domain, Socket, Type};
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
-    socket.set_reuse_address(true)?;
-    socket.set_reuse_port(true)?;
-    socket.set_nonblocking(true)?;
-    socket.bind(&addr.into())?;
-    socket.listen(1024)?;
-    Ok(socket.into())
-}
-
-/// One worker thread's share of the main listener.
+/// One worker thread: serves the main listener's connections handed to it.
 struct Worker {
     shared: Arc<Shared>,
-    listener: std::net::TcpListener,
+    handed: tokio::sync::mpsc::UnboundedReceiver<Handoff>,
     timeouts: Timeouts,
     shutdown_grace: Duration,
     stop: watch::Receiver<bool>,
@@ -296,28 +285,13 @@ impl Worker {
     }
 
     async fn serve(self) -> bool {
-        let listener = match TcpListener::from_std(self.listener) {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::error!(error = %e, "worker cannot listen");
-                return false;
-            }
-        };
         let graceful = Drain::new();
         let mut stop = self.stop;
         let stopped = async move {
             let _ = stop.wait_for(|stop| *stop).await;
         };
         let (shared, timeouts) = (self.shared, self.timeouts);
-        accept_loop(
-            listener,
-            Listener::Main,
-            shared.clone(),
-            timeouts,
-            &graceful,
-            stopped,
-        )
-        .await;
+        serve_handed(self.handed, shared.clone(), timeouts, &graceful, stopped).await;
         let deadline = tokio::time::Instant::now() + self.shutdown_grace;
         let finished = tokio::time::timeout_at(deadline, graceful.shutdown())
             .await

@@ -12,13 +12,14 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::admin;
 use crate::forward::Peer;
 use crate::handle::{self, Shared};
 use crate::head_timeout::{Counted, Expiry, HeadTimeout, Timeouts};
 use crate::once_a_second::OnceASecond;
+use crate::spread::{Handoff, Open, Place, Spread};
 
 /// Request heads (and HTTP/2 header lists) larger than this are refused (431 on HTTP/1.1).
 pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
@@ -135,13 +136,15 @@ pub(crate) enum Listener {
 }
 
 /// Accepts connections until `stop` resolves. Connections are registered with `graceful`
-/// so that shutdown can wait for them.
+/// so that shutdown can wait for them. With a [`Spread`] (the main listener of a gateway with
+/// several serving threads), each goes to the thread with the fewest open connections.
 pub(crate) async fn accept_loop(
     listener: TcpListener,
     kind: Listener,
     shared: Arc<Shared>,
     timeouts: Timeouts,
     graceful: &Drain,
+    spread: Option<Arc<Spread>>,
     stop: impl Future<Output = ()>,
 ) {
     let builder = Arc::new(builder());
@@ -161,20 +164,93 @@ pub(crate) async fn accept_loop(
         match accepted {
             Ok((stream, peer)) => {
                 let _ = stream.set_nodelay(true);
-                let conn = Conn {
-                    builder: builder.clone(),
-                    shared: shared.clone(),
-                    peer,
-                    timeouts,
-                    kind,
+                let (stream, permit, open) = match spread.as_ref().map(|s| (s, s.pick())) {
+                    None => (stream, permit, None),
+                    Some((_, Place::Here(open))) => (stream, permit, Some(open)),
+                    Some((spread, Place::There(thread, open))) => {
+                        let Some(back) = hand(spread, thread, stream, peer, permit, open) else {
+                            continue;
+                        };
+                        // Its thread has stopped: serve it here.
+                        let Handoff {
+                            stream,
+                            permit,
+                            open,
+                            ..
+                        } = *back;
+                        match TcpStream::from_std(stream) {
+                            Ok(stream) => (stream, permit, Some(open.move_here())),
+                            Err(e) => {
+                                tracing::warn!(error = %e, "cannot serve a connection");
+                                continue;
+                            }
+                        }
+                    }
                 };
-                tokio::spawn(conn.serve(stream, graceful.watcher(), permit));
+                let conn = Conn::new(&builder, &shared, peer, timeouts, kind);
+                tokio::spawn(conn.serve(stream, graceful.watcher(), permit, open));
             }
             Err(e) => {
                 // Out of file descriptors and the like: say so, and do not spin.
                 tracing::warn!(error = %e, "accept failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
+        }
+    }
+}
+
+/// Hands an accepted connection to serving thread `thread`; gives it back if that thread has
+/// stopped.
+fn hand(
+    spread: &Spread,
+    thread: usize,
+    stream: TcpStream,
+    peer: SocketAddr,
+    permit: Option<OwnedSemaphorePermit>,
+    open: Open,
+) -> Option<Box<Handoff>> {
+    // Out of this runtime's reactor; the other registers it with its own.
+    let stream = match stream.into_std() {
+        Ok(stream) => stream,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot hand a connection to another thread");
+            return None; // dropped: closed
+        }
+    };
+    let handoff = Handoff {
+        stream,
+        peer,
+        permit,
+        open,
+    };
+    spread.hand(thread, handoff).err().map(Box::new)
+}
+
+/// Serves the connections another thread hands to this one until `stop` resolves.
+pub(crate) async fn serve_handed(
+    mut handed: mpsc::UnboundedReceiver<Handoff>,
+    shared: Arc<Shared>,
+    timeouts: Timeouts,
+    graceful: &Drain,
+    stop: impl Future<Output = ()>,
+) {
+    let builder = Arc::new(builder());
+    tokio::pin!(stop);
+    loop {
+        let handoff = tokio::select! {
+            () = &mut stop => return,
+            handoff = handed.recv() => match handoff {
+                Some(h) => h,
+                None => return,
+            },
+        };
+        match TcpStream::from_std(handoff.stream) {
+            Ok(stream) => {
+                let conn = Conn::new(&builder, &shared, handoff.peer, timeouts, Listener::Main);
+                let watcher = graceful.watcher();
+                tokio::spawn(conn.serve(stream, watcher, handoff.permit, Some(handoff.open)));
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot serve a handed connection"),
         }
     }
 }
@@ -188,12 +264,30 @@ struct Conn {
 }
 
 impl Conn {
-    /// Serves the connection; `_permit` is its room under `max_connections`, freed when it ends.
+    fn new(
+        builder: &Arc<auto::Builder<TokioExecutor>>,
+        shared: &Arc<Shared>,
+        peer: SocketAddr,
+        timeouts: Timeouts,
+        kind: Listener,
+    ) -> Self {
+        Conn {
+            builder: Arc::clone(builder),
+            shared: Arc::clone(shared),
+            peer,
+            timeouts,
+            kind,
+        }
+    }
+
+    /// Serves the connection; `_permit` is its room under `max_connections` and `_open` its
+    /// count on its thread, both freed when it ends.
     async fn serve(
         self,
         stream: TcpStream,
         drain: watch::Receiver<()>,
         _permit: Option<OwnedSemaphorePermit>,
+        _open: Option<Open>,
     ) {
         let shared = self.shared;
         let head = HeadTimeout::new(self.timeouts);

@@ -11,7 +11,9 @@ pub(crate) fn init(format: LogFormat) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stdout)
-        .with_ansi(std::io::stdout().is_terminal());
+        .with_ansi(std::io::stdout().is_terminal())
+        // Which serving thread wrote it (`main`, `sluice-worker-N`): how connections spread.
+        .with_thread_names(true);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder

@@ -41,8 +41,8 @@ enum Command {
         /// Point an upstream elsewhere without editing the file: `--upstream app=http://127.0.0.1:8000`.
         #[arg(long, value_name = "NAME=URL")]
         upstream: Vec<String>,
-        /// Threads serving requests (default: one per CPU), each with its own listening socket
-        /// on the main address. A sidecar often wants 1 or 2.
+        /// Threads serving requests (default: one per CPU); each new connection goes to the one
+        /// with the fewest open. A sidecar often wants 1 or 2.
         #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
         threads: Option<u16>,
     },
@@ -124,9 +124,9 @@ fn run(config: Config, threads: Option<u16>) -> anyhow::Result<()> {
     if let Some((from, to)) = raise_open_files_limit() {
         tracing::info!(from, to, "raised the open-files limit to the hard limit");
     }
-    // Thread per core: every thread runs a current-thread runtime with its own listening
-    // socket, so a request never crosses threads; a work-stealing scheduler cost about 9 us
-    // more per request in cross-thread wake-ups (docs/benchmarks.md).
+    // Thread per core: every thread runs a current-thread runtime serving the connections
+    // handed to it, so a request never crosses threads; a work-stealing scheduler cost about
+    // 9 us more per request in cross-thread wake-ups (docs/benchmarks.md).
     let threads = threads.map_or_else(
         || std::thread::available_parallelism().map_or(1, |n| n.get()),
         usize::from,
