@@ -168,23 +168,12 @@ pub(crate) async fn accept_loop(
                     None => (stream, permit, None),
                     Some((_, Place::Here(open))) => (stream, permit, Some(open)),
                     Some((spread, Place::There(thread, open))) => {
-                        let Some(back) = hand(spread, thread, stream, peer, permit, open) else {
-                            continue;
-                        };
-                        // Its thread has stopped: serve it here.
-                        let Handoff {
-                            stream,
-                            permit,
-                            open,
-                            ..
-                        } = *back;
-                        match TcpStream::from_std(stream) {
-                            Ok(stream) => (stream, permit, Some(open.move_here())),
-                            Err(e) => {
-                                tracing::warn!(error = %e, "cannot serve a connection");
-                                continue;
-                            }
+                        if let Some(mut back) = hand(spread, thread, stream, peer, permit, open) {
+                            // Its thread has stopped: serve it here.
+                            back.open = back.open.move_here();
+                            serve_handoff(*back, &builder, &shared, timeouts, graceful);
                         }
+                        continue;
                     }
                 };
                 let conn = Conn::new(&builder, &shared, peer, timeouts, kind);
@@ -244,14 +233,26 @@ pub(crate) async fn serve_handed(
                 None => return,
             },
         };
-        match TcpStream::from_std(handoff.stream) {
-            Ok(stream) => {
-                let conn = Conn::new(&builder, &shared, handoff.peer, timeouts, Listener::Main);
-                let watcher = graceful.watcher();
-                tokio::spawn(conn.serve(stream, watcher, handoff.permit, Some(handoff.open)));
-            }
-            Err(e) => tracing::warn!(error = %e, "cannot serve a handed connection"),
+        serve_handoff(handoff, &builder, &shared, timeouts, graceful);
+    }
+}
+
+/// Serves a connection of the main listener accepted by another thread, on this one.
+fn serve_handoff(
+    handoff: Handoff,
+    builder: &Arc<auto::Builder<TokioExecutor>>,
+    shared: &Arc<Shared>,
+    timeouts: Timeouts,
+    graceful: &Drain,
+) {
+    // Registered with this thread's reactor.
+    match TcpStream::from_std(handoff.stream) {
+        Ok(stream) => {
+            let conn = Conn::new(builder, shared, handoff.peer, timeouts, Listener::Main);
+            let watcher = graceful.watcher();
+            tokio::spawn(conn.serve(stream, watcher, handoff.permit, Some(handoff.open)));
         }
+        Err(e) => tracing::warn!(error = %e, "cannot serve a handed connection"),
     }
 }
 
