@@ -434,6 +434,24 @@ async fn an_upstream_body_that_stalls_is_cut_after_the_timeout_and_frees_its_slo
     assert_eq!(line["body_failed"], true, "{line}");
 }
 
+/// How long until the gateway's one in-flight slot, held by `holder`, is free again: `503`
+/// until then (bounded: 10 s).
+async fn slot_freed_after(gw: std::net::SocketAddr, holder: &str) -> Duration {
+    let started = tokio::time::Instant::now();
+    loop {
+        let status = get(gw, "/api/echo", &[]).await.status.as_u16();
+        if status == 200 {
+            return started.elapsed();
+        }
+        assert_eq!(status, 503);
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{holder} still holds the slot"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A client that stops reading a large response ("slow read"): once no byte has moved for
 /// `send_timeout`, the connection is dropped and its in-flight slot is free again.
 #[tokio::test]
@@ -457,19 +475,7 @@ async fn a_client_that_stops_reading_is_dropped_after_the_send_timeout() {
     assert!(head[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &head[..n]);
     // Now it reads nothing: the gateway's buffers fill, the response stalls. Its one slot is
     // taken meanwhile (503), and free again once the connection is dropped.
-    let started = tokio::time::Instant::now();
-    let freed = loop {
-        let status = get(gw.main, "/api/echo", &[]).await.status.as_u16();
-        if status == 200 {
-            break started.elapsed();
-        }
-        assert_eq!(status, 503);
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the stalled response still holds the slot"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let freed = slot_freed_after(gw.main, "the stalled response").await;
     assert!(freed >= Duration::from_millis(400), "freed after {freed:?}");
     // The dropped connection ends: reading what is left reaches its end (or a reset).
     let mut sink = vec![0u8; 1 << 20];
@@ -526,19 +532,7 @@ async fn an_http2_client_that_keeps_its_window_shut_is_dropped_after_the_send_ti
     // The head arrives; the body is never read, so the window stays shut after 64 KiB.
     let res = sender.send_request(req).await.unwrap();
     assert_eq!(res.status(), 200);
-    let started = tokio::time::Instant::now();
-    let freed = loop {
-        let status = get(gw.main, "/api/echo", &[]).await.status.as_u16();
-        if status == 200 {
-            break started.elapsed();
-        }
-        assert_eq!(status, 503);
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the shut stream still holds the slot"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let freed = slot_freed_after(gw.main, "the shut stream").await;
     assert!(freed >= Duration::from_millis(400), "freed after {freed:?}");
     let ended = tokio::time::timeout(Duration::from_secs(10), conn).await;
     assert!(ended.is_ok(), "the connection was not dropped");
