@@ -227,11 +227,20 @@ pub(crate) async fn serve_handed(
     tokio::pin!(stop);
     loop {
         let handoff = tokio::select! {
-            () = &mut stop => return,
+            // Connections already handed over first: they were accepted, and are served
+            // (then drained) rather than dropped unanswered.
+            biased;
             handoff = handed.recv() => match handoff {
                 Some(h) => h,
                 None => return,
             },
+            () = &mut stop => {
+                handed.close();
+                while let Some(h) = handed.recv().await {
+                    serve_handoff(h, &builder, &shared, timeouts, graceful);
+                }
+                return;
+            }
         };
         serve_handoff(handoff, &builder, &shared, timeouts, graceful);
     }

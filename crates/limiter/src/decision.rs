@@ -244,7 +244,10 @@ impl Decision {
     #[inline]
     pub(crate) fn holds_nothing(&self) -> bool {
         match self {
-            Decision::Admitted(a) => a.slots.is_empty() && !a.layers.spilled(),
+            // A refund clears the slots but keeps a spilled buffer: spilled counts too.
+            Decision::Admitted(a) => {
+                a.slots.is_empty() && !a.slots.spilled() && !a.layers.spilled()
+            }
             Decision::Refused(r) => !r.layers.spilled(),
             Decision::CostTooLarge(c) => !c.layers.spilled(),
         }
@@ -331,4 +334,37 @@ fn reports<'a>(
             reset: reset.map(Duration::from_nanos),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Algorithm, KeyHasher, Limit, Limiter, Nanos};
+    use std::num::NonZeroU32;
+    use std::time::Duration;
+
+    /// Two concurrency limits put an admission's slots on the heap; a refund empties them but
+    /// keeps the buffer, so the decision must still be dropped, not forgotten.
+    #[test]
+    fn a_refunded_admission_with_spilled_slots_still_holds_something() {
+        let one = NonZeroU32::new(1).unwrap();
+        let limit = |name: &str| {
+            Limit::new(name, Algorithm::Concurrency, one, Duration::from_secs(1)).unwrap()
+        };
+        let limiter = Limiter::new([limit("a"), limit("b")]).unwrap();
+        let key = KeyHasher::with_secret(b"t").key(&[b"k"]);
+        let layers = [
+            (limiter.id("a").unwrap(), key),
+            (limiter.id("b").unwrap(), key),
+        ];
+        limiter.decide_with(&layers, 1, Nanos(0), |d| {
+            assert!(d.is_admitted());
+            assert!(!d.holds_nothing(), "holds two slots");
+            let super::Decision::Admitted(a) = d else {
+                unreachable!()
+            };
+            limiter.refund(a);
+            assert!(a.slots.is_empty());
+            assert!(!d.holds_nothing(), "the slots' heap buffer is still owned");
+        });
+    }
 }

@@ -52,7 +52,7 @@ impl KeyHasher {
             k0: 0x736c_7569_6365_2d6b,
             k1: 0x6579_2d73_6565_6431,
         };
-        let [k0, k1] = derive.hash(&[b"sluice key seed v1", secret]);
+        let [k0, k1] = derive.hash(&[b"sluice key seed v2", secret]);
         KeyHasher { k0, k1 }
     }
 
