@@ -434,6 +434,14 @@ async fn an_upstream_body_that_stalls_is_cut_after_the_timeout_and_frees_its_slo
     assert_eq!(line["body_failed"], true, "{line}");
 }
 
+/// The test config with upstream `timeout`, `max_in_flight` and `send_timeout` set.
+fn send_timeout_config(upstream: &str, timeout: &str, in_flight: u32, send: &str) -> String {
+    config(upstream, timeout).replace(
+        "max_in_flight = 64",
+        &format!("max_in_flight = {in_flight}\nsend_timeout = \"{send}\""),
+    )
+}
+
 /// How long until the gateway's one in-flight slot, held by `holder`, is free again: `503`
 /// until then (bounded: 10 s).
 async fn slot_freed_after(gw: std::net::SocketAddr, holder: &str) -> Duration {
@@ -458,10 +466,7 @@ async fn slot_freed_after(gw: std::net::SocketAddr, holder: &str) -> Duration {
 async fn a_client_that_stops_reading_is_dropped_after_the_send_timeout() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let up = MockUpstream::start().await;
-    let cfg = config(&up.url(), "30s").replace(
-        "max_in_flight = 64",
-        "max_in_flight = 1\nsend_timeout = \"500ms\"",
-    );
+    let cfg = send_timeout_config(&up.url(), "30s", 1, "500ms");
     let gw = Sluice::start(&cfg);
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
@@ -496,10 +501,7 @@ async fn a_client_that_stops_reading_is_dropped_after_the_send_timeout() {
 #[tokio::test]
 async fn a_response_waiting_on_its_upstream_is_not_cut_by_the_send_timeout() {
     let up = MockUpstream::start().await;
-    let cfg = config(&up.url(), "10s").replace(
-        "max_in_flight = 64",
-        "max_in_flight = 64\nsend_timeout = \"300ms\"",
-    );
+    let cfg = send_timeout_config(&up.url(), "10s", 64, "300ms");
     let gw = Sluice::start(&cfg);
     let (status, bytes, ended) = get_until_end(gw.main, "/api/pause?ms=1500").await;
     assert_eq!((status, bytes), (http::StatusCode::OK, 13));
@@ -512,10 +514,7 @@ async fn a_response_waiting_on_its_upstream_is_not_cut_by_the_send_timeout() {
 async fn an_http2_client_that_keeps_its_window_shut_is_dropped_after_the_send_timeout() {
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
     let up = MockUpstream::start().await;
-    let cfg = config(&up.url(), "30s").replace(
-        "max_in_flight = 64",
-        "max_in_flight = 1\nsend_timeout = \"500ms\"",
-    );
+    let cfg = send_timeout_config(&up.url(), "30s", 1, "500ms");
     let gw = Sluice::start(&cfg);
     let stream = tokio::net::TcpStream::connect(gw.main).await.unwrap();
     let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
@@ -547,10 +546,7 @@ async fn a_slow_but_steady_http2_download_is_not_cut_by_the_send_timeout() {
     use http_body_util::BodyExt;
     use hyper_util::rt::{TokioExecutor, TokioIo};
     let up = MockUpstream::start().await;
-    let cfg = config(&up.url(), "30s").replace(
-        "max_in_flight = 64",
-        "max_in_flight = 64\nsend_timeout = \"1s\"",
-    );
+    let cfg = send_timeout_config(&up.url(), "30s", 64, "1s");
     let gw = Sluice::start(&cfg);
     let stream = tokio::net::TcpStream::connect(gw.main).await.unwrap();
     let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
