@@ -287,3 +287,37 @@ async fn a_tunnel_idle_for_its_timeout_is_closed_and_frees_its_slot() {
     );
     assert_eq!(get(gw.main, "/ws", &[("x-api-key", "k")]).await.status, 200);
 }
+
+/// A tunnel is still a client connection: it counts against `max_connections` until it
+/// closes, although hyper let go of its connection at the switch.
+#[tokio::test]
+async fn an_open_tunnel_counts_against_max_connections() {
+    let (up, _heads) = echo_upstream().await;
+    let cfg = config(up).replace(
+        "max_in_flight = 64",
+        "max_in_flight = 64\nmax_connections = 1",
+    );
+    let gw = Sluice::start_with_args(&cfg, &["--threads", "1"]);
+    let (mut tunnel, head) = handshake(gw.main, "k").await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    assert_eq!(echo(&mut tunnel, b"open").await, b"open");
+    // The one place is the tunnel's: a new connection waits in the listen backlog (served
+    // within about a millisecond when the tunnel did not count)...
+    let waiting = tokio::spawn(get(gw.main, "/ws", &[("x-api-key", "other")]));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a second connection was served while the tunnel held the only place"
+    );
+    assert_eq!(echo(&mut tunnel, b"still open").await, b"still open");
+    // ...until the tunnel closes.
+    drop(tunnel);
+    let served = tokio::time::timeout(PATIENCE, waiting).await;
+    assert_eq!(
+        served
+            .expect("served once the tunnel closed")
+            .unwrap()
+            .status,
+        200
+    );
+}

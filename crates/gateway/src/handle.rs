@@ -190,7 +190,7 @@ pub(crate) async fn handle(
                             }
                             let mut res = Response::from_parts(parts, Body::full(Bytes::new()));
                             advertise(shared, index, res.headers_mut(), &reports, cost);
-                            let hold = (pass.slot, pass.held);
+                            let hold = (pass.slot, pass.held, busy.take_room());
                             let idle = shared.upstreams[*u].tunnel_idle_timeout();
                             tokio::spawn(crate::tunnel::splice(
                                 client_side,

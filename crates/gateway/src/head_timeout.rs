@@ -25,13 +25,15 @@
 use std::io;
 use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use pin_project_lite::pin_project;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
+
+use crate::server::Room;
 
 /// A connection's two timeouts (`[gateway]` `header_timeout` and `send_timeout`).
 #[derive(Debug, Clone, Copy)]
@@ -71,6 +73,8 @@ pub(crate) struct HeadTimeout {
     delivered: AtomicU64,
     /// Whether the connection speaks HTTP/2 (set by its requests).
     http2: AtomicBool,
+    /// The connection's room in the gateway, until the connection ends or a tunnel takes it.
+    room: Mutex<Option<Room>>,
 }
 
 impl HeadTimeout {
@@ -85,7 +89,14 @@ impl HeadTimeout {
             moved: AtomicU64::new(0),
             delivered: AtomicU64::new(0),
             http2: AtomicBool::new(false),
+            room: Mutex::new(None),
         })
+    }
+
+    /// Keeps the connection's room (its `max_connections` permit, its count on its thread)
+    /// until the connection ends, unless a request takes it first ([`Busy::take_room`]).
+    pub(crate) fn keep_room(&self, room: Room) {
+        *self.room.lock().unwrap_or_else(|e| e.into_inner()) = Some(room);
     }
 
     /// A request's head has arrived: the connection is busy until the returned guard drops
@@ -181,6 +192,17 @@ impl Busy {
 
     pub(crate) fn is_http2(&self) -> bool {
         self.http2
+    }
+
+    /// Takes the connection's room, for a tunnel that outlives the connection as hyper sees
+    /// it: after a protocol switch, hyper lets go of the connection while its socket lives on
+    /// in the tunnel, which must go on counting against `max_connections`.
+    pub(crate) fn take_room(&self) -> Option<Room> {
+        self.head
+            .room
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     /// Its response waits on the client: the send timeout applies until [`Busy::waiting`] or

@@ -110,6 +110,15 @@ impl ConnectionCap {
     }
 }
 
+/// What a client connection holds of the gateway: its room under `max_connections` and its
+/// count on its serving thread. Both are freed when the connection ends, or, once it has
+/// switched protocols, when its tunnel does.
+#[derive(Debug)]
+pub(crate) struct Room {
+    _permit: Option<OwnedSemaphorePermit>,
+    _open: Option<Open>,
+}
+
 /// The default `max_connections`: half the process's open-files limit (the rest is for
 /// upstream and Redis connections and the listeners), at least 64; 10,000 if the limit cannot
 /// be read.
@@ -290,17 +299,21 @@ impl Conn {
         }
     }
 
-    /// Serves the connection; `_permit` is its room under `max_connections` and `_open` its
-    /// count on its thread, both freed when it ends.
+    /// Serves the connection; `permit` is its room under `max_connections` and `open` its
+    /// count on its thread, both freed when it ends (or when the tunnel it switched to does).
     async fn serve(
         self,
         stream: TcpStream,
         drain: watch::Receiver<()>,
-        _permit: Option<OwnedSemaphorePermit>,
-        _open: Option<Open>,
+        permit: Option<OwnedSemaphorePermit>,
+        open: Option<Open>,
     ) {
         let shared = self.shared;
         let head = HeadTimeout::new(self.timeouts);
+        head.keep_room(Room {
+            _permit: permit,
+            _open: open,
+        });
         let io = TokioIo::new(Counted::new(stream, Arc::clone(&head)));
         let requests = Arc::clone(&head);
         let result = match self.kind {

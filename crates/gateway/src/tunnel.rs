@@ -5,7 +5,9 @@
 //!
 //! The request was decided like any other (its quota charged once, at the handshake); the
 //! tunnel then holds the request's in-flight slot and concurrency slots for as long as it is
-//! open, since it keeps using the gateway and the upstream. The idle timeout is what keeps
+//! open, since it keeps using the gateway and the upstream, and the connection's room (its
+//! place under `max_connections`, its count on its thread), since hyper lets go of the
+//! connection at the switch while its socket lives on here. The idle timeout is what keeps
 //! abandoned tunnels from holding them for ever.
 
 use std::io;
@@ -22,13 +24,14 @@ use tokio::time::Instant;
 
 use crate::capacity::InFlight;
 use crate::quota::Held;
+use crate::server::Room;
 
 /// Splices the two sides once both have switched; `hold` is released when the tunnel ends.
 pub(crate) async fn splice(
     client: OnUpgrade,
     upstream: OnUpgrade,
     idle_timeout: Duration,
-    hold: (InFlight, Held),
+    hold: (InFlight, Held, Option<Room>),
 ) {
     let (client, upstream) = match tokio::try_join!(client, upstream) {
         Ok(both) => both,
