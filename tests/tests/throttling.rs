@@ -755,6 +755,34 @@ async fn refusals_and_overloads_are_logged_with_their_policy() {
     );
 }
 
+/// A held request whose client leaves gives its moment back when nobody queued behind it, so
+/// the next request takes that moment instead of queueing after a request that never comes.
+#[tokio::test]
+async fn a_held_request_whose_client_leaves_gives_its_moment_back() {
+    use tokio::io::AsyncWriteExt;
+    let up = MockUpstream::start().await;
+    // A request every 500 ms; hold up to 750 ms.
+    let gw = Sluice::start(&config(&up.url(), 64, &smooth_delay_limit("750ms")));
+    assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+    // The next is held about 500 ms; its client leaves after 100 ms.
+    let mut left = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    let head = b"GET /v1/items HTTP/1.1\r\nhost: x\r\nx-api-key: k\r\n\r\n";
+    left.write_all(head).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(left);
+    let gone = gw.wait_log("the 499", |v| v["status"] == 499).await;
+    // Had it kept its charge, the next request would pass about 1000 ms after the first, past
+    // max_delay: 429. It takes the moment left free instead (about 400 ms away).
+    let next = call(gw.main, "/v1/items", "k").await;
+    assert_eq!(next.status, 200, "{}", next.text());
+    let held = gw
+        .wait_log("the next, held", |v| {
+            v["decision"] == "DELAYED" && v["status"] == 200
+        })
+        .await;
+    assert_eq!(held["route"], gone["route"]);
+}
+
 #[tokio::test]
 async fn delay_mode_holds_then_forwards_and_refuses_what_cannot_pass_in_time() {
     let up = MockUpstream::start().await;

@@ -153,6 +153,22 @@ impl Admission {
         Duration::from_nanos(self.wait)
     }
 
+    /// Moves the admission out, leaving in its place one that charges and holds nothing: for
+    /// a caller lent the decision ([`crate::Limiter::decide_with`]) that must keep the charges
+    /// past it, e.g. to [`crate::Limiter::withdraw`] a held request whose client leaves.
+    pub fn take(&mut self) -> Admission {
+        let charged = std::mem::replace(&mut self.charged, false);
+        Admission {
+            limiter: self.limiter,
+            cost: self.cost,
+            now: self.now,
+            wait: self.wait,
+            charged,
+            layers: std::mem::take(&mut self.layers),
+            slots: std::mem::take(&mut self.slots),
+        }
+    }
+
     /// Takes what of the admission must live until the request ends: its concurrency slots
     /// (released when dropped). A few words, against the whole admission's ~270 bytes, for a
     /// caller that keeps them in each request's state. A refund after this takes back the

@@ -349,17 +349,49 @@ impl Limiter {
         admission.slots.clear();
     }
 
+    /// Takes back an admission whose request will not be served after all, typically one held
+    /// by a `max_delay` limit whose client left before it passed. Like [`Limiter::refund`],
+    /// except that a token bucket is given its charge back only if nobody was charged after
+    /// it. A request held behind this one keeps the moment it was given; taking a charge back
+    /// from the middle of the queue would hand that moment again to the next request (two
+    /// requests at once where the bucket allows one). Windows count requests, not moments, and
+    /// always get theirs back. The admission is left charging nothing.
+    ///
+    /// # Panics
+    /// If `admission` came from another limiter.
+    pub fn withdraw(&self, admission: &mut Admission) {
+        assert_eq!(admission.limiter, self.id, "admission from another limiter");
+        if admission.charged {
+            for layer in admission.layers.iter().rev() {
+                let c = &self.limits[layer.limit.index()];
+                let last = matches!(c.rule, Rule::Gcra(_)).then(|| layer.state());
+                self.take_back_layer(c, layer, admission.cost, last);
+            }
+            admission.charged = false;
+        }
+        admission.slots.clear();
+    }
+
     /// Takes back the quota charges of `admission` (its slots are released by its drop).
     fn take_back(&self, admission: &Admission) {
         for layer in admission.layers.iter().rev() {
             let c = &self.limits[layer.limit.index()];
-            if c.rule.counts_requests() {
-                continue; // the slot guard releases it when `admission` drops
-            }
-            c.table.existing(layer.key, |state| {
-                state.update(|s| Some(c.rule.undo(s, admission.cost, layer.tag())));
-            });
+            self.take_back_layer(c, layer, admission.cost, None);
         }
+    }
+
+    /// Takes back one layer's quota charge; with `only_from`, only if the key's state is still
+    /// that one.
+    fn take_back_layer(&self, c: &Compiled, layer: &Layer, cost: u32, only_from: Option<u128>) {
+        if c.rule.counts_requests() {
+            return; // the slot guard releases it when the admission drops
+        }
+        c.table.existing(layer.key, |state| {
+            state.update(|s| match only_from {
+                Some(expected) if s != expected => None,
+                _ => Some(c.rule.undo(s, cost, layer.tag())),
+            });
+        });
     }
 
     /// Removes keys that have returned to the fresh state. Call it from a background task as

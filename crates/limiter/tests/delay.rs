@@ -147,3 +147,63 @@ fn a_held_admission_reports_as_of_its_decision_and_refunds_exactly() {
     limiter.refund(&mut a);
     assert_eq!(observe(&limiter, &layers, T0), before);
 }
+
+/// The admission of one more request of `name` at `now`, which must be admitted.
+fn admit(limiter: &Limiter, name: &str, now: Nanos) -> sluice_limiter::Admission {
+    match limiter.decide(&all_layers(limiter, &[name]), 1, now) {
+        Decision::Admitted(a) => a,
+        other => panic!("not admitted: {other:?}"),
+    }
+}
+
+/// The wait a request of `name` would get at `now`, charging nothing.
+fn would_wait(limiter: &Limiter, name: &str, now: Nanos) -> Option<Duration> {
+    match limiter.check(&all_layers(limiter, &[name]), 1, now) {
+        Decision::Admitted(a) => Some(a.wait()),
+        _ => None,
+    }
+}
+
+#[test]
+fn a_withdrawn_token_bucket_charge_comes_back_only_from_the_end_of_the_queue() {
+    let limiter = held(bucket("b", 1, Duration::from_secs(1), 1), secs(3.0));
+    let _passes = admit(&limiter, "b", T0);
+    let mut second = admit(&limiter, "b", T0);
+    let mut third = admit(&limiter, "b", T0);
+    assert_eq!((second.wait(), third.wait()), (secs(1.0), secs(2.0)));
+    assert_eq!(would_wait(&limiter, "b", T0), Some(secs(3.0)));
+    // The second's client leaves while the third queues behind it: the third keeps its
+    // moment (2 s) and the bucket keeps the charge. A refund would hand 2 s to the next
+    // request as well: two requests at once where the bucket allows one.
+    limiter.withdraw(&mut second);
+    assert_eq!(would_wait(&limiter, "b", T0), Some(secs(3.0)));
+    // The last of the queue leaves: its moment goes to the next request.
+    limiter.withdraw(&mut third);
+    assert_eq!(would_wait(&limiter, "b", T0), Some(secs(2.0)));
+    // Withdrawing again takes nothing more.
+    limiter.withdraw(&mut third);
+    assert_eq!(would_wait(&limiter, "b", T0), Some(secs(2.0)));
+}
+
+#[test]
+fn a_withdrawn_window_charge_comes_back_while_its_window_is_counted() {
+    let limiter = held(fixed("f", 1, Duration::from_secs(10)), secs(25.0));
+    let now = at(5 * SEC); // 5 s into a 10 s window
+    let mut passes = admit(&limiter, "f", now);
+    let mut next_window = admit(&limiter, "f", now);
+    assert_eq!(next_window.wait(), secs(5.0));
+    // Windows count requests, not moments: the charge comes back, whoever came since.
+    limiter.withdraw(&mut next_window);
+    assert_eq!(would_wait(&limiter, "f", now), Some(secs(5.0)));
+    limiter.withdraw(&mut next_window);
+    assert_eq!(
+        would_wait(&limiter, "f", now),
+        Some(secs(5.0)),
+        "taken back once"
+    );
+    // A fixed window keeps the count of its latest window only: once a later window is
+    // charged, an earlier one's charge is gone, and nothing comes back.
+    let _later = admit(&limiter, "f", now);
+    limiter.withdraw(&mut passes);
+    assert_eq!(would_wait(&limiter, "f", now), Some(secs(15.0)));
+}

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use sluice_limiter::{Decision, LimitId, Refusal, Slots};
+use sluice_limiter::{Admission, Decision, LimitId, Limiter, Refusal, Slots};
 
 use super::{Held, Layers, Outcome, Pass, Quota, Refused, Reports, Stop};
 use crate::capacity::{Capacity, InFlight};
@@ -20,10 +20,22 @@ impl Quota {
         reports: &mut Reports,
     ) -> Result<Pass, Stop> {
         let (result, hold) = self.decide_in_memory(layers, cost, capacity, slot, reports);
-        if !hold.is_zero() {
-            tokio::time::sleep(hold).await;
+        if let Some(hold) = hold {
+            self.hold(hold).await;
         }
         result
+    }
+
+    /// Holds an admitted request until it passes. If it is dropped meanwhile (its client
+    /// left), its charges are withdrawn ([`Limiter::withdraw`]: a token bucket gets its
+    /// charge back only if nobody queued behind it).
+    pub(super) async fn hold(&self, hold: Hold) {
+        let mut withdraw = Withdraw {
+            limiter: &self.limiter,
+            admission: Some(hold.admission),
+        };
+        tokio::time::sleep(hold.wait).await;
+        withdraw.admission = None; // it passes: the charges stay
     }
 
     /// One decision in memory, and how long to hold the request before it passes: `delay`
@@ -37,7 +49,7 @@ impl Quota {
         capacity: &Capacity,
         slot: Option<InFlight>,
         reports: &mut Reports,
-    ) -> (Result<Pass, Stop>, Duration) {
+    ) -> (Result<Pass, Stop>, Option<Hold>) {
         let now = self.clock.now();
         self.limiter
             .decide_with(&layers.enforced, cost, now, |decision| match decision {
@@ -45,10 +57,10 @@ impl Quota {
                     // A held request is in-flight work: a full gateway cannot hold more.
                     let Some(slot) = slot.or_else(|| capacity.try_acquire()) else {
                         self.limiter.refund(admission);
-                        return (Err(Stop::Overloaded), Duration::ZERO);
+                        return (Err(Stop::Overloaded), None);
                     };
                     reports.extend(admission.reports(&self.limiter).map(|r| (r.limit, r)));
-                    let hold = admission.wait();
+                    let wait = admission.wait();
                     let (dry_run, dry_refused) = self.dry_run_in_memory(layers, cost);
                     let held = Held {
                         _enforced: Some(admission.take_slots()),
@@ -58,15 +70,20 @@ impl Quota {
                     let pass = Pass {
                         slot,
                         held,
-                        outcome: Outcome::of(dry_refused, !hold.is_zero()),
+                        outcome: Outcome::of(dry_refused, !wait.is_zero()),
                     };
+                    // Rare (held requests only): the charges are kept to withdraw them.
+                    let hold = (!wait.is_zero()).then(|| Hold {
+                        wait,
+                        admission: Box::new(admission.take()),
+                    });
                     (Ok(pass), hold)
                 }
                 Decision::Refused(refusal) => {
                     let refused = Stop::Quota(Box::new(self.refused(refusal)));
-                    (Err(refused), Duration::ZERO)
+                    (Err(refused), None)
                 }
-                Decision::CostTooLarge(c) => (Err(Stop::CostTooLarge(c.limit())), Duration::ZERO),
+                Decision::CostTooLarge(c) => (Err(Stop::CostTooLarge(c.limit())), None),
             })
     }
 
@@ -94,6 +111,27 @@ impl Quota {
                 Decision::Refused(r) => (None, Some(r.limit())),
                 Decision::CostTooLarge(c) => (None, Some(c.limit())),
             })
+    }
+}
+
+/// A request admitted by `delay` limits ahead of time: how long to hold it, and its charges.
+#[derive(Debug)]
+pub(super) struct Hold {
+    wait: Duration,
+    admission: Box<Admission>,
+}
+
+/// Withdraws a held request's charges when dropped, unless told it passed.
+struct Withdraw<'a> {
+    limiter: &'a Limiter,
+    admission: Option<Box<Admission>>,
+}
+
+impl Drop for Withdraw<'_> {
+    fn drop(&mut self) {
+        if let Some(admission) = &mut self.admission {
+            self.limiter.withdraw(admission);
+        }
     }
 }
 

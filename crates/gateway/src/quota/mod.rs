@@ -247,11 +247,11 @@ impl Quota {
                 // `admit_in_memory` written out rather than awaited: an inner future on this,
                 // the common path, cost about 300 instructions per request (callgrind).
                 let (result, hold) = self.decide_in_memory(layers, cost, capacity, None, reports);
-                if hold.is_zero() {
+                let Some(hold) = hold else {
                     return result;
-                }
+                };
                 Box::pin(async move {
-                    tokio::time::sleep(hold).await;
+                    self.hold(hold).await;
                     result
                 })
                 .await
