@@ -61,8 +61,9 @@ impl KeyHasher {
     #[inline]
     pub fn key(&self, parts: &[&[u8]]) -> Key {
         let [h1, h2] = self.hash(parts);
-        // Zero marks a free slot; a 2^-128 event, mapped away rather than ignored.
-        Key([h1 | u64::from(h1 == 0 && h2 == 0), h2])
+        // Zero marks a free slot; a 2^-128 event, mapped away rather than ignored (in the
+        // second word: the first must not wait for the second, see `Table`'s shards).
+        Key([h1, h2 | u64::from(h1 == 0 && h2 == 0)])
     }
 
     /// SipHash-1-3 with 128-bit output over the parts as whole 64-bit words: each part but the

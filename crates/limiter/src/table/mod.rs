@@ -246,8 +246,10 @@ impl<S: Cell> Words<S> {
 
     #[inline]
     fn shard(&self, key: Key) -> &Shard<S> {
-        let i = (u128::from(key.0[1]) * self.shards.len() as u128) >> 64;
-        &self.shards[i as usize]
+        // The first word's low bits (its high bits pick the slot within the shard): the
+        // first word is ready three SipHash rounds before the second, so the shard's lock
+        // need not wait for the whole key.
+        &self.shards[key.0[0] as usize & (self.shards.len() - 1)]
     }
 
     #[inline]
