@@ -133,7 +133,9 @@ impl Body {
 
     /// Writes the access-log line when the body ends or is dropped.
     pub(crate) fn log_on_end(&mut self, log: AccessLog) {
-        self.extras.get_or_insert_default().log = Some(log);
+        if log.is_on() {
+            self.extras.get_or_insert_default().log = Some(log);
+        }
     }
 }
 

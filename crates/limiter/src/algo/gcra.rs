@@ -4,7 +4,7 @@
 //! emission interval `window / quota` is a whole number of units and no rounding ever drifts
 //! (governor rounds it to whole nanoseconds). The TAT fits in 128 bits for any quota and window.
 
-use super::{ceil_div_u64, Algo, Step};
+use super::{ceil_div_u64, div, Algo, Step};
 
 /// A token bucket of `burst` tokens refilled at `quota` per `window`.
 #[derive(Debug, Clone, Copy)]
@@ -108,7 +108,7 @@ impl Algo for Gcra {
 
     fn remaining(&self, tat: u128, now: u64) -> u32 {
         let room = self.tolerance.saturating_sub(self.debt(tat, now));
-        u32::try_from(room / self.interval).unwrap_or(u32::MAX)
+        u32::try_from(div(room, self.interval)).unwrap_or(u32::MAX)
     }
 
     fn wait(&self, tat: u128, cost: u32, now: u64) -> Option<u64> {

@@ -2,7 +2,7 @@
 //! computed exactly in integers (`previous * (window - elapsed) + current * window`, compared
 //! with `quota * window`). State: window index (high 64 bits), previous count (32), current (32).
 
-use super::{later, Algo, Step};
+use super::{div, later, Algo, Step};
 
 /// `quota` per sliding window of `window` nanoseconds.
 #[derive(Debug, Clone, Copy)]
@@ -64,7 +64,7 @@ impl SlidingWindow {
         if weight == 0 {
             return 0;
         }
-        w - (room * w / u128::from(weight)).min(w)
+        w - div(room * w, u128::from(weight)).min(w)
     }
 }
 
@@ -121,7 +121,7 @@ impl Algo for SlidingWindow {
         let (previous, current) = self.counts_at(state, now);
         let limit = u128::from(self.quota) * u128::from(self.window);
         let room = limit.saturating_sub(self.used_scaled(previous, current, now));
-        u32::try_from(room / u128::from(self.window)).unwrap_or(u32::MAX)
+        u32::try_from(div(room, u128::from(self.window))).unwrap_or(u32::MAX)
     }
 
     fn wait(&self, state: u128, cost: u32, now: u64) -> Option<u64> {
