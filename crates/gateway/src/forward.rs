@@ -400,34 +400,46 @@ fn display_chain(e: &(dyn StdError + 'static)) -> String {
 }
 
 /// Removes hop-by-hop headers, including every header the `Connection` header names. One
-/// pass over the names, without hashing, in the usual case where there are none.
+/// pass over the names, without hashing or copying, in the usual cases: none at all (a
+/// request), or a `Connection` header alone naming nothing else (`keep-alive`, `close`: most
+/// responses).
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let found: smallvec::SmallVec<[HeaderName; 4]> = headers
+    let (mut found, mut connection) = (0usize, false);
+    for name in headers.keys() {
+        if is_hop_by_hop(name) {
+            found += 1;
+            connection |= *name == CONNECTION;
+        }
+    }
+    if found == 0 {
+        return;
+    }
+    if connection {
+        // The headers it names, other than `close` (names none) and `keep-alive` (removed
+        // below anyway); an invalid name names nothing.
+        let named: smallvec::SmallVec<[HeaderName; 2]> = headers
+            .get_all(CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .filter(|n| !n.eq_ignore_ascii_case("close") && !n.eq_ignore_ascii_case("keep-alive"))
+            .filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
+        headers.remove(CONNECTION);
+        if found == 1 {
+            return;
+        }
+    }
+    let rest: smallvec::SmallVec<[HeaderName; 4]> = headers
         .keys()
         .filter(|n| is_hop_by_hop(n))
         .cloned()
         .collect();
-    if found.is_empty() {
-        return;
-    }
-    if found.contains(&CONNECTION) {
-        // Copies of the values (reference counts), so the map can change while they are read.
-        let connection: smallvec::SmallVec<[HeaderValue; 1]> =
-            headers.get_all(CONNECTION).iter().cloned().collect();
-        let named = connection
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .map(str::trim);
-        for name in named {
-            // `close` names no header and `keep-alive` is removed below: skip their lookups.
-            // Any other name is looked up as it is (no allocation; an invalid one finds nothing).
-            if !name.eq_ignore_ascii_case("close") && !name.eq_ignore_ascii_case("keep-alive") {
-                headers.remove(name);
-            }
-        }
-    }
-    for name in found {
+    for name in rest {
         headers.remove(name);
     }
 }
@@ -639,6 +651,24 @@ mod tests {
         // A cap of zero keeps nothing.
         pool.checkin('r', later(91), 0);
         assert_eq!(pool.checkout(later(91), ready), None);
+    }
+
+    #[test]
+    fn a_connection_header_alone_goes_with_what_it_names() {
+        for (connection, named) in [
+            ("keep-alive", None),
+            ("close", None),
+            ("X-Mine", Some("x-mine")),
+        ] {
+            let mut h = HeaderMap::new();
+            h.insert(CONNECTION, HeaderValue::from_static(connection));
+            h.insert("x-mine", HeaderValue::from_static("1"));
+            h.insert("x-kept", HeaderValue::from_static("1"));
+            strip_hop_by_hop(&mut h);
+            assert!(!h.contains_key(CONNECTION), "{connection}");
+            assert_eq!(h.contains_key("x-mine"), named.is_none(), "{connection}");
+            assert!(h.contains_key("x-kept"), "{connection}");
+        }
     }
 
     #[test]

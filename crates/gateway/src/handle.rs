@@ -98,6 +98,9 @@ pub(crate) async fn handle(
     if req.version() == http::Version::HTTP_2 {
         busy.http2();
     }
+    // Room for what the walk adds (X-Request-Id, X-Forwarded-For, X-Forwarded-Proto) at once:
+    // hyper sizes the map for the headers it parsed, and each growth rehashes it.
+    req.headers_mut().reserve(3);
     let request_id = shared.ids.ensure(req.headers_mut());
     let mut log = AccessLog::start(&req, peer.ip, &request_id);
     // Not boxed: hyper keeps each connection's service future in one box it reuses, so the
@@ -202,6 +205,8 @@ pub(crate) async fn handle(
                         (Ok(res), _) => {
                             let (mut parts, body) = res.into_parts();
                             strip_hop_by_hop(&mut parts.headers);
+                            // RateLimit-Policy, RateLimit, X-Request-Id: one growth at most.
+                            parts.headers.reserve(3);
                             let timeout = shared.upstreams[*u].timeout();
                             Response::from_parts(parts, Body::upstream(body, timeout))
                         }
