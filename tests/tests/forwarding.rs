@@ -538,6 +538,56 @@ async fn an_http2_client_that_keeps_its_window_shut_is_dropped_after_the_send_ti
     drop(res);
 }
 
+/// An HTTP/2 client that reads one stream and leaves another's window shut: the stream that
+/// moves does not keep the stuck one alive. Each response waiting on the client must make
+/// progress within the send timeout, so the connection is dropped and both slots are freed.
+#[tokio::test]
+async fn an_http2_stream_stuck_on_its_window_is_not_kept_alive_by_another_that_moves() {
+    use http_body_util::BodyExt;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let up = MockUpstream::start().await;
+    let cfg = send_timeout_config(&up.url(), "30s", 2, "500ms");
+    let gw = Sluice::start(&cfg);
+    let stream = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    // Each stream's window is 64 KiB, the connection's large enough that the stuck stream's
+    // unread data does not shut it for the other.
+    let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_connection_window_size(16 * 1024 * 1024)
+        .handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    let download = || {
+        Request::get("http://x/api/download?bytes=268435456")
+            .body(Full::<Bytes>::default())
+            .unwrap()
+    };
+    let stuck = sender.send_request(download()).await.unwrap();
+    assert_eq!(stuck.status(), 200);
+    let moving = sender.send_request(download()).await.unwrap();
+    assert_eq!(moving.status(), 200);
+    // One frame every 20 ms, until the connection goes.
+    let reader = tokio::spawn(async move {
+        let mut body = moving.into_body();
+        let mut received = 0usize;
+        while let Some(Ok(frame)) = body.frame().await {
+            received += frame.data_ref().map_or(0, Bytes::len);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        received
+    });
+    let freed = slot_freed_after(gw.main, "the stuck stream").await;
+    assert!(freed >= Duration::from_millis(400), "freed after {freed:?}");
+    let moved = tokio::time::timeout(Duration::from_secs(10), reader).await;
+    let moved = moved
+        .expect("the moving stream ended with the connection")
+        .unwrap();
+    assert!(moved > 64 * 1024, "the other stream moved: {moved} bytes");
+    let ended = tokio::time::timeout(Duration::from_secs(10), conn).await;
+    assert!(ended.is_ok(), "the connection was not dropped");
+    drop(stuck);
+}
+
 /// An HTTP/2 client that reads slowly but steadily, one small window at a time: each piece of
 /// the body hyper takes is progress, so the send timeout does not cut a download that keeps
 /// moving. (That the pieces are at most 16 KiB is `body.rs`'s unit test.)

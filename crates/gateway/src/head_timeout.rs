@@ -8,9 +8,12 @@
 //! body waiting on its upstream), the connection must make progress within the timeout, or it
 //! is dropped. This stops a client that stops reading (its socket full, hyper no longer polls
 //! the body) from holding its in-flight slot for ever ("slow read"). Progress on HTTP/1.1 is a
-//! byte moved either way; on HTTP/2 it is a piece of a response body taken by hyper (at most
-//! 16 KiB, see `body.rs`), because an HTTP/2 client that never opens its flow-control window
-//! still moves bytes with its pings. An upstream that stops sending is not the client's fault:
+//! byte moved either way; on HTTP/2 it is counted per response: a piece of its body taken by
+//! hyper (at most 16 KiB, see `body.rs`), because an HTTP/2 client that never opens a
+//! stream's flow-control window still moves bytes with its pings, or with its other streams.
+//! One response stuck drops the connection: hyper gives no way to reset a single stream from
+//! outside its body, and hyper stops polling a body while its stream has no window.
+//! An upstream that stops sending is not the client's fault:
 //! the body's own timeout (`body.rs`) covers it, and the send timeout does not count meanwhile.
 //!
 //! One timer per connection, which wakes at most once per the shorter timeout to look at the
@@ -69,8 +72,9 @@ pub(crate) struct HeadTimeout {
     /// Bumped by each read or write that moves bytes (only the connection's IO writes it):
     /// HTTP/1.1's progress.
     moved: AtomicU64,
-    /// Bumped by each piece of a response body hyper takes: HTTP/2's progress.
-    delivered: AtomicU64,
+    /// HTTP/2's progress, per response waiting on the client: when hyper last took a piece
+    /// of its body (or it began to wait). A slot per response, reused once it ends.
+    streams: Mutex<Vec<Option<Instant>>>,
     /// Whether the connection speaks HTTP/2 (set by its requests).
     http2: AtomicBool,
     /// The connection's room in the gateway, until the connection ends or a tunnel takes it.
@@ -87,7 +91,7 @@ impl HeadTimeout {
             idle_since: AtomicU64::new(0),
             sending: AtomicUsize::new(0),
             moved: AtomicU64::new(0),
-            delivered: AtomicU64::new(0),
+            streams: Mutex::new(Vec::new()),
             http2: AtomicBool::new(false),
             room: Mutex::new(None),
         })
@@ -107,6 +111,7 @@ impl HeadTimeout {
             head: Arc::clone(self),
             sending: false,
             http2: false,
+            stream: None,
         }
     }
 
@@ -130,19 +135,27 @@ impl HeadTimeout {
             false => Instant::now() + period,
         };
         let mut timer = pin!(tokio::time::sleep_until(first));
-        // The progress counter at the last look, when that was, and how long the connection
-        // has been sending without progress, as of then.
-        let (mut seen, mut looked, mut still) = (self.progress(), Instant::now(), Duration::ZERO);
+        // HTTP/1.1: the bytes counter at the last look, when that was, and how long the
+        // connection has been sending without a byte moving, as of then.
+        let (mut seen, mut looked, mut still) = (self.moved(), Instant::now(), Duration::ZERO);
         loop {
             timer.as_mut().await;
             let now = Instant::now();
-            let moved = self.progress();
-            still = match self.is_sending() && moved == seen {
-                true => still + (now - looked),
-                false => Duration::ZERO,
+            let left = if self.http2.load(Ordering::Relaxed) {
+                // Each response on its own: one stuck on its stream's flow-control window
+                // is not kept alive by others that move.
+                self.oldest_stream()
+                    .map(|since| (since + self.send).saturating_duration_since(now))
+            } else {
+                let moved = self.moved();
+                still = match self.is_sending() && moved == seen {
+                    true => still + (now - looked),
+                    false => Duration::ZERO,
+                };
+                (seen, looked) = (moved, now);
+                self.is_sending().then(|| self.send.saturating_sub(still))
             };
-            (seen, looked) = (moved, now);
-            if still >= self.send {
+            if left == Some(Duration::ZERO) {
                 return Expiry::Stalled;
             }
             let next = if idle && !self.is_busy() {
@@ -151,8 +164,8 @@ impl HeadTimeout {
                     return Expiry::Idle;
                 }
                 deadline.min(now + period)
-            } else if self.is_sending() {
-                now + period.min(self.send - still)
+            } else if let Some(left) = left {
+                now + period.min(left)
             } else {
                 // Busy waiting for its response (no head is awaited, nothing is sent).
                 now + period
@@ -161,11 +174,17 @@ impl HeadTimeout {
         }
     }
 
-    fn progress(&self) -> u64 {
-        match self.http2.load(Ordering::Relaxed) {
-            false => self.moved.load(Ordering::Relaxed),
-            true => self.delivered.load(Ordering::Relaxed),
-        }
+    fn moved(&self) -> u64 {
+        self.moved.load(Ordering::Relaxed)
+    }
+
+    fn streams(&self) -> std::sync::MutexGuard<'_, Vec<Option<Instant>>> {
+        self.streams.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// When the HTTP/2 response waiting longest on the client last made progress.
+    fn oldest_stream(&self) -> Option<Instant> {
+        self.streams().iter().flatten().min().copied()
     }
 
     fn idle_deadline(&self) -> Instant {
@@ -181,6 +200,8 @@ pub(crate) struct Busy {
     head: Arc<HeadTimeout>,
     sending: bool,
     http2: bool,
+    /// Its slot in the connection's `streams`, while it waits on an HTTP/2 client.
+    stream: Option<usize>,
 }
 
 impl Busy {
@@ -211,6 +232,20 @@ impl Busy {
         if !self.sending {
             self.sending = true;
             self.head.sending.fetch_add(1, Ordering::AcqRel);
+            if self.http2 {
+                let mut streams = self.head.streams();
+                let now = Some(Instant::now());
+                self.stream = Some(match streams.iter().position(Option::is_none) {
+                    Some(free) => {
+                        streams[free] = now;
+                        free
+                    }
+                    None => {
+                        streams.push(now);
+                        streams.len() - 1
+                    }
+                });
+            }
         }
     }
 
@@ -219,25 +254,26 @@ impl Busy {
         if self.sending {
             self.sending = false;
             self.head.sending.fetch_sub(1, Ordering::AcqRel);
+            if let Some(i) = self.stream.take() {
+                self.head.streams()[i] = None;
+            }
         }
     }
 
-    /// hyper took a piece of its body: progress on HTTP/2 (on HTTP/1.1 the bytes moving on
-    /// the connection say it), and the response waits on the client again.
+    /// hyper took a piece of its body: progress on HTTP/2 for this response (on HTTP/1.1 the
+    /// bytes moving on the connection say it), and the response waits on the client again.
     pub(crate) fn delivered(&mut self) {
-        if self.http2 {
-            self.head.delivered.fetch_add(1, Ordering::Relaxed);
+        match self.stream {
+            Some(i) => self.head.streams()[i] = Some(Instant::now()),
+            None => self.sending(),
         }
-        self.sending();
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
+        self.waiting();
         let t = &self.head;
-        if self.sending {
-            t.sending.fetch_sub(1, Ordering::AcqRel);
-        }
         let now = u64::try_from(t.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         // Before the count: whoever sees no request in flight sees this end too.
         t.idle_since.fetch_max(now, Ordering::AcqRel);
@@ -472,6 +508,56 @@ mod tests {
             expiry = expired.as_mut() => assert_eq!(expiry, Expiry::Stalled),
             () = stalled => unreachable!(),
             () = tokio::time::sleep(SEND * 3) => panic!("pings kept a shut stream alive"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn on_http2_a_response_stuck_on_its_stream_is_not_kept_alive_by_others() {
+        let t = head(SEND);
+        let mut expired = pin!(t.expired(false));
+        let h2 = || {
+            let mut busy = t.begin();
+            busy.http2();
+            busy.sending();
+            busy
+        };
+        let (mut moving, stuck, mut ended) = (h2(), h2(), h2());
+        ended.delivered();
+        drop(ended); // a response that ended counts no more
+                     // One response takes a piece every second; the other never does after its first.
+        let stalled_after = async {
+            let started = Instant::now();
+            let give_up = started + SEND * 5;
+            loop {
+                tokio::select! {
+                    expiry = expired.as_mut() => return (expiry, started.elapsed()),
+                    () = tokio::time::sleep(Duration::from_secs(1)) => moving.delivered(),
+                    () = tokio::time::sleep_until(give_up) => panic!("the moving one kept the stuck one alive"),
+                }
+            }
+        };
+        let (expiry, after) = stalled_after.await;
+        assert_eq!(expiry, Expiry::Stalled);
+        assert!(
+            (SEND..=SEND + Duration::from_millis(1)).contains(&after),
+            "stalled after {after:?}: the stuck one's send timeout is {SEND:?}"
+        );
+        drop(stuck);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn on_http2_responses_that_all_move_keep_the_connection() {
+        let t = head(SEND);
+        let mut expired = pin!(t.expired(false));
+        let mut all: Vec<Busy> = (0..3).map(|_| t.begin()).collect();
+        for b in &mut all {
+            b.http2();
+            b.sending();
+        }
+        for round in 0..20 {
+            assert!(!expired_after(&mut expired, Duration::from_secs(1)).await);
+            // Each takes a piece every third second, in turn.
+            all[round % 3].delivered();
         }
     }
 

@@ -351,7 +351,7 @@ const GOODBYE: Duration = Duration::from_secs(1);
 /// half a head) closes at once, HTTP/2 sends `GOAWAY`; a connection that does not end within
 /// [`GOODBYE`] after its header timeout is dropped, unless a request slipped in just before
 /// the `GOAWAY` (then that request finishes first). Whatever it is doing, a connection that
-/// sends a response without a byte moving for the send timeout is dropped.
+/// makes no progress on a response for the send timeout is dropped.
 async fn drive<C, E>(
     mut conn: Pin<&mut C>,
     graceful_shutdown: impl Fn(Pin<&mut C>),
@@ -372,7 +372,7 @@ where
         expiry = expired.as_mut() => Some(expiry),
     };
     if why == Some(Expiry::Stalled) {
-        tracing::debug!(%peer, "no byte moved within send_timeout while sending: dropping");
+        tracing::debug!(%peer, "a response made no progress within send_timeout: dropping the connection");
         return Ok(());
     }
     graceful_shutdown(conn.as_mut());
@@ -393,7 +393,7 @@ where
         biased;
         result = finish => result,
         _ = head.expired(false) => {
-            tracing::debug!(%peer, "no byte moved within send_timeout while sending: dropping");
+            tracing::debug!(%peer, "a response made no progress within send_timeout: dropping the connection");
             Ok(())
         }
     }
