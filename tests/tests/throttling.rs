@@ -771,6 +771,10 @@ async fn a_held_request_whose_client_leaves_gives_its_moment_back() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     drop(left);
     let gone = gw.wait_log("the 499", |v| v["status"] == 499).await;
+    assert_eq!(
+        gone["decision"], "DELAYED",
+        "it was held when its client left"
+    );
     // Had it kept its charge, the next request would pass about 1000 ms after the first, past
     // max_delay: 429. It takes the moment left free instead (about 400 ms away).
     let next = call(gw.main, "/v1/items", "k").await;

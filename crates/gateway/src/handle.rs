@@ -24,7 +24,7 @@ use crate::forward::{
 use crate::head_timeout::Busy;
 use crate::identify::{Identify, KeyTooLong, MAX_KEY_BYTES};
 use crate::problem::Problem;
-use crate::quota::{Caller, Outcome, Quota, Reports, Stop};
+use crate::quota::{Caller, Notes, Outcome, Quota, Reports, Stop};
 use crate::refusal::quota_exceeded;
 use crate::request_id::{RequestIds, X_REQUEST_ID};
 use crate::route::Router;
@@ -155,7 +155,15 @@ pub(crate) async fn handle(
             let mut reports = Reports::new();
             let pass = match shared
                 .quota
-                .admit(&layers, cost, &shared.capacity, &mut reports)
+                .admit(
+                    &layers,
+                    cost,
+                    &shared.capacity,
+                    Notes {
+                        reports: &mut reports,
+                        log,
+                    },
+                )
                 .await
             {
                 Ok(pass) => pass,

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sluice_limiter::{Admission, Decision, LimitId, Limiter, Refusal, Slots};
 
-use super::{Held, Layers, Outcome, Pass, Quota, Refused, Reports, Stop};
+use super::{Held, Layers, Notes, Outcome, Pass, Quota, Refused, Reports, Stop};
 use crate::capacity::{Capacity, InFlight};
 
 impl Quota {
@@ -17,10 +17,13 @@ impl Quota {
         cost: u32,
         capacity: &Capacity,
         slot: Option<InFlight>,
-        reports: &mut Reports,
+        notes: Notes<'_>,
     ) -> Result<Pass, Stop> {
-        let (result, hold) = self.decide_in_memory(layers, cost, capacity, slot, reports);
+        let (result, hold) = self.decide_in_memory(layers, cost, capacity, slot, notes.reports);
         if let Some(hold) = hold {
+            if let Ok(pass) = &result {
+                notes.log.outcome(pass.outcome, self);
+            }
             self.hold(hold).await;
         }
         result

@@ -21,6 +21,7 @@ use sluice_limiter::{
 };
 use smallvec::SmallVec;
 
+use crate::access_log::AccessLog;
 use crate::capacity::{Capacity, InFlight};
 use remote::Remote;
 
@@ -28,6 +29,13 @@ use remote::Remote;
 const INLINE: usize = 4;
 
 pub(crate) type Reports = SmallVec<[(LimitId, Report); INLINE]>;
+
+/// Where a decision leaves what the response and the access log need: the figures of the
+/// limits that applied, and the outcome of a request that is held before it passes.
+pub(crate) struct Notes<'a> {
+    pub(crate) reports: &'a mut Reports,
+    pub(crate) log: &'a mut AccessLog,
+}
 type KeyedLayers = SmallVec<[(LimitId, Key); INLINE]>;
 
 /// The limits of the configuration, compiled, with what decides them.
@@ -231,14 +239,16 @@ impl Quota {
         }
     }
 
-    /// Quota and capacity: admits the request (its figures in `reports`) or says why not.
-    /// Nothing is charged unless the request is admitted.
+    /// Quota and capacity: admits the request (its figures in `notes`) or says why not.
+    /// Nothing is charged unless the request is admitted. A request held by `delay` limits
+    /// has its outcome in the notes' log before it is held, so that one whose client leaves
+    /// meanwhile is logged as such.
     pub(crate) async fn admit(
         &self,
         layers: &Layers,
         cost: u32,
         capacity: &Capacity,
-        reports: &mut Reports,
+        notes: Notes<'_>,
     ) -> Result<Pass, Stop> {
         // The futures that wait (a delay, a call to Redis) are boxed, so that the request's
         // own future stays small: it was 6 KB, copied into its box on every request.
@@ -246,17 +256,21 @@ impl Quota {
             None => {
                 // `admit_in_memory` written out rather than awaited: an inner future on this,
                 // the common path, cost about 300 instructions per request (callgrind).
-                let (result, hold) = self.decide_in_memory(layers, cost, capacity, None, reports);
+                let (result, hold) =
+                    self.decide_in_memory(layers, cost, capacity, None, notes.reports);
                 let Some(hold) = hold else {
                     return result;
                 };
+                if let Ok(pass) = &result {
+                    notes.log.outcome(pass.outcome, self);
+                }
                 Box::pin(async move {
                     self.hold(hold).await;
                     result
                 })
                 .await
             }
-            Some(remote) => Box::pin(remote.admit(self, layers, cost, capacity, reports)).await,
+            Some(remote) => Box::pin(remote.admit(self, layers, cost, capacity, notes)).await,
         }
     }
 

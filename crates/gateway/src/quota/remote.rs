@@ -17,7 +17,7 @@ use sluice_store_redis::{
 use smallvec::SmallVec;
 
 use super::breaker::{Breaker, Gate};
-use super::{Held, Layers, Outcome, Pass, Quota, Refused, Reports, Stop};
+use super::{Held, Layers, Notes, Outcome, Pass, Quota, Refused, Stop};
 use crate::capacity::{Capacity, InFlight};
 use crate::once_a_second::OnceASecond;
 
@@ -78,7 +78,7 @@ impl Remote {
         layers: &Layers,
         cost: u32,
         capacity: &Capacity,
-        reports: &mut Reports,
+        notes: Notes<'_>,
     ) -> Result<Pass, Stop> {
         let slot = capacity.try_acquire();
         if layers.enforced.is_empty() && layers.dry_run.is_empty() {
@@ -93,14 +93,14 @@ impl Remote {
         let Some(store) = self.store.get() else {
             self.note_fallback(&"not connected");
             return self
-                .fallback(quota, layers, cost, capacity, slot, reports)
+                .fallback(quota, layers, cost, capacity, slot, notes)
                 .await;
         };
         let gate = self.breaker.gate();
         if gate == Gate::Skip {
             self.note_fallback(&"circuit open");
             return self
-                .fallback(quota, layers, cost, capacity, slot, reports)
+                .fallback(quota, layers, cost, capacity, slot, notes)
                 .await;
         }
         let remote: SmallVec<[Layer<'_>; 8]> = layers
@@ -134,7 +134,7 @@ impl Remote {
                 }
                 self.note_fallback(&e);
                 return self
-                    .fallback(quota, layers, cost, capacity, slot, reports)
+                    .fallback(quota, layers, cost, capacity, slot, notes)
                     .await;
             }
         };
@@ -144,20 +144,24 @@ impl Remote {
                 let Some(slot) = slot else {
                     return Err(Stop::Overloaded);
                 };
-                reports.extend(figures(layers, &a.reports));
+                notes.reports.extend(figures(layers, &a.reports));
                 let dry_refused = a.dry_run_refused.map(|i| id_of(layers, i));
                 let held = Held {
                     _lease: a.lease,
                     ..Held::default()
                 };
-                // A `delay` limit charged it ahead, in the script: hold it, as in memory.
+                let outcome = Outcome::of(dry_refused, !a.hold.is_zero());
+                // A `delay` limit charged it ahead, in the script: hold it, as in memory (its
+                // charge stays if its client leaves meanwhile: the script has no conditional
+                // refund yet).
                 if !a.hold.is_zero() {
+                    notes.log.outcome(outcome, quota);
                     tokio::time::sleep(a.hold).await;
                 }
                 Ok(Pass {
                     slot,
                     held,
-                    outcome: Outcome::of(dry_refused, !a.hold.is_zero()),
+                    outcome,
                 })
             }
             RemoteDecision::Refused(r) => Err(Stop::Quota(Box::new(Refused {
@@ -178,7 +182,7 @@ impl Remote {
         cost: u32,
         capacity: &Capacity,
         slot: Option<InFlight>,
-        reports: &mut Reports,
+        notes: Notes<'_>,
     ) -> Result<Pass, Stop> {
         match self.on_error {
             OnError::Allow => match slot.or_else(|| capacity.try_acquire()) {
@@ -192,7 +196,7 @@ impl Remote {
             OnError::Deny => Err(Stop::StoreUnavailable),
             OnError::Local => {
                 quota
-                    .admit_in_memory(layers, cost, capacity, slot, reports)
+                    .admit_in_memory(layers, cost, capacity, slot, notes)
                     .await
             }
         }
