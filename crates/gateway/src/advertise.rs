@@ -7,7 +7,6 @@ use std::time::Duration;
 use http::header::{HeaderName, HeaderValue};
 use http::HeaderMap;
 use sluice_limiter::Report;
-use smallvec::SmallVec;
 
 static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
@@ -72,7 +71,7 @@ pub(crate) fn write(
     let policy = match cache.get(items) {
         Some(v) => Some(v.clone()),
         None => {
-            let v = policy(items);
+            let v = value(policy(items));
             if let Some(v) = &v {
                 cache.offer(items, v);
             }
@@ -82,7 +81,7 @@ pub(crate) fn write(
     if let Some(v) = policy {
         headers.insert(RATELIMIT_POLICY.clone(), v);
     }
-    if let Some(v) = state(items) {
+    if let Some(v) = value(state(items)) {
         headers.insert(RATELIMIT.clone(), v);
     }
     if cost != 1 {
@@ -104,40 +103,43 @@ pub(crate) fn write(
 }
 
 /// `RateLimit-Policy`: each limit's quota and window.
-fn policy(items: &[(&str, Report)]) -> Option<HeaderValue> {
+fn policy(items: &[(&str, Report)]) -> String {
     let window = |r: &Report| r.window.map(|w| ceil_secs(w).max(1));
     list(items, (";q=", |r| r.quota.into()), (";w=", window))
 }
 
 /// `RateLimit`: each limit's remaining quota and time to reset.
-fn state(items: &[(&str, Report)]) -> Option<HeaderValue> {
+fn state(items: &[(&str, Report)]) -> String {
     let reset = |r: &Report| r.reset.map(ceil_secs);
     list(items, (";r=", |r| r.remaining.into()), (";t=", reset))
 }
 
 /// An sf-list with a member per limit: its name, the `first` parameter, and the `second` when
-/// it has one. Written on the stack and copied once into the value: a `String` made the value
-/// through two allocations (the string's, then the shared buffer it became).
+/// it has one.
 fn list(
     items: &[(&str, Report)],
     first: (&str, fn(&Report) -> u64),
     second: (&str, fn(&Report) -> Option<u64>),
-) -> Option<HeaderValue> {
-    let mut out: SmallVec<[u8; 256]> = SmallVec::new();
+) -> String {
+    let mut out = String::with_capacity(32 * items.len());
     let mut digits = itoa::Buffer::new();
     for (i, (name, r)) in items.iter().enumerate() {
         if i > 0 {
-            out.extend_from_slice(b", ");
+            out.push_str(", ");
         }
-        out.extend_from_slice(name.as_bytes());
-        out.extend_from_slice(first.0.as_bytes());
-        out.extend_from_slice(digits.format(first.1(r)).as_bytes());
+        out.push_str(name);
+        out.push_str(first.0);
+        out.push_str(digits.format(first.1(r)));
         if let Some(n) = second.1(r) {
-            out.extend_from_slice(second.0.as_bytes());
-            out.extend_from_slice(digits.format(n).as_bytes());
+            out.push_str(second.0);
+            out.push_str(digits.format(n));
         }
     }
-    HeaderValue::from_bytes(&out).ok()
+    out
+}
+
+fn value(s: String) -> Option<HeaderValue> {
+    HeaderValue::try_from(s).ok()
 }
 
 /// `s` as an sf-string (RFC 8941 section 3.3.3): quoted, with `"` and `\` escaped and
