@@ -293,6 +293,44 @@ async fn a_held_request_is_charged_ahead_in_redis_and_decided_once_across_two_in
     assert_eq!(decisions, ["DELAYED", "DELAYED", "PASSED", "REJECTED"]);
 }
 
+/// As in memory: a held request whose client leaves has its charge withdrawn in Redis (the
+/// bucket's, since nobody queued behind it), so the next request takes its moment.
+#[tokio::test]
+async fn a_held_request_whose_client_leaves_has_its_charge_withdrawn_in_redis() {
+    use tokio::io::AsyncWriteExt;
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    // A request every 500 ms; hold up to 750 ms.
+    let limit = smooth_delay_limit("750ms");
+    let cfg = config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "2s"),
+        64,
+        &limit,
+    );
+    let gw = start(&cfg);
+    assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+    let first = redis.calls("evalsha");
+    // The next is held about 500 ms; its client leaves after 100.
+    let mut left = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    let head = b"GET /v1/items HTTP/1.1\r\nhost: x\r\nx-api-key: k\r\n\r\n";
+    left.write_all(head).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(left);
+    let gone = gw.wait_log("the 499", |v| v["status"] == 499).await;
+    assert_eq!(gone["decision"], "DELAYED");
+    // Its decision, then its withdrawal: one call each.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while redis.calls("evalsha") < first + 2 {
+        assert!(Instant::now() < deadline, "no withdrawal reached Redis");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Had it kept its charge, the next would pass about 1000 ms after the first, past
+    // max_delay: 429.
+    let next = call(gw.main, "/v1/items", "k").await;
+    assert_eq!(next.status, 200, "{}", next.text());
+}
+
 /// Sends `n` requests from 4 concurrent callers; returns (status, latency) of each.
 async fn load(addr: std::net::SocketAddr, n: usize) -> Vec<(u16, Duration, String)> {
     let per = n / 4;

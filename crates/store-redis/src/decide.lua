@@ -193,6 +193,7 @@ local function decide(k, p)
     now = clock
   end
   local write = mode == 'd'
+  local refund = mode == 'r' or mode == 'w' -- 'w': withdraw, a refund that spares queues
 
   local layers, has_dry = { false, false, false, false }, false -- room for four, as `out` below
   local cap_e, cap_d, fit_e, fit_d = nil, nil, true, true
@@ -205,7 +206,7 @@ local function decide(k, p)
     has_dry = has_dry or dry
     if algo == 'c' then
       local u = 0
-      if mode ~= 'r' then
+      if not refund then
         u = pcall_('ZCOUNT', key, string.format('(%.0f', now), '+inf')
         if type(u) == 'table' then return pack('<dd', 4, i), n, tags + 1, {} end
       end
@@ -216,12 +217,12 @@ local function decide(k, p)
       if prev then
         a, b, c, blk, exp, at, changed = prev[7], prev[8], prev[9], prev[6], prev[14], prev[15],
           prev[16]
-      elseif mode ~= 'r' or ARGV[tags + i] ~= '-1' then
+      elseif not refund or ARGV[tags + i] ~= '-1' then
         -- From Redis: a state of another length, or that does not parse, is another
         -- algorithm's (the limit was changed) or none: it starts fresh.
         local v = pcall_('GET', key)
         if type(v) == 'table' then
-          if mode == 'r' then return pack('<dd', 4, i), n, tags + n + 1, {} end
+          if refund then return pack('<dd', 4, i), n, tags + n + 1, {} end
           return pack('<dd', 4, i), n, tags + 1, {}
         end
         if v and byte(v) == 0 then
@@ -249,7 +250,7 @@ local function decide(k, p)
         if a >= now then u = (a - now) * scale + b end
         L = { key, algo, dry, quota, u, blk, a, b, 0, 0, scale, interval, false, exp, at, changed }
         fits = u + cost * interval <= quota * interval
-        if not fits and mode ~= 'r' and not dry then
+        if not fits and not refund and not dry then
           -- A bucket with a max_delay admits what passes within it: charged now (the TAT moves
           -- by the cost, as for any charge), held by the gateway for L[17] us, so that whoever
           -- comes later queues behind it. Read only here: few requests get this far.
@@ -276,7 +277,7 @@ local function decide(k, p)
         end
         if algo == 'f' then fits = u + cost <= quota
         else fits = p * (w - el) + (u + cost) * w <= quota * w end
-        if not fits and mode ~= 'r' and not dry then
+        if not fits and not refund and not dry then
           -- A window with a max_delay admits what passes within it, charged now in the window
           -- it passes in (below) and held by the gateway for L[17] us, as a bucket's.
           local ahead = select(8, unpack('<c1c1dddddd', ARGV[specs + i]))
@@ -289,7 +290,7 @@ local function decide(k, p)
       if prev and batched then entries[key] = L end
     end
     layers[i] = L
-    if mode ~= 'r' then
+    if not refund then
       -- Concurrency has no capacity (one slot per request); a blocked layer refuses.
       fits = fits and L[6] <= now
       if dry then
@@ -302,11 +303,17 @@ local function decide(k, p)
     end
   end
 
-  if mode == 'r' then
-    -- Takes back `cost` from each charged layer, in the window it was charged in.
+  if refund then
+    -- Takes back `cost` from each charged layer, in the window it was charged in. A withdrawal
+    -- leaves a bucket alone unless its TAT is still the one the charge left (its tag, in whole
+    -- us): a request charged since queued behind it and keeps its moment. Only a bucket whose
+    -- charge moves the TAT by 1 us or more can tell; one that moves it by less keeps the charge.
     for i = 1, n do
       local L = layers[i]
       local tag = tonumber(ARGV[tags + i])
+      if tag >= 0 and mode == 'w' and L[2] == 'g' and (L[7] ~= tag or L[12] < L[11]) then
+        tag = -1
+      end
       if tag >= 0 then
         local algo, a, b, c = L[2], L[7], L[8], L[9]
         if algo == 'c' then
@@ -378,6 +385,7 @@ local function decide(k, p)
             if write then
               local frac = d % scale
               L[7], L[8], L[15], L[16] = now + (d - frac) / scale, frac, now, true -- new state
+              tag = L[7] -- its TAT in whole us, for a withdrawal
             end
           else
             local w, hold = L[11], L[17]

@@ -65,7 +65,8 @@ pub struct RemoteAdmission {
     /// Redis's clock at the decision.
     pub now: Nanos,
     pub(crate) cost: u32,
-    /// Per layer: the charge's tag (window index) for a refund, or `None` if not charged.
+    /// Per layer: the charge's tag for a refund (a window's index; a bucket's TAT in whole us),
+    /// or `None` if not charged.
     pub(crate) tags: Vec<Option<u64>>,
     /// The request's concurrency leases, if it holds any.
     pub lease: Option<Lease>,

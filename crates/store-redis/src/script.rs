@@ -9,7 +9,7 @@
 //!
 //! | # | value |
 //! |---|-------|
-//! | 1 | mode: `d` decide and charge, `c` check only (nothing written), `r` refund |
+//! | 1 | mode: `d` decide and charge, `c` check only (nothing written), `r` refund, `w` withdraw (a refund that leaves a token bucket alone unless its TAT is the tag) |
 //! | 2 | cost |
 //! | 3 | lease id (the ZSET member of concurrency layers; empty if none) |
 //! | 4 | `now` pinned by tests, or empty: the script reads Redis `TIME` (once per call) |
@@ -23,7 +23,7 @@
 //! interval (units), `block_for` (0: none) and the limit's `max_delay` (0: none; the script then
 //! admits a request that passes within it, charged now in the window it passes in, and tells how
 //! long to hold it).
-//! [`RemoteLimit`](crate::RemoteLimit) computes both forms once. In refund mode only, then one per layer: its refund tag (`-1`: not charged).
+//! [`RemoteLimit`](crate::RemoteLimit) computes both forms once. In refund and withdraw modes only, then one per layer: its refund tag (`-1`: not charged).
 //!
 //! Reply: an array with one bulk string per request, in order: its figures as little-endian
 //! doubles (all integers below 2^53, so exact; one string costs Redis less to send than the
@@ -39,7 +39,8 @@
 //! - reset: -1 for none; own_wait: -2 not refusing, -1 refusing without a wait;
 //! - blocked_until: 0 for none; in the header, non-zero when the refusal is due to an
 //!   earlier block (`RefusalReason::Blocked`); dry_refused: 1-based dry-run layer, 0 none;
-//! - tag: the charge's window index for a refund, -1 if this layer was not charged.
+//! - tag: the charge's window index for a refund (a token bucket: its TAT in whole us after
+//!   the charge, for a withdrawal), -1 if this layer was not charged.
 //!
 //! Requests in one call are decided as if each had its own, in order: a later one sees the
 //! earlier ones' charges. Each key is read once (`GET`) when first needed and written once at

@@ -221,7 +221,30 @@ impl RedisStore {
     pub async fn refund(
         &self,
         layers: &[Layer<'_>],
+        admission: RemoteAdmission,
+    ) -> Result<(), StoreError> {
+        self.take_back(layers, admission, "r").await
+    }
+
+    /// Takes back the charges of an admission whose request will not be served after all (a
+    /// request held by a `max_delay` limit whose client left), as
+    /// [`sluice_limiter::Limiter::withdraw`] does in memory: like [`RedisStore::refund`], but
+    /// a token bucket gets its charge back only if its TAT is still the one this charge left
+    /// (nobody queued behind it since), and only if a charge moves it by 1 us or more (the
+    /// state's resolution, so that a later charge always shows).
+    pub async fn withdraw(
+        &self,
+        layers: &[Layer<'_>],
+        admission: RemoteAdmission,
+    ) -> Result<(), StoreError> {
+        self.take_back(layers, admission, "w").await
+    }
+
+    async fn take_back(
+        &self,
+        layers: &[Layer<'_>],
         mut admission: RemoteAdmission,
+        mode: &str,
     ) -> Result<(), StoreError> {
         check_layers(layers)?;
         if admission.tags.len() != layers.len() {
@@ -240,7 +263,7 @@ impl RedisStore {
             lease_id.clone_from(&lease.slots.id);
         }
         let tags = Some(admission.tags.as_slice());
-        let part = Part::new(layers, "r", admission.cost, &lease_id, None, tags);
+        let part = Part::new(layers, mode, admission.cost, &lease_id, None, tags);
         match self.call(part).await?.first() {
             Some(3) => Ok(()),
             _ => Err(StoreError::Reply("refund not confirmed".into())),

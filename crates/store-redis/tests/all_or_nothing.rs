@@ -238,3 +238,74 @@ async fn refusing_dry_run_layer_does_not_refuse_the_request() {
     assert_eq!(second.reports[0].remaining, 8);
     assert!(second.reports[1].refuses);
 }
+
+/// The hold a request of `layers` would get now, charging nothing (`None`: refused).
+async fn would_hold(store: &RedisStore, layers: &[Layer<'_>]) -> Option<Duration> {
+    match store.decide(layers, 1, Mode::CheckOnly).await.unwrap() {
+        RemoteDecision::Admitted(a) => Some(a.hold),
+        _ => None,
+    }
+}
+
+/// `hold` is `expected`, less the few milliseconds Redis's clock moved since the charges.
+fn about(hold: Option<Duration>, expected: Duration) -> bool {
+    hold.is_some_and(|h| h <= expected && h + Duration::from_millis(500) > expected)
+}
+
+#[tokio::test]
+async fn withdraw_gives_a_bucket_charge_back_only_from_the_end_of_the_queue() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let held = bucket("b", 1, Duration::from_secs(1), 1).with_max_delay(Duration::from_secs(3));
+    let limit = remote(&held.unwrap());
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    let mut admitted = Vec::new();
+    for _ in 0..3 {
+        let RemoteDecision::Admitted(a) = store.decide(&layers, 1, Mode::Charge).await.unwrap()
+        else {
+            panic!("within max_delay")
+        };
+        admitted.push(a);
+    }
+    let (third, second) = (admitted.pop().unwrap(), admitted.pop().unwrap());
+    assert!(
+        about(Some(second.hold), Duration::from_secs(1)),
+        "{:?}",
+        second.hold
+    );
+    assert!(
+        about(Some(third.hold), Duration::from_secs(2)),
+        "{:?}",
+        third.hold
+    );
+    let next = would_hold(&store, &layers).await;
+    assert!(about(next, Duration::from_secs(3)), "{next:?}");
+    // The second's client leaves while the third queues behind it: nothing comes back.
+    store.withdraw(&layers, second).await.unwrap();
+    let next = would_hold(&store, &layers).await;
+    assert!(about(next, Duration::from_secs(3)), "{next:?}");
+    // The last of the queue leaves: its moment is the next request's.
+    store.withdraw(&layers, third).await.unwrap();
+    let next = would_hold(&store, &layers).await;
+    assert!(about(next, Duration::from_secs(2)), "{next:?}");
+}
+
+#[tokio::test]
+async fn withdraw_gives_a_window_charge_back_whoever_came_since() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limit = remote(&fixed("f", 2, HOUR));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    let RemoteDecision::Admitted(first) = store.decide(&layers, 1, Mode::Charge).await.unwrap()
+    else {
+        panic!("fresh")
+    };
+    assert!(store
+        .decide(&layers, 1, Mode::Charge)
+        .await
+        .unwrap()
+        .is_admitted());
+    assert_eq!(remaining(&store, &layers).await, vec![0]);
+    store.withdraw(&layers, first).await.unwrap();
+    assert_eq!(remaining(&store, &layers).await, vec![1]);
+}

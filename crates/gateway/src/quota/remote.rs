@@ -139,7 +139,7 @@ impl Remote {
             }
         };
         match decision {
-            RemoteDecision::Admitted(a) => {
+            RemoteDecision::Admitted(mut a) => {
                 // Check-only said "would pass": the caller is within quota, the instance is full.
                 let Some(slot) = slot else {
                     return Err(Stop::Overloaded);
@@ -147,16 +147,18 @@ impl Remote {
                 notes.reports.extend(figures(layers, &a.reports));
                 let dry_refused = a.dry_run_refused.map(|i| id_of(layers, i));
                 let held = Held {
-                    _lease: a.lease,
+                    _lease: a.lease.take(),
                     ..Held::default()
                 };
                 let outcome = Outcome::of(dry_refused, !a.hold.is_zero());
-                // A `delay` limit charged it ahead, in the script: hold it, as in memory (its
-                // charge stays if its client leaves meanwhile: the script has no conditional
-                // refund yet).
+                // A `delay` limit charged it ahead, in the script: hold it, as in memory, and
+                // withdraw its charges if its client leaves meanwhile.
                 if !a.hold.is_zero() {
                     notes.log.outcome(outcome, quota);
-                    tokio::time::sleep(a.hold).await;
+                    let hold = a.hold;
+                    let mut withdraw = Withdraw::new(store, &remote, a);
+                    tokio::time::sleep(hold).await;
+                    withdraw.admission = None; // it passes: the charges stay
                 }
                 Ok(Pass {
                     slot,
@@ -258,4 +260,53 @@ fn figures<'a>(
         };
         (*id, report)
     })
+}
+
+/// Withdraws a held request's charges in Redis when dropped ([`RedisStore::withdraw`]),
+/// unless told it passed. Made only for held requests, so it owns copies of their limits: the
+/// withdrawal is a call to Redis, made from a task of its own.
+struct Withdraw {
+    store: RedisStore,
+    layers: Vec<(RemoteLimit, sluice_limiter::Key, bool)>,
+    admission: Option<sluice_store_redis::RemoteAdmission>,
+}
+
+impl Withdraw {
+    fn new(
+        store: &RedisStore,
+        layers: &[Layer<'_>],
+        admission: sluice_store_redis::RemoteAdmission,
+    ) -> Self {
+        Withdraw {
+            store: store.clone(),
+            layers: layers
+                .iter()
+                .map(|l| (l.limit.clone(), l.key, l.dry_run))
+                .collect(),
+            admission: Some(admission),
+        }
+    }
+}
+
+impl Drop for Withdraw {
+    fn drop(&mut self) {
+        let Some(admission) = self.admission.take() else {
+            return;
+        };
+        let (store, owned) = (self.store.clone(), std::mem::take(&mut self.layers));
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                let layers: Vec<Layer<'_>> = owned
+                    .iter()
+                    .map(|(limit, key, dry_run)| match dry_run {
+                        true => Layer::dry_run(limit, *key),
+                        false => Layer::enforced(limit, *key),
+                    })
+                    .collect();
+                if let Err(e) = store.withdraw(&layers, admission).await {
+                    tracing::debug!(error = %e, "could not withdraw an abandoned held request's charges");
+                }
+            });
+        }
+    }
 }
