@@ -44,6 +44,21 @@ impl Reply {
 
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// A client that gives up waiting: sends `GET path` with an `X-Api-Key` of `key` on a new
+/// connection, reads nothing, and closes the connection `after` later.
+pub async fn send_and_leave(addr: SocketAddr, path: &str, key: &str, after: Duration) {
+    use tokio::io::AsyncWriteExt;
+    let mut stream = TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    let head = format!("GET {path} HTTP/1.1\r\nhost: x\r\nx-api-key: {key}\r\n\r\n");
+    stream
+        .write_all(head.as_bytes())
+        .await
+        .expect("send the head");
+    tokio::time::sleep(after).await;
+}
+
 /// `GET path` with the given extra headers.
 pub async fn get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Reply {
     let mut b = Request::get(path).header("host", addr.to_string());

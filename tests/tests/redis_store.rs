@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sluice_tests::inproc::InProcess;
 use sluice_tests::redis::{RedisServer, HASH_SECRET};
-use sluice_tests::{get, smooth_delay_limit, MockUpstream, Reply, Sluice};
+use sluice_tests::{get, send_and_leave, smooth_delay_limit, MockUpstream, Reply, Sluice};
 use tokio::time::Instant;
 
 fn config(upstream: &str, store: &str, max_in_flight: u32, limits: &str) -> String {
@@ -297,7 +297,6 @@ async fn a_held_request_is_charged_ahead_in_redis_and_decided_once_across_two_in
 /// bucket's, since nobody queued behind it), so the next request takes its moment.
 #[tokio::test]
 async fn a_held_request_whose_client_leaves_has_its_charge_withdrawn_in_redis() {
-    use tokio::io::AsyncWriteExt;
     let redis = RedisServer::start();
     let up = MockUpstream::start().await;
     // A request every 500 ms; hold up to 750 ms.
@@ -312,11 +311,7 @@ async fn a_held_request_whose_client_leaves_has_its_charge_withdrawn_in_redis() 
     assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
     let first = redis.calls("evalsha");
     // The next is held about 500 ms; its client leaves after 100.
-    let mut left = tokio::net::TcpStream::connect(gw.main).await.unwrap();
-    let head = b"GET /v1/items HTTP/1.1\r\nhost: x\r\nx-api-key: k\r\n\r\n";
-    left.write_all(head).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    drop(left);
+    send_and_leave(gw.main, "/v1/items", "k", Duration::from_millis(100)).await;
     let gone = gw.wait_log("the 499", |v| v["status"] == 499).await;
     assert_eq!(gone["decision"], "DELAYED");
     // Its decision, then its withdrawal: one call each.

@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures_like::join_all;
 use sluice_tests::inproc::InProcess;
 use sluice_tests::redis::RedisServer;
-use sluice_tests::{get, smooth_delay_limit, MockUpstream, Reply, Sluice};
+use sluice_tests::{get, send_and_leave, smooth_delay_limit, MockUpstream, Reply, Sluice};
 
 mod futures_like {
     /// Awaits spawned tasks in order.
@@ -759,17 +759,12 @@ async fn refusals_and_overloads_are_logged_with_their_policy() {
 /// the next request takes that moment instead of queueing after a request that never comes.
 #[tokio::test]
 async fn a_held_request_whose_client_leaves_gives_its_moment_back() {
-    use tokio::io::AsyncWriteExt;
     let up = MockUpstream::start().await;
     // A request every 500 ms; hold up to 750 ms.
     let gw = Sluice::start(&config(&up.url(), 64, &smooth_delay_limit("750ms")));
     assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
     // The next is held about 500 ms; its client leaves after 100 ms.
-    let mut left = tokio::net::TcpStream::connect(gw.main).await.unwrap();
-    let head = b"GET /v1/items HTTP/1.1\r\nhost: x\r\nx-api-key: k\r\n\r\n";
-    left.write_all(head).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    drop(left);
+    send_and_leave(gw.main, "/v1/items", "k", Duration::from_millis(100)).await;
     let gone = gw.wait_log("the 499", |v| v["status"] == 499).await;
     assert_eq!(
         gone["decision"], "DELAYED",
