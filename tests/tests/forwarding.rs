@@ -549,8 +549,8 @@ async fn an_http2_stream_stuck_on_its_window_is_not_kept_alive_by_another_that_m
     let cfg = send_timeout_config(&up.url(), "30s", 2, "500ms");
     let gw = Sluice::start(&cfg);
     let stream = tokio::net::TcpStream::connect(gw.main).await.unwrap();
-    // Each stream's window is 64 KiB, the connection's large enough that the stuck stream's
-    // unread data does not shut it for the other.
+    // The connection's window is large enough that the stuck stream's unread data (its whole
+    // stream window, hyper's default) does not shut it for the other.
     let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
         .initial_connection_window_size(16 * 1024 * 1024)
         .handshake(TokioIo::new(stream))

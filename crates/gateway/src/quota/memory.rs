@@ -35,10 +35,10 @@ impl Quota {
     pub(super) async fn hold(&self, hold: Hold) {
         let mut withdraw = Withdraw {
             limiter: &self.limiter,
-            admission: Some(hold.admission),
+            admissions: hold.admissions,
         };
         tokio::time::sleep(hold.wait).await;
-        withdraw.admission = None; // it passes: the charges stay
+        withdraw.admissions.clear(); // it passes: the charges stay
     }
 
     /// One decision in memory, and how long to hold the request before it passes: `delay`
@@ -64,7 +64,9 @@ impl Quota {
                     };
                     reports.extend(admission.reports(&self.limiter).map(|r| (r.limit, r)));
                     let wait = admission.wait();
-                    let (dry_run, dry_refused) = self.dry_run_in_memory(layers, cost);
+                    let held_back = !wait.is_zero();
+                    let (dry_run, dry_refused, dry_admission) =
+                        self.dry_run_in_memory(layers, cost, held_back);
                     let held = Held {
                         _enforced: Some(admission.take_slots()),
                         _dry_run: dry_run,
@@ -73,12 +75,14 @@ impl Quota {
                     let pass = Pass {
                         slot,
                         held,
-                        outcome: Outcome::of(dry_refused, !wait.is_zero()),
+                        outcome: Outcome::of(dry_refused, held_back),
                     };
                     // Rare (held requests only): the charges are kept to withdraw them.
-                    let hold = (!wait.is_zero()).then(|| Hold {
+                    let hold = held_back.then(|| Hold {
                         wait,
-                        admission: Box::new(admission.take()),
+                        admissions: std::iter::once(admission.take())
+                            .chain(dry_admission)
+                            .collect(),
                     });
                     (Ok(pass), hold)
                 }
@@ -102,17 +106,23 @@ impl Quota {
         }
     }
 
-    /// Dry-run limits are decided (and charged) like enforced ones, but never refuse.
-    fn dry_run_in_memory(&self, layers: &Layers, cost: u32) -> (Option<Slots>, Option<LimitId>) {
+    /// Dry-run limits are decided (and charged) like enforced ones, but never refuse. With
+    /// `keep` (a held request), their admission too, to withdraw it like the enforced one.
+    fn dry_run_in_memory(
+        &self,
+        layers: &Layers,
+        cost: u32,
+        keep: bool,
+    ) -> (Option<Slots>, Option<LimitId>, Option<Admission>) {
         if layers.dry_run.is_empty() {
-            return (None, None);
+            return (None, None, None);
         }
         let now = self.clock.now();
         self.limiter
             .decide_with(&layers.dry_run, cost, now, |decision| match decision {
-                Decision::Admitted(a) => (Some(a.take_slots()), None),
-                Decision::Refused(r) => (None, Some(r.limit())),
-                Decision::CostTooLarge(c) => (None, Some(c.limit())),
+                Decision::Admitted(a) => (Some(a.take_slots()), None, keep.then(|| a.take())),
+                Decision::Refused(r) => (None, Some(r.limit()), None),
+                Decision::CostTooLarge(c) => (None, Some(c.limit()), None),
             })
     }
 }
@@ -120,19 +130,20 @@ impl Quota {
 /// A request admitted by `delay` limits ahead of time: how long to hold it, and its charges.
 #[derive(Debug)]
 pub(super) struct Hold {
-    wait: Duration,
-    admission: Box<Admission>,
+    pub(super) wait: Duration,
+    /// The enforced limits' admission, then the dry-run limits' if they admitted it.
+    admissions: Vec<Admission>,
 }
 
 /// Withdraws a held request's charges when dropped, unless told it passed.
 struct Withdraw<'a> {
     limiter: &'a Limiter,
-    admission: Option<Box<Admission>>,
+    admissions: Vec<Admission>,
 }
 
 impl Drop for Withdraw<'_> {
     fn drop(&mut self) {
-        if let Some(admission) = &mut self.admission {
+        for admission in &mut self.admissions {
             self.limiter.withdraw(admission);
         }
     }

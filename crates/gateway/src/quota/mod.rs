@@ -444,4 +444,68 @@ mode = "dry_run"
         assert_eq!(keys(&quota, "192.0.2.1", b"a", 0), a);
         assert_eq!(keys(&quota, "192.0.2.1", b"a", 1), other_route);
     }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_held_request_dropped_while_held_has_its_dry_run_charges_withdrawn_too() {
+        let config = r#"
+[gateway]
+listen = "127.0.0.1:0"
+[identity]
+api_key = ["header:x-api-key"]
+[upstreams.app]
+url = "http://127.0.0.1:1"
+[[routes]]
+name = "one"
+path = "/one"
+upstream = "app"
+[[limits]]
+name = "smooth"
+by = "api_key"
+quota = 2
+window = "1s"
+burst = 1
+mode = "delay"
+max_delay = "750ms"
+[[limits]]
+name = "trial"
+by = "api_key"
+algorithm = "fixed_window"
+quota = 2
+window = "1h"
+mode = "dry_run"
+"#;
+        let config = sluice_config::parse(config, "test.toml".as_ref()).unwrap();
+        let clock = Arc::new(sluice_limiter::ManualClock::new(sluice_limiter::Nanos(
+            1_700_000_000_000_000_000,
+        )));
+        let quota = Quota::new(&config, clock).await.unwrap();
+        let capacity = Capacity::new(64);
+        let headers = HeaderMap::new();
+        let caller = Caller {
+            ip: "192.0.2.1".parse().unwrap(),
+            api_key: Some(b"k"),
+            route: 0,
+            headers: &headers,
+        };
+        let layers = quota.layers(&caller);
+        let decide = || {
+            let mut reports = Reports::new();
+            quota.decide_in_memory(&layers, 1, &capacity, None, &mut reports)
+        };
+        let (first, hold) = decide();
+        assert!(first.is_ok() && hold.is_none(), "the bucket's one token");
+        let (second, hold) = decide();
+        assert!(second.is_ok());
+        // Held 500 ms; its client leaves after 10.
+        let hold = hold.expect("held");
+        let left = tokio::time::timeout(Duration::from_millis(10), quota.hold(hold)).await;
+        assert!(left.is_err(), "still held when its client left");
+        drop(second);
+        // Both its charges came back: the bucket's (nobody queued behind it) and the dry-run
+        // window's, which would otherwise refuse this third request (its quota is two).
+        let (third, hold) = decide();
+        let third = third.unwrap();
+        assert_eq!(third.outcome, Outcome::Delayed);
+        assert_eq!(hold.map(|h| h.wait), Some(Duration::from_millis(500)));
+    }
 }
