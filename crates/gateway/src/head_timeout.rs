@@ -523,8 +523,9 @@ mod tests {
         };
         let (mut moving, stuck, mut ended) = (h2(), h2(), h2());
         ended.delivered();
-        drop(ended); // a response that ended counts no more
-                     // One response takes a piece every second; the other never does after its first.
+        // A response that ended counts no more.
+        drop(ended);
+        // One response takes a piece every second; the other never does after its first.
         let stalled_after = async {
             let started = Instant::now();
             let give_up = started + SEND * 5;

@@ -6,6 +6,7 @@ use std::time::Duration;
 use sluice_limiter::{Admission, Decision, LimitId, Limiter, Refusal, Slots};
 
 use super::{Held, Layers, Notes, Outcome, Pass, Quota, Refused, Reports, Stop};
+use crate::access_log::AccessLog;
 use crate::capacity::{Capacity, InFlight};
 
 impl Quota {
@@ -21,18 +22,17 @@ impl Quota {
     ) -> Result<Pass, Stop> {
         let (result, hold) = self.decide_in_memory(layers, cost, capacity, slot, notes.reports);
         if let Some(hold) = hold {
-            if let Ok(pass) = &result {
-                notes.log.outcome(pass.outcome, self);
-            }
-            self.hold(hold).await;
+            self.hold(hold, notes.log).await;
         }
         result
     }
 
-    /// Holds an admitted request until it passes. If it is dropped meanwhile (its client
-    /// left), its charges are withdrawn ([`Limiter::withdraw`]: a token bucket gets its
-    /// charge back only if nobody queued behind it).
-    pub(super) async fn hold(&self, hold: Hold) {
+    /// Holds an admitted request until it passes, its outcome already in `log` (so that one
+    /// whose client leaves is logged as such). If it is dropped meanwhile, its charges are
+    /// withdrawn ([`Limiter::withdraw`]: a token bucket gets its charge back only if nobody
+    /// queued behind it).
+    pub(super) async fn hold(&self, hold: Hold, log: &mut AccessLog) {
+        log.outcome(hold.outcome, self);
         let mut withdraw = Withdraw {
             limiter: &self.limiter,
             admissions: hold.admissions,
@@ -72,14 +72,16 @@ impl Quota {
                         _dry_run: dry_run,
                         _lease: None,
                     };
+                    let outcome = Outcome::of(dry_refused, held_back);
                     let pass = Pass {
                         slot,
                         held,
-                        outcome: Outcome::of(dry_refused, held_back),
+                        outcome,
                     };
                     // Rare (held requests only): the charges are kept to withdraw them.
                     let hold = held_back.then(|| Hold {
                         wait,
+                        outcome,
                         admissions: std::iter::once(admission.take())
                             .chain(dry_admission)
                             .collect(),
@@ -131,6 +133,7 @@ impl Quota {
 #[derive(Debug)]
 pub(super) struct Hold {
     pub(super) wait: Duration,
+    outcome: Outcome,
     /// The enforced limits' admission, then the dry-run limits' if they admitted it.
     admissions: Vec<Admission>,
 }

@@ -261,11 +261,8 @@ impl Quota {
                 let Some(hold) = hold else {
                     return result;
                 };
-                if let Ok(pass) = &result {
-                    notes.log.outcome(pass.outcome, self);
-                }
                 Box::pin(async move {
-                    self.hold(hold).await;
+                    self.hold(hold, notes.log).await;
                     result
                 })
                 .await
@@ -361,7 +358,8 @@ mod tests {
     use super::*;
     use sluice_limiter::SystemClock;
 
-    const CONFIG: &str = r#"
+    /// A gateway with one route, "one"; the tests add their routes and limits.
+    const ROUTE_ONE: &str = r#"
 [gateway]
 listen = "127.0.0.1:0"
 [identity]
@@ -372,6 +370,9 @@ url = "http://127.0.0.1:1"
 name = "one"
 path = "/one"
 upstream = "app"
+"#;
+
+    const CONFIG: &str = r#"
 [[routes]]
 name = "two"
 path = "/two"
@@ -413,7 +414,8 @@ mode = "dry_run"
 
     #[tokio::test]
     async fn keys_made_at_start_are_the_keys_a_request_would_make() {
-        let config = sluice_config::parse(CONFIG, "test.toml".as_ref()).unwrap();
+        let config = format!("{ROUTE_ONE}{CONFIG}");
+        let config = sluice_config::parse(&config, "test.toml".as_ref()).unwrap();
         let mut quota = Quota::new(&config, Arc::new(SystemClock::new()))
             .await
             .unwrap();
@@ -447,17 +449,7 @@ mode = "dry_run"
 
     #[tokio::test(start_paused = true)]
     async fn a_held_request_dropped_while_held_has_its_dry_run_charges_withdrawn_too() {
-        let config = r#"
-[gateway]
-listen = "127.0.0.1:0"
-[identity]
-api_key = ["header:x-api-key"]
-[upstreams.app]
-url = "http://127.0.0.1:1"
-[[routes]]
-name = "one"
-path = "/one"
-upstream = "app"
+        let limits = r#"
 [[limits]]
 name = "smooth"
 by = "api_key"
@@ -474,7 +466,8 @@ quota = 2
 window = "1h"
 mode = "dry_run"
 "#;
-        let config = sluice_config::parse(config, "test.toml".as_ref()).unwrap();
+        let config = format!("{ROUTE_ONE}{limits}");
+        let config = sluice_config::parse(&config, "test.toml".as_ref()).unwrap();
         let clock = Arc::new(sluice_limiter::ManualClock::new(sluice_limiter::Nanos(
             1_700_000_000_000_000_000,
         )));
@@ -498,7 +491,10 @@ mode = "dry_run"
         assert!(second.is_ok());
         // Held 500 ms; its client leaves after 10.
         let hold = hold.expect("held");
-        let left = tokio::time::timeout(Duration::from_millis(10), quota.hold(hold)).await;
+        let req = http::Request::get("/one").body(()).unwrap();
+        let mut log = AccessLog::start(&req, caller.ip, &http::HeaderValue::from_static("id"));
+        let held = quota.hold(hold, &mut log);
+        let left = tokio::time::timeout(Duration::from_millis(10), held).await;
         assert!(left.is_err(), "still held when its client left");
         drop(second);
         // Both its charges came back: the bucket's (nobody queued behind it) and the dry-run
