@@ -297,7 +297,7 @@ impl Limiter {
         cost: u32,
         now: u64,
     ) -> Decision {
-        self.take_back(admission);
+        self.take_back(admission, false);
         admission.slots.clear(); // releases its slots before the refusal looks at them
         match stop {
             Stop::TooLarge => match self.too_large(layers, cost, now) {
@@ -341,12 +341,7 @@ impl Limiter {
     /// # Panics
     /// If `admission` came from another limiter.
     pub fn refund(&self, admission: &mut Admission) {
-        assert_eq!(admission.limiter, self.id, "admission from another limiter");
-        if admission.charged {
-            self.take_back(admission);
-            admission.charged = false;
-        }
-        admission.slots.clear();
+        self.give_back(admission, false);
     }
 
     /// Takes back an admission whose request will not be served after all, typically one held
@@ -360,38 +355,36 @@ impl Limiter {
     /// # Panics
     /// If `admission` came from another limiter.
     pub fn withdraw(&self, admission: &mut Admission) {
+        self.give_back(admission, true);
+    }
+
+    /// [`Limiter::refund`], or with `spare_queues` [`Limiter::withdraw`].
+    fn give_back(&self, admission: &mut Admission, spare_queues: bool) {
         assert_eq!(admission.limiter, self.id, "admission from another limiter");
         if admission.charged {
-            for layer in admission.layers.iter().rev() {
-                let c = &self.limits[layer.limit.index()];
-                let last = matches!(c.rule, Rule::Gcra(_)).then(|| layer.state());
-                self.take_back_layer(c, layer, admission.cost, last);
-            }
+            self.take_back(admission, spare_queues);
             admission.charged = false;
         }
         admission.slots.clear();
     }
 
-    /// Takes back the quota charges of `admission` (its slots are released by its drop).
-    fn take_back(&self, admission: &Admission) {
+    /// Takes back the quota charges of `admission` (its slots are released by its drop); with
+    /// `spare_queues`, a token bucket's only if its state is still the one the charge left.
+    fn take_back(&self, admission: &Admission, spare_queues: bool) {
         for layer in admission.layers.iter().rev() {
             let c = &self.limits[layer.limit.index()];
-            self.take_back_layer(c, layer, admission.cost, None);
-        }
-    }
-
-    /// Takes back one layer's quota charge; with `only_from`, only if the key's state is still
-    /// that one.
-    fn take_back_layer(&self, c: &Compiled, layer: &Layer, cost: u32, only_from: Option<u128>) {
-        if c.rule.counts_requests() {
-            return; // the slot guard releases it when the admission drops
-        }
-        c.table.existing(layer.key, |state| {
-            state.update(|s| match only_from {
-                Some(expected) if s != expected => None,
-                _ => Some(c.rule.undo(s, cost, layer.tag())),
+            if c.rule.counts_requests() {
+                continue; // the slot guard releases it when the admission drops
+            }
+            let only_from =
+                (spare_queues && matches!(c.rule, Rule::Gcra(_))).then(|| layer.state());
+            c.table.existing(layer.key, |state| {
+                state.update(|s| match only_from {
+                    Some(expected) if s != expected => None,
+                    _ => Some(c.rule.undo(s, admission.cost, layer.tag())),
+                });
             });
-        });
+        }
     }
 
     /// Removes keys that have returned to the fresh state. Call it from a background task as
