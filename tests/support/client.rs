@@ -44,6 +44,60 @@ impl Reply {
 
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// `GET target` written byte for byte as given (no URI parsing on the way, so `//a` or
+/// `/a/./b` reach the gateway as they are), with the given extra headers, on a new
+/// connection that the request closes; the reply read to its end.
+pub async fn raw_get(addr: SocketAddr, target: &str, headers: &[(&str, &str)]) -> Reply {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut head = format!("GET {target} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n");
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    let fut = async {
+        let mut stream = TcpStream::connect(addr)
+            .await
+            .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+        stream
+            .write_all(head.as_bytes())
+            .await
+            .expect("write the request");
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).await.expect("read the reply");
+        raw
+    };
+    let raw = tokio::time::timeout(REQUEST_TIMEOUT, fut)
+        .await
+        .expect("request finished in time");
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no response head in {:?}", String::from_utf8_lossy(&raw)));
+    let text = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut lines = text.split("\r\n");
+    let status_line = lines.next().unwrap_or_default();
+    let status = status_line
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse::<StatusCode>().ok())
+        .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+    let mut headers = HeaderMap::new();
+    for line in lines {
+        let (k, v) = line
+            .split_once(':')
+            .unwrap_or_else(|| panic!("bad header line {line:?}"));
+        headers.append(
+            http::HeaderName::from_bytes(k.trim().as_bytes()).expect("header name"),
+            http::HeaderValue::from_str(v.trim()).expect("header value"),
+        );
+    }
+    Reply {
+        status,
+        headers,
+        body: Bytes::copy_from_slice(&raw[split + 4..]),
+    }
+}
+
 /// A client that gives up waiting: sends `GET path` with an `X-Api-Key` of `key` on a new
 /// connection, reads nothing, and closes the connection `after` later.
 pub async fn send_and_leave(addr: SocketAddr, path: &str, key: &str, after: Duration) {

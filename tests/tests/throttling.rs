@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures_like::join_all;
 use sluice_tests::inproc::InProcess;
 use sluice_tests::redis::RedisServer;
-use sluice_tests::{get, send_and_leave, smooth_delay_limit, MockUpstream, Reply, Sluice};
+use sluice_tests::{get, raw_get, send_and_leave, smooth_delay_limit, MockUpstream, Reply, Sluice};
 
 mod futures_like {
     /// Awaits spawned tasks in order.
@@ -809,4 +809,65 @@ async fn delay_mode_holds_then_forwards_and_refuses_what_cannot_pass_in_time() {
     );
     let line = gw.wait_log("DELAYED", |v| v["decision"] == "DELAYED").await;
     assert_eq!(line["status"], 200);
+}
+
+/// A route's limit cannot be dodged by spelling its path differently: the gateway matches and
+/// forwards the path in normal form (dot segments resolved, unreserved escapes decoded, slashes
+/// merged), and looks past segment parameters when it matches.
+#[tokio::test]
+async fn no_spelling_of_a_limited_path_escapes_its_route() {
+    let up = MockUpstream::start().await;
+    let limit = r#"
+[[limits]]
+name = "search-quota"
+by = "api_key"
+routes = ["search"]
+algorithm = "fixed_window"
+quota = 1
+window = "1h"
+"#;
+    let gw = Sluice::start(&config(&up.url(), 16, limit));
+    let key = [("x-api-key", "k1")];
+    // The one admitted request shows what the upstream is sent: the normal form, with the
+    // query as it came.
+    let first = raw_get(gw.main, "/v1/x/../search/./echo?q=/./%2e", &key).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    assert_eq!(first.json()["uri"], "/v1/search/echo?q=/./%2e");
+    for spelling in [
+        "/v1/search",
+        "/v1/./search",
+        "//v1//search",
+        "/v1/x/../search/echo",
+        "/v1/%73earch",
+        "/v1/%73%65%61%72%63%68/",
+        "/v1/other/%2e%2e/search",
+        "/../v1/search",
+        "/v1/search;jsessionid=1",
+        "/v1/other/..;/search",
+    ] {
+        let r = raw_get(gw.main, spelling, &key).await;
+        assert_eq!(
+            r.status,
+            429,
+            "{spelling} escaped the route's limit: {}",
+            r.text()
+        );
+        assert_eq!(r.json()["policy"], "search-quota", "{spelling}");
+    }
+    // Other paths are other routes, and a malformed escape is the caller's error, charged
+    // nowhere.
+    assert_eq!(raw_get(gw.main, "/v1/searching", &key).await.status, 200);
+    let bad = raw_get(gw.main, "/v1/%zz", &[("x-api-key", "k2")]).await;
+    assert_eq!(bad.status, 400);
+    assert_eq!(bad.header("content-type"), "application/problem+json");
+    assert_eq!(
+        bad.json()["type"],
+        "https://api.example.com/problems/bad-request"
+    );
+    assert_eq!(
+        raw_get(gw.main, "/v1/search", &[("x-api-key", "k2")])
+            .await
+            .status,
+        200
+    );
 }

@@ -12,6 +12,7 @@ mod cidr;
 mod duration;
 mod error;
 mod model;
+pub mod path;
 mod raw;
 mod size;
 mod validate;

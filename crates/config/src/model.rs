@@ -50,6 +50,8 @@ pub struct Gateway {
     pub shutdown_grace: Duration,
     /// The range a 503's `Retry-After` is drawn from.
     pub overload_retry_after: RetryRange,
+    /// Whether runs of slashes in a request's path are merged into one (see [`crate::path`]).
+    pub merge_slashes: bool,
 }
 
 /// A range of whole seconds, `min <= max`, both at least one second.

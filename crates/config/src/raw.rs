@@ -41,6 +41,7 @@ pub(crate) struct RawGateway {
     pub max_body_size: Option<S<String>>,
     pub shutdown_grace: Option<S<String>>,
     pub overload_retry_after: Option<S<RawRange>>,
+    pub merge_slashes: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -27,7 +27,7 @@ use crate::problem::Problem;
 use crate::quota::{Caller, Notes, Outcome, Quota, Reports, Stop};
 use crate::refusal::quota_exceeded;
 use crate::request_id::{RequestIds, X_REQUEST_ID};
-use crate::route::Router;
+use crate::route::{malformed_path, normalize_path, Router};
 use crate::server::{default_max_connections, ConnectionCap};
 
 /// Everything a request needs, built once from the configuration.
@@ -41,6 +41,8 @@ pub(crate) struct Shared {
     pub(crate) capacity: Capacity,
     pub(crate) connections: ConnectionCap,
     health_path: Option<String>,
+    /// `gateway.merge_slashes`: how request paths are brought to normal form.
+    merge_slashes: bool,
     /// The largest request body forwarded (`u64::MAX`: no limit).
     max_body_size: u64,
     pub(crate) problem_base: String,
@@ -78,6 +80,7 @@ impl Shared {
                     .map_or_else(default_max_connections, |n| n.get()),
             ),
             health_path: config.gateway.health_path.clone(),
+            merge_slashes: config.gateway.merge_slashes,
             max_body_size: config.gateway.max_body_size.unwrap_or(u64::MAX),
             problem_base: config.responses.problem_base.clone(),
             legacy_headers: config.responses.legacy_headers,
@@ -112,10 +115,14 @@ pub(crate) async fn handle(
         let (shared, peer, log) = (&*shared, &peer, &mut log);
         let mut req = req;
         'walk: {
+            // Matched and forwarded in normal form: no spelling of a path escapes its route.
+            if normalize_path(&mut req, shared.merge_slashes).is_err() {
+                break 'walk malformed_path().into_response(&shared.problem_base);
+            }
             if shared.health_path.as_deref() == Some(req.uri().path()) {
                 break 'walk readiness(&shared.capacity);
             }
-            let Some((index, route)) = shared.router.find(&req) else {
+            let Some((index, route)) = shared.router.find(&req, shared.merge_slashes) else {
                 break 'walk Problem::not_found().into_response(&shared.problem_base);
             };
             log.route(&shared.route_names[index]);

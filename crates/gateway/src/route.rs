@@ -1,7 +1,42 @@
-//! The routing step: the longest path prefix (on segment boundaries) whose method and host match.
+//! The routing step: the request's path brought to normal form, then the longest path prefix
+//! (on segment boundaries) whose method and host match.
 
-use http::{Method, Request};
+use std::borrow::Cow;
+
+use http::uri::PathAndQuery;
+use http::{Method, Request, Uri};
+use sluice_config::path::{normalize, route_key, MalformedPath};
 use sluice_config::Route;
+
+use crate::problem::Problem;
+
+/// Rewrites `req`'s path in normal form (see [`sluice_config::path`]), so that it is matched
+/// and forwarded as one; the query is kept as it came. A path that cannot be brought to it
+/// (a malformed `%` escape) is the caller's error: see [`malformed_path`].
+pub(crate) fn normalize_path<B>(
+    req: &mut Request<B>,
+    merge_slashes: bool,
+) -> Result<(), MalformedPath> {
+    let path = match normalize(req.uri().path(), merge_slashes)? {
+        Cow::Borrowed(_) => return Ok(()),
+        Cow::Owned(path) => path,
+    };
+    let uri = req.uri();
+    let target = match uri.query() {
+        Some(query) => format!("{path}?{query}"),
+        None => path,
+    };
+    let mut parts = uri.clone().into_parts();
+    // Cannot fail: the normal form only holds characters the path held, or unreserved ones.
+    parts.path_and_query = PathAndQuery::try_from(target).ok();
+    *req.uri_mut() = Uri::from_parts(parts).map_err(|_| MalformedPath)?;
+    Ok(())
+}
+
+/// The 400 for a path [`normalize_path`] refused.
+pub(crate) fn malformed_path() -> Problem {
+    Problem::bad_request("The request path has a \"%\" not followed by two hexadecimal digits.")
+}
 
 /// Routes ordered for matching: longest path first, file order among equals.
 #[derive(Debug)]
@@ -16,9 +51,11 @@ impl Router {
         Self { routes }
     }
 
-    /// The matching route and its index in the configuration.
-    pub(crate) fn find<B>(&self, req: &Request<B>) -> Option<(usize, &Route)> {
-        let path = req.uri().path();
+    /// The matching route and its index in the configuration, for a request whose path is
+    /// in normal form: matched on its [`route_key`] (segment parameters dropped).
+    pub(crate) fn find<B>(&self, req: &Request<B>, merge_slashes: bool) -> Option<(usize, &Route)> {
+        let key = route_key(req.uri().path(), merge_slashes);
+        let path = key.as_ref();
         // Looked up only if a route names a host: most configurations have none.
         let host = std::cell::OnceCell::new();
         self.routes
@@ -82,14 +119,76 @@ mod tests {
         }
     }
 
+    /// The route a request is matched to, after its path is brought to normal form (as
+    /// `handle` does).
     fn find<'a>(router: &'a Router, method: &str, uri: &str, host: &str) -> Option<&'a str> {
-        let req = Request::builder()
+        let mut req = Request::builder()
             .method(method)
             .uri(uri)
             .header("host", host)
             .body(())
             .unwrap();
-        router.find(&req).map(|(_, r)| r.name.as_str())
+        normalize_path(&mut req, true).unwrap();
+        router.find(&req, true).map(|(_, r)| r.name.as_str())
+    }
+
+    /// The request target `uri` becomes before it is matched and forwarded.
+    fn normalized(uri: &str, merge_slashes: bool) -> Result<String, MalformedPath> {
+        let mut req = Request::builder().uri(uri).body(()).unwrap();
+        normalize_path(&mut req, merge_slashes)?;
+        Ok(req.uri().to_string())
+    }
+
+    #[test]
+    fn every_spelling_of_a_path_matches_its_route() {
+        let router = Router::new(&[
+            route("catch-all", "/", None, None),
+            route("login", "/v1/login", None, None),
+        ]);
+        for spelling in [
+            "/v1/login",
+            "/v1/./login",
+            "//v1//login",
+            "/v1/x/../login",
+            "/v1/%6Cogin",
+            "/v1/%6c%6f%67%69%6e/",
+            "/v1/public/%2e%2e/login",
+            "/../v1/login",
+            "/v1/login;jsessionid=1",
+            "/v1;v=2/login",
+            "/v1/public/..;/login",
+        ] {
+            assert_eq!(
+                find(&router, "GET", spelling, "a"),
+                Some("login"),
+                "{spelling}"
+            );
+        }
+        for other in ["/v1/login%2Fx", "/v1/logins", "/v1/%2e%2e%2flogin"] {
+            assert_eq!(
+                find(&router, "GET", other, "a"),
+                Some("catch-all"),
+                "{other}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_normal_form_is_what_is_forwarded_with_the_query_as_it_came() {
+        assert_eq!(
+            normalized("/v1/./a/../login?x=/./&y=%2e", true).unwrap(),
+            "/v1/login?x=/./&y=%2e"
+        );
+        assert_eq!(
+            normalized("http://h.example/a//b/%7e", true).unwrap(),
+            "http://h.example/a/b/~"
+        );
+        assert_eq!(normalized("/a//b", false).unwrap(), "/a//b");
+        // Segment parameters are forwarded: only routing looks past them.
+        assert_eq!(normalized("/v1/login;x=1", true).unwrap(), "/v1/login;x=1");
+        assert_eq!(normalized("*", true).unwrap(), "*");
+        assert_eq!(normalized("/v1/%zz?q=1", true), Err(MalformedPath));
+        assert_eq!(malformed_path().status, http::StatusCode::BAD_REQUEST);
     }
 
     #[test]

@@ -39,7 +39,7 @@ impl<'a> Validator<'a> {
         let identity = self.identity(&raw.identity);
         let responses = self.responses(&raw.responses);
         let upstreams = self.upstreams(&raw.upstreams);
-        let routes = self.routes(&raw.routes, &upstreams);
+        let routes = self.routes(&raw.routes, &upstreams, gateway.merge_slashes);
         let limits = self.limits(&raw.limits, &raw.routes, &routes);
         let store = self.store(&raw.store);
         if self.errors.is_empty() {

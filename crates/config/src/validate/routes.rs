@@ -7,17 +7,28 @@ use crate::model::{Respond, Route, RouteAction, Upstream};
 use crate::raw::{RawRespond, RawRoute, S};
 
 impl Validator<'_> {
-    pub(super) fn routes(&mut self, raw: &[RawRoute], upstreams: &[Upstream]) -> Vec<Route> {
+    pub(super) fn routes(
+        &mut self,
+        raw: &[RawRoute],
+        upstreams: &[Upstream],
+        merge_slashes: bool,
+    ) -> Vec<Route> {
         self.unique_names("routes", raw.iter().map(|r| &r.name));
         raw.iter()
             .enumerate()
-            .filter_map(|(i, r)| self.route(i, r, upstreams))
+            .filter_map(|(i, r)| self.route(i, r, upstreams, merge_slashes))
             .collect()
     }
 
-    fn route(&mut self, i: usize, r: &RawRoute, upstreams: &[Upstream]) -> Option<Route> {
+    fn route(
+        &mut self,
+        i: usize,
+        r: &RawRoute,
+        upstreams: &[Upstream],
+        merge_slashes: bool,
+    ) -> Option<Route> {
         let key = |field: &str| format!("routes[{i}].{field}");
-        self.path(&r.path, &key("path"));
+        self.path(&r.path, &key("path"), merge_slashes);
         let methods = r.methods.as_ref().map(|ms| {
             ms.iter()
                 .filter_map(|m| {

@@ -39,8 +39,9 @@ impl Validator<'_> {
             self.positive_u32(v, "gateway.max_connections")
                 .and_then(|n| NonZeroUsize::new(n.get() as usize))
         });
+        let merge_slashes = raw.merge_slashes.unwrap_or(true);
         let health_path = raw.health_path.as_ref().map(|p| {
-            self.path(p, "gateway.health_path");
+            self.path(p, "gateway.health_path", merge_slashes);
             p.get_ref().clone()
         });
         let header_timeout = self.duration(
@@ -84,6 +85,7 @@ impl Validator<'_> {
             max_body_size,
             shutdown_grace,
             overload_retry_after,
+            merge_slashes,
         }
     }
 
@@ -130,13 +132,23 @@ impl Validator<'_> {
         RetryRange { min, max }
     }
 
-    pub(super) fn path(&mut self, p: &S<String>, key: &str) {
+    /// A path a request is compared with: it must be in the normal form requests are
+    /// brought to first (see [`crate::path`]), or no request could ever match it.
+    pub(super) fn path(&mut self, p: &S<String>, key: &str, merge_slashes: bool) {
         let v = p.get_ref();
         if !v.starts_with('/')
             || v.contains(['?', '#'])
             || v.chars().any(|c| c.is_whitespace() || c.is_control())
         {
             self.err(Some(p.span()), key, format!("\"{v}\" is not a path (it must start with \"/\" and hold no query, fragment or spaces)"));
+            return;
+        }
+        let normal = crate::path::normalize(v, merge_slashes)
+            .map(|n| crate::path::route_key(&n, merge_slashes).into_owned());
+        match normal {
+            Ok(n) if n == *v => {}
+            Ok(n) => self.err(Some(p.span()), key, format!("\"{v}\" is not in normal form, and requests are matched after they are brought to it (write \"{n}\")")),
+            Err(_) => self.err(Some(p.span()), key, format!("\"{v}\" has a \"%\" not followed by two hexadecimal digits")),
         }
     }
 

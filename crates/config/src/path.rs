@@ -1,0 +1,248 @@
+//! Request paths in normal form.
+//!
+//! A limit on a route is only as good as the gateway's agreement with the upstream about which
+//! resource a path names. `/v1/login`, `/v1/./login`, `//v1/login`, `/v1/%6Cogin` and
+//! `/v1/x/../login` name the same resource for most servers; a gateway that matched routes on
+//! the raw bytes would let a caller reach the upstream's login handler through the catch-all
+//! route, past the login route's limit. So the gateway matches and forwards the path in normal
+//! form (RFC 3986 section 6.2.2): percent-encoded unreserved characters decoded, the remaining
+//! escapes in upper case, dot segments removed, and (by default) runs of slashes merged, as
+//! nginx does before matching its locations and Envoy does with `normalize_path` and
+//! `merge_slashes`.
+//!
+//! Routes are matched on one more step, [`route_key`]: each segment's parameters (`;...`) are
+//! dropped first, as Java servlet containers do before they route, so `/v1/login;x` and
+//! `/v1/public/..;/login` are counted as the login route they reach there. The forwarded path
+//! keeps its parameters.
+
+use std::borrow::Cow;
+
+/// A path with a `%` not followed by two hexadecimal digits: servers disagree about what it
+/// names (some reject it, some pass it on, some decode what they can), so it is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MalformedPath;
+
+/// `path` (without its query) in normal form, borrowed when it already is. A path that does
+/// not start with `/` (`*`, or the empty path of a `CONNECT`) is returned as it is.
+pub fn normalize(path: &str, merge_slashes: bool) -> Result<Cow<'_, str>, MalformedPath> {
+    if !path.starts_with('/') || is_plain(path, merge_slashes) {
+        return Ok(Cow::Borrowed(path));
+    }
+    let decoded = decode_unreserved(path)?;
+    let resolved = resolve(&decoded, merge_slashes, false);
+    Ok(if resolved == path {
+        Cow::Borrowed(path)
+    } else {
+        Cow::Owned(resolved)
+    })
+}
+
+/// What a path in normal form is matched against routes as: `normal` with each segment's
+/// parameters (from `;` to the segment's end) dropped and dot segments removed again.
+pub fn route_key(normal: &str, merge_slashes: bool) -> Cow<'_, str> {
+    if !normal.starts_with('/') || !normal.contains(';') {
+        return Cow::Borrowed(normal);
+    }
+    Cow::Owned(resolve(normal, merge_slashes, true))
+}
+
+/// Whether `path` holds nothing [`normalize`] would change: no `%`, no segment starting with
+/// `.`, and (when merging) no `//`. One pass, no allocation: most paths take only this.
+fn is_plain(path: &str, merge_slashes: bool) -> bool {
+    let mut after_slash = false;
+    for &b in path.as_bytes() {
+        if b == b'%' || (after_slash && (b == b'.' || (merge_slashes && b == b'/'))) {
+            return false;
+        }
+        after_slash = b == b'/';
+    }
+    true
+}
+
+/// `path` with each `%XX` of an unreserved character (letters, digits, `-`, `.`, `_`, `~`)
+/// replaced by the character, and every other escape's hex digits in upper case.
+fn decode_unreserved(path: &str) -> Result<Cow<'_, str>, MalformedPath> {
+    if !path.contains('%') {
+        return Ok(Cow::Borrowed(path));
+    }
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let bytes = path.as_bytes();
+    let mut out = String::with_capacity(path.len());
+    let (mut start, mut i) = (0, 0);
+    while i < bytes.len() {
+        if bytes[i] != b'%' {
+            i += 1;
+            continue;
+        }
+        let digit = |j: usize| bytes.get(j).and_then(|&b| char::from(b).to_digit(16));
+        let (Some(hi), Some(lo)) = (digit(i + 1), digit(i + 2)) else {
+            return Err(MalformedPath);
+        };
+        out.push_str(&path[start..i]);
+        let value = u8::try_from(hi << 4 | lo).map_err(|_| MalformedPath)?;
+        if value.is_ascii_alphanumeric() || matches!(value, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(value));
+        } else {
+            out.push('%');
+            out.push(char::from(HEX[usize::from(value >> 4)]));
+            out.push(char::from(HEX[usize::from(value & 0xf)]));
+        }
+        i += 3;
+        start = i;
+    }
+    out.push_str(&path[start..]);
+    Ok(Cow::Owned(out))
+}
+
+/// `path` (starting with `/`) with its dot segments removed (RFC 3986 section 5.2.4: `.`
+/// goes, `..` takes the segment before it along), empty segments dropped when
+/// `merge_slashes` (except a last one: a trailing slash stays), and each segment cut at its
+/// first `;` first when `strip_params`.
+fn resolve(path: &str, merge_slashes: bool, strip_params: bool) -> String {
+    let mut kept: Vec<&str> = Vec::new();
+    let mut segments = path[1..].split('/').peekable();
+    while let Some(segment) = segments.next() {
+        let last = segments.peek().is_none();
+        let segment = if strip_params {
+            segment.split(';').next().unwrap_or_default()
+        } else {
+            segment
+        };
+        match segment {
+            "." | ".." => {
+                if segment == ".." {
+                    kept.pop();
+                }
+                // `/a/b/..` is `/a/`: the directory, with its slash.
+                if last {
+                    kept.push("");
+                }
+            }
+            "" if merge_slashes && !last => {}
+            _ => kept.push(segment),
+        }
+    }
+    let mut out = String::with_capacity(path.len());
+    out.push('/');
+    out.push_str(&kept.join("/"));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn n(path: &str) -> String {
+        normalize(path, true).unwrap().into_owned()
+    }
+
+    #[test]
+    fn plain_paths_are_borrowed_as_they_are() {
+        for p in [
+            "/",
+            "/v1/login",
+            "/a.b/c.",
+            "/v1/search/",
+            "*",
+            "",
+            "/x;y=1",
+        ] {
+            assert!(
+                matches!(normalize(p, true), Ok(Cow::Borrowed(b)) if b == p),
+                "{p}"
+            );
+        }
+        // A segment starting with a dot that is not a dot segment takes the slow path and
+        // comes back unchanged, still borrowed.
+        assert!(matches!(
+            normalize("/.well-known/x", true),
+            Ok(Cow::Borrowed(_))
+        ));
+    }
+
+    #[test]
+    fn dot_segments_are_removed_as_rfc_3986_says() {
+        // RFC 3986 section 5.2.4's own examples, and the cases around the root.
+        assert_eq!(n("/a/b/c/./../../g"), "/a/g");
+        assert_eq!(n("/v1/./login"), "/v1/login");
+        assert_eq!(n("/v1/x/../login"), "/v1/login");
+        assert_eq!(n("/v1/login/."), "/v1/login/");
+        assert_eq!(n("/v1/login/.."), "/v1/");
+        assert_eq!(n("/.."), "/");
+        assert_eq!(n("/../../v1/login"), "/v1/login");
+        assert_eq!(n("/."), "/");
+        assert_eq!(n("/..."), "/...");
+        assert_eq!(n("/a/.b/..c"), "/a/.b/..c");
+    }
+
+    #[test]
+    fn slashes_are_merged_unless_turned_off() {
+        assert_eq!(n("//v1//login"), "/v1/login");
+        assert_eq!(n("/v1/login//"), "/v1/login/");
+        assert_eq!(n("//"), "/");
+        let keep = |p| normalize(p, false).unwrap().into_owned();
+        assert_eq!(keep("//v1//login"), "//v1//login");
+        assert_eq!(keep("/a//../b"), "/a/b");
+        assert_eq!(keep("/a//."), "/a//");
+    }
+
+    #[test]
+    fn unreserved_escapes_are_decoded_and_others_upper_cased() {
+        assert_eq!(n("/v1/%6Cogin"), "/v1/login");
+        assert_eq!(n("/v1/%6c%6F%67%69%6e"), "/v1/login");
+        assert_eq!(n("/%7Euser/a%2Db%5Fc%2e"), "/~user/a-b_c.");
+        // Decoded before dot segments are looked for, as the RFC orders it.
+        assert_eq!(n("/v1/public/%2e%2E/login"), "/v1/login");
+        // Reserved and other characters stay escaped: `%2F` is not a segment boundary.
+        assert_eq!(n("/a%2fb/%20%3f"), "/a%2Fb/%20%3F");
+        assert_eq!(n("/caf%C3%a9"), "/caf%C3%A9");
+    }
+
+    #[test]
+    fn malformed_escapes_are_refused() {
+        for p in ["/a%", "/a%2", "/a%zz", "/a%2g/b", "/%%41"] {
+            assert_eq!(normalize(p, true), Err(MalformedPath), "{p}");
+        }
+    }
+
+    #[test]
+    fn route_keys_drop_segment_parameters_then_dot_segments() {
+        assert_eq!(route_key("/v1/login;x=1", true), "/v1/login");
+        assert_eq!(route_key("/v1;v=2/login", true), "/v1/login");
+        assert_eq!(route_key("/v1/public/..;/login", true), "/v1/login");
+        assert_eq!(route_key("/v1/;x/login", true), "/v1/login");
+        assert!(matches!(route_key("/v1/login", true), Cow::Borrowed(_)));
+    }
+
+    /// Every output is a fixed point: normalizing twice changes nothing, and no dot segment
+    /// or (when merging) empty inner segment survives.
+    #[test]
+    fn normal_form_is_a_fixed_point() {
+        let alphabet = ["/", ".", "..", "a", "%2e", "%2F", "%41", ";p", "//"];
+        let mut paths = vec![String::new()];
+        for _ in 0..4 {
+            paths = paths
+                .iter()
+                .flat_map(|p| alphabet.iter().map(move |s| format!("{p}{s}")))
+                .collect();
+            for p in &paths {
+                let p = format!("/{p}");
+                for merge in [true, false] {
+                    let once = normalize(&p, merge).unwrap().into_owned();
+                    assert_eq!(normalize(&once, merge).unwrap(), once, "{p} {merge}");
+                    let segments: Vec<&str> = once[1..].split('/').collect();
+                    assert!(
+                        !segments.iter().any(|s| *s == "." || *s == ".."),
+                        "{p} -> {once}"
+                    );
+                    if merge {
+                        let inner = &segments[..segments.len() - 1];
+                        assert!(!inner.contains(&""), "{p} -> {once}");
+                    }
+                    let key = route_key(&once, merge).into_owned();
+                    assert_eq!(route_key(&key, merge), key, "{p} {merge}");
+                }
+            }
+        }
+    }
+}
