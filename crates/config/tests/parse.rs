@@ -71,6 +71,19 @@ fn empty_file_takes_every_default() {
 }
 
 #[test]
+fn route_hosts_are_matched_without_port_or_trailing_dot() {
+    let route = |host: &str| {
+        format!("[[routes]]\nname = \"a\"\npath = \"/\"\nhost = \"{host}\"\nrespond = {{ status = 200 }}\n")
+    };
+    let c = parse(&route("API.Example.com."), Path::new("c.toml")).unwrap();
+    assert_eq!(c.routes[0].host.as_deref(), Some("api.example.com"));
+    assert_eq!(
+        errors(&route("api.example.com:8080")),
+        ["c.toml:4:8: routes[0].host: \"api.example.com:8080\" has a port: a route matches its host on any port (write the host alone)"]
+    );
+}
+
+#[test]
 fn route_and_health_paths_must_be_in_the_normal_form_requests_are_matched_in() {
     let text = "[gateway]\nhealth_path = \"/health/./x\"\n\n\
                 [[routes]]\nname = \"a\"\npath = \"/v1//a\"\nrespond = { status = 200 }\n\n\

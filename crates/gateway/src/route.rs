@@ -84,7 +84,9 @@ fn method_matches(methods: Option<&[Method]>, method: &Method) -> bool {
     methods.is_none_or(|ms| ms.contains(method))
 }
 
-/// The host a request is addressed to, without port: `Host` for HTTP/1.1, `:authority` for h2.
+/// The host a request is addressed to, without port and without the trailing dot of a fully
+/// qualified name (`api.example.com.` is the same host, and must not miss its route): `Host`
+/// for HTTP/1.1, `:authority` for h2.
 pub(crate) fn request_host<B>(req: &Request<B>) -> Option<&str> {
     let raw = match req.headers().get(http::header::HOST) {
         Some(h) => h.to_str().ok()?,
@@ -95,7 +97,7 @@ pub(crate) fn request_host<B>(req: &Request<B>) -> Option<&str> {
     } else {
         raw.rsplit_once(':').map_or(raw, |(h, _)| h)
     };
-    Some(without_port)
+    Some(without_port.strip_suffix('.').unwrap_or(without_port))
 }
 
 #[cfg(test)]
@@ -211,6 +213,8 @@ mod tests {
             find(&router, "GET", "/x", "API.example.com:8080"),
             Some("h")
         );
+        assert_eq!(find(&router, "GET", "/x", "api.example.com."), Some("h"));
+        assert_eq!(find(&router, "GET", "/x", "API.example.com.:80"), Some("h"));
         assert_eq!(find(&router, "GET", "/x", "other.example.com"), None);
         assert_eq!(find(&router, "GET", "/y", "api.example.com"), None);
     }

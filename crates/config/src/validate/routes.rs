@@ -53,8 +53,16 @@ impl Validator<'_> {
                     &key("host"),
                     format!("\"{v}\" is not a host name"),
                 );
+            } else if v.parse::<http::uri::Authority>().is_ok_and(|a| a.port().is_some()) {
+                self.err(
+                    Some(h.span()),
+                    &key("host"),
+                    format!("\"{v}\" has a port: a route matches its host on any port (write the host alone)"),
+                );
             }
-            v.to_ascii_lowercase()
+            // A fully qualified name's trailing dot names the same host; requests are matched
+            // without it.
+            v.strip_suffix('.').unwrap_or(v).to_ascii_lowercase()
         });
         let cost = match &r.cost {
             None => Some(NonZeroU32::MIN),
