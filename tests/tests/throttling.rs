@@ -871,3 +871,22 @@ window = "1h"
         200
     );
 }
+
+/// Two different keys in one source would let a caller be counted under one and served under
+/// the other (servers disagree about which of two headers counts): the gateway refuses it.
+#[tokio::test]
+async fn a_request_with_two_different_keys_in_one_header_is_refused_and_charges_nothing() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), 16, KEY_QUOTA));
+    let two = [("x-api-key", "k1"), ("x-api-key", "k2")];
+    let r = raw_get(gw.main, "/v1/echo", &two).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["type"], "https://api.example.com/problems/bad-request");
+    assert_eq!(up.requests(), 0, "never forwarded");
+    // The same key twice is one key; it still has its whole quota (5).
+    let same = [("x-api-key", "k1"), ("x-api-key", "k1")];
+    for _ in 0..5 {
+        assert_eq!(raw_get(gw.main, "/v1/echo", &same).await.status, 200);
+    }
+    assert_eq!(raw_get(gw.main, "/v1/echo", &same).await.status, 429);
+}

@@ -22,7 +22,7 @@ use crate::forward::{
     prepare_request, set_upgrade, strip_hop_by_hop, upgrade_protocol, Peer, UpstreamClient,
 };
 use crate::head_timeout::Busy;
-use crate::identify::{Identify, KeyTooLong, MAX_KEY_BYTES};
+use crate::identify::{Identify, KeyError, MAX_KEY_BYTES};
 use crate::problem::Problem;
 use crate::quota::{Caller, Notes, Outcome, Quota, Reports, Stop};
 use crate::refusal::quota_exceeded;
@@ -139,8 +139,12 @@ pub(crate) async fn handle(
             log.client(client);
             let api_key = match shared.identify.api_key(req.headers(), req.uri()) {
                 Ok(key) => key,
-                Err(KeyTooLong) => {
+                Err(KeyError::TooLong) => {
                     let detail = format!("The API key is longer than {MAX_KEY_BYTES} bytes.");
+                    break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
+                }
+                Err(KeyError::Ambiguous) => {
+                    let detail = "The request carries two different API keys in one place (a header sent twice, say). Send one.";
                     break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
                 }
             };

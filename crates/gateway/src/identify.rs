@@ -2,6 +2,7 @@
 //! the first untrusted hop of `Forwarded` / `X-Forwarded-For`, walked right to left) and the
 //! API key (from the configured sources, first found wins).
 
+use std::borrow::Cow;
 use std::net::IpAddr;
 
 use http::header::{AUTHORIZATION, FORWARDED};
@@ -20,10 +21,6 @@ pub(crate) struct Identify {
     ipv6_prefix: u8,
     key_sources: Vec<(KeySource, Option<HeaderName>)>,
 }
-
-/// A caller's API key that is too long to be one.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct KeyTooLong;
 
 impl Identify {
     pub(crate) fn new(identity: &Identity) -> Self {
@@ -106,34 +103,66 @@ impl Identify {
     }
 
     /// The caller's API key from the first source that has one; `Ok(None)` when none does.
+    /// A source that holds two different keys (two `X-Api-Key` headers, two `Authorization`
+    /// headers, a query parameter given twice) is an error, not a choice: servers disagree
+    /// about which of them counts (the first, the last, both joined), so a caller could be
+    /// counted under one key and served under the other.
     pub(crate) fn api_key<'r>(
         &self,
         headers: &'r HeaderMap,
         uri: &'r Uri,
-    ) -> Result<Option<std::borrow::Cow<'r, [u8]>>, KeyTooLong> {
+    ) -> Result<Option<Cow<'r, [u8]>>, KeyError> {
         for (source, header) in &self.key_sources {
-            let found: Option<std::borrow::Cow<'r, [u8]>> = match source {
-                KeySource::Header(_) => header
-                    .as_ref()
-                    .and_then(|h| headers.get(h))
-                    .map(|v| trim(v.as_bytes()).into()),
-                KeySource::Bearer => headers
-                    .get(AUTHORIZATION)
-                    .and_then(|v| bearer(v.as_bytes()))
-                    .map(Into::into),
-                KeySource::Query(name) => uri
-                    .query()
-                    .and_then(|q| query_param(q, name))
-                    .map(Into::into),
+            let found = match source {
+                KeySource::Header(_) => match header {
+                    Some(h) => only(headers.get_all(h).iter().map(|v| trim(v.as_bytes()).into()))?,
+                    None => None,
+                },
+                KeySource::Bearer => only(
+                    headers
+                        .get_all(AUTHORIZATION)
+                        .iter()
+                        .filter_map(|v| bearer(v.as_bytes()))
+                        .map(Into::into),
+                )?,
+                KeySource::Query(name) => match uri.query() {
+                    Some(q) => only(query_params(q, name).map(Into::into))?,
+                    None => None,
+                },
             };
             match found {
-                Some(k) if k.len() > MAX_KEY_BYTES => return Err(KeyTooLong),
-                Some(k) if !k.is_empty() => return Ok(Some(k)),
-                _ => {}
+                Some(k) if k.len() > MAX_KEY_BYTES => return Err(KeyError::TooLong),
+                Some(k) => return Ok(Some(k)),
+                None => {}
             }
         }
         Ok(None)
     }
+}
+
+/// Why a request's API key cannot be used: answered 400.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum KeyError {
+    /// Longer than [`MAX_KEY_BYTES`]: refused rather than silently skipping a limit.
+    TooLong,
+    /// One source holds two different keys.
+    Ambiguous,
+}
+
+/// The one non-empty value among `values` (repeats of the same value are one), `None` if
+/// there is none, an error if there are two different ones.
+fn only<'r>(
+    values: impl Iterator<Item = Cow<'r, [u8]>>,
+) -> Result<Option<Cow<'r, [u8]>>, KeyError> {
+    let mut found: Option<Cow<'r, [u8]>> = None;
+    for v in values.filter(|v| !v.is_empty()) {
+        match &found {
+            None => found = Some(v),
+            Some(f) if *f == v => {}
+            Some(_) => return Err(KeyError::Ambiguous),
+        }
+    }
+    Ok(found)
 }
 
 fn trim(b: &[u8]) -> &[u8] {
@@ -146,9 +175,9 @@ fn bearer(v: &[u8]) -> Option<&[u8]> {
     (scheme.eq_ignore_ascii_case(b"bearer") && rest.first() == Some(&b' ')).then(|| trim(rest))
 }
 
-/// The value of `name` in a query string, percent-decoded.
-fn query_param(query: &str, name: &str) -> Option<Vec<u8>> {
-    query.split('&').find_map(|pair| {
+/// Every value of `name` in a query string, percent-decoded.
+fn query_params<'q>(query: &'q str, name: &'q str) -> impl Iterator<Item = Vec<u8>> + 'q {
+    query.split('&').filter_map(move |pair| {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         (percent_decode(k.as_bytes()) == name.as_bytes()).then(|| percent_decode(v.as_bytes()))
     })
@@ -361,8 +390,43 @@ mod tests {
         let id = identify(&[]);
         let long = "k".repeat(257);
         let h = headers(&[("x-api-key", &long)]);
-        assert_eq!(id.api_key(&h, &"/".parse().unwrap()), Err(KeyTooLong));
+        assert_eq!(
+            id.api_key(&h, &"/".parse().unwrap()),
+            Err(KeyError::TooLong)
+        );
         let h = headers(&[("x-api-key", &long[..256])]);
         assert!(id.api_key(&h, &"/".parse().unwrap()).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_source_holding_two_different_keys_is_refused_not_resolved() {
+        let id = identify(&[]);
+        let root: Uri = "/".parse().unwrap();
+        let two = headers(&[("x-api-key", "k1"), ("x-api-key", "k2")]);
+        assert_eq!(id.api_key(&two, &root), Err(KeyError::Ambiguous));
+        let two = headers(&[("authorization", "Bearer a"), ("authorization", "Bearer b")]);
+        assert_eq!(id.api_key(&two, &root), Err(KeyError::Ambiguous));
+        let uri: Uri = "/x?api_key=a&b=1&api%5Fkey=b".parse().unwrap();
+        assert_eq!(
+            id.api_key(&HeaderMap::new(), &uri),
+            Err(KeyError::Ambiguous)
+        );
+        // The same key repeated, or beside empty values, is one key.
+        let same = headers(&[
+            ("x-api-key", "k1"),
+            ("x-api-key", " k1 "),
+            ("x-api-key", ""),
+        ]);
+        assert_eq!(
+            id.api_key(&same, &root).unwrap().as_deref(),
+            Some(&b"k1"[..])
+        );
+        // Different keys in different sources are the configured order's business: an app's
+        // key beside a user's bearer token is a common pattern, and the first source wins.
+        let both = headers(&[("x-api-key", "app"), ("authorization", "Bearer user")]);
+        assert_eq!(
+            id.api_key(&both, &root).unwrap().as_deref(),
+            Some(&b"app"[..])
+        );
     }
 }
