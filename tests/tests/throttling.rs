@@ -881,7 +881,10 @@ async fn a_request_with_two_different_keys_in_one_header_is_refused_and_charges_
     let two = [("x-api-key", "k1"), ("x-api-key", "k2")];
     let r = raw_get(gw.main, "/v1/echo", &two).await;
     assert_eq!(r.status, 400, "{}", r.text());
-    assert_eq!(r.json()["type"], "https://api.example.com/problems/bad-request");
+    assert_eq!(
+        r.json()["type"],
+        "https://api.example.com/problems/bad-request"
+    );
     assert_eq!(up.requests(), 0, "never forwarded");
     // The same key twice is one key; it still has its whole quota (5).
     let same = [("x-api-key", "k1"), ("x-api-key", "k1")];

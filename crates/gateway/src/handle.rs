@@ -148,6 +148,10 @@ pub(crate) async fn handle(
                     break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
                 }
             };
+            if let Some(name) = shared.quota.ambiguous_key_header(req.headers()) {
+                let detail = format!("The request carries the {name} header twice with different values, and a limit counts callers by it. Send it once.");
+                break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
+            }
             // The fingerprint is a keyed hash: only worth computing when the access log is written.
             if let Some(k) = api_key.as_deref().filter(|_| log.is_on()) {
                 log.key(shared.quota.fingerprint(k));

@@ -49,6 +49,8 @@ pub(crate) struct Quota {
     pub(crate) limits: Vec<LimitInfo>,
     /// For each route (configuration index): the limits that apply, by mode.
     by_route: Vec<RouteLimits>,
+    /// The headers some limit counts callers by (`by = "header:<name>"`), each once.
+    key_headers: Vec<HeaderName>,
 }
 
 /// What the gateway needs to know about a limit beyond its counters.
@@ -199,6 +201,16 @@ impl Quota {
                 on_route
             })
             .collect();
+        let mut key_headers: Vec<HeaderName> = Vec::new();
+        for info in &limits {
+            for p in &info.parts {
+                if let Part::Header(h) = p {
+                    if !key_headers.contains(h) {
+                        key_headers.push(h.clone());
+                    }
+                }
+            }
+        }
         Ok(Self {
             limiter,
             remote,
@@ -206,6 +218,19 @@ impl Quota {
             hasher,
             limits,
             by_route,
+            key_headers,
+        })
+    }
+
+    /// A header some limit counts callers by that `headers` holds twice with different
+    /// values. Such a request is refused, as one with two API keys is: the limit would count
+    /// the first value, and an upstream may read the last.
+    pub(crate) fn ambiguous_key_header(&self, headers: &HeaderMap) -> Option<&HeaderName> {
+        self.key_headers.iter().find(|h| {
+            let mut values = headers.get_all(*h).iter();
+            values
+                .next()
+                .is_some_and(|first| values.any(|v| v != first))
         })
     }
 
@@ -410,6 +435,33 @@ mode = "dry_run"
         };
         let layers = quota.layers(&caller);
         layers.enforced.into_iter().chain(layers.dry_run).collect()
+    }
+
+    #[tokio::test]
+    async fn a_key_header_sent_twice_with_different_values_is_found() {
+        let config = format!(
+            "{ROUTE_ONE}[[limits]]\nname = \"t\"\nby = [\"header:x-tenant\", \"ip\"]\nquota = 1\nwindow = \"1s\"\n\
+             [[limits]]\nname = \"u\"\nby = \"header:X-Tenant\"\nquota = 1\nwindow = \"1s\"\n"
+        );
+        let config = sluice_config::parse(&config, "test.toml".as_ref()).unwrap();
+        let quota = Quota::new(&config, Arc::new(SystemClock::new()))
+            .await
+            .unwrap();
+        assert_eq!(quota.key_headers.len(), 1, "each header once");
+        let headers = |values: &[&str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append("x-tenant", v.parse().unwrap());
+            }
+            h.append("x-other", "1".parse().unwrap());
+            h.append("x-other", "2".parse().unwrap());
+            h
+        };
+        let found = quota.ambiguous_key_header(&headers(&["a", "b"]));
+        assert_eq!(found.map(HeaderName::as_str), Some("x-tenant"));
+        for fine in [&[][..], &["a"], &["a", "a"]] {
+            assert_eq!(quota.ambiguous_key_header(&headers(fine)), None, "{fine:?}");
+        }
     }
 
     #[tokio::test]
