@@ -893,3 +893,33 @@ async fn a_request_with_two_different_keys_in_one_header_is_refused_and_charges_
     }
     assert_eq!(raw_get(gw.main, "/v1/echo", &same).await.status, 429);
 }
+
+/// Behind a proxy that appends `X-Forwarded-For`, the client's own `Forwarded` header reaches
+/// the gateway as the client wrote it: believing it would let the client choose its address.
+/// Only the configured header (`X-Forwarded-For` by default) is read.
+#[tokio::test]
+async fn a_client_behind_a_trusted_proxy_cannot_choose_its_address_with_the_other_header() {
+    let up = MockUpstream::start().await;
+    let limit = r#"
+[[limits]]
+name = "per-ip"
+by = "ip"
+algorithm = "fixed_window"
+quota = 2
+window = "1h"
+"#;
+    let gw = Sluice::start(&config(&up.url(), 16, limit));
+    let mut statuses = Vec::new();
+    for i in 1..=5 {
+        // What the trusted proxy (127.0.0.1) appended, and what the client sent through it.
+        let spoof = format!("for=198.51.100.{i}");
+        let r = get(
+            gw.main,
+            "/v1/items",
+            &[("x-forwarded-for", "203.0.113.5"), ("forwarded", &spoof)],
+        )
+        .await;
+        statuses.push(r.status.as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429, 429, 429], "one client: 203.0.113.5");
+}

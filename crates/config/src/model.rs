@@ -75,10 +75,23 @@ pub struct Admin {
 pub struct Identity {
     /// Where a caller's API key is read, first found wins.
     pub api_key: Vec<KeySource>,
-    /// Peers whose `X-Forwarded-For` / `Forwarded` headers are believed.
+    /// Peers whose `client_ip_header` is believed.
     pub trusted_proxies: Vec<Cidr>,
+    /// The one header trusted proxies give the client's address in.
+    pub client_ip_header: ClientIpHeader,
     /// IPv6 clients are counted per network of this many bits.
     pub ipv6_prefix: u8,
+}
+
+/// The header trusted proxies append the client's address to. One, not both: a proxy passes
+/// on the header it does not write as the client sent it, so reading that one would let the
+/// client choose its own address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientIpHeader {
+    /// `X-Forwarded-For` (HAProxy's `option forwardfor`, nginx, cloud load balancers).
+    XForwardedFor,
+    /// `Forwarded` (RFC 7239), its `for=` parameters.
+    Forwarded,
 }
 
 /// One place an API key can be read from.

@@ -62,6 +62,7 @@ pub(crate) struct RawAdmin {
 pub(crate) struct RawIdentity {
     pub api_key: Option<Vec<S<String>>>,
     pub trusted_proxies: Option<Vec<S<String>>>,
+    pub client_ip_header: Option<S<String>>,
     pub ipv6_prefix: Option<S<i64>>,
     pub allow_trust_all: Option<bool>,
 }

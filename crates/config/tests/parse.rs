@@ -71,6 +71,20 @@ fn empty_file_takes_every_default() {
 }
 
 #[test]
+fn client_ip_header_is_one_of_two_and_x_forwarded_for_by_default() {
+    use sluice_config::ClientIpHeader;
+    let header = |v: &str| format!("[identity]\nclient_ip_header = \"{v}\"\n");
+    let c = parse(&header("Forwarded"), Path::new("c.toml")).unwrap();
+    assert_eq!(c.identity.client_ip_header, ClientIpHeader::Forwarded);
+    let c = parse("", Path::new("c.toml")).unwrap();
+    assert_eq!(c.identity.client_ip_header, ClientIpHeader::XForwardedFor);
+    assert_eq!(
+        errors(&header("x-real-ip")),
+        ["c.toml:2:20: identity.client_ip_header: \"x-real-ip\" is not \"x-forwarded-for\" or \"forwarded\""]
+    );
+}
+
+#[test]
 fn route_hosts_are_matched_without_port_or_trailing_dot() {
     let route = |host: &str| {
         format!("[[routes]]\nname = \"a\"\npath = \"/\"\nhost = \"{host}\"\nrespond = {{ status = 200 }}\n")

@@ -6,8 +6,9 @@ use std::borrow::Cow;
 use std::net::IpAddr;
 
 use http::header::{AUTHORIZATION, FORWARDED};
+
 use http::{HeaderMap, HeaderName, Uri};
-use sluice_config::{mask_v6, Cidr, Identity, KeySource};
+use sluice_config::{mask_v6, Cidr, ClientIpHeader, Identity, KeySource};
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
@@ -18,6 +19,7 @@ pub(crate) const MAX_KEY_BYTES: usize = 256;
 #[derive(Debug)]
 pub(crate) struct Identify {
     trusted: Vec<Cidr>,
+    client_ip_header: ClientIpHeader,
     ipv6_prefix: u8,
     key_sources: Vec<(KeySource, Option<HeaderName>)>,
 }
@@ -37,6 +39,7 @@ impl Identify {
             .collect();
         Self {
             trusted: identity.trusted_proxies.clone(),
+            client_ip_header: identity.client_ip_header,
             ipv6_prefix: identity.ipv6_prefix,
             key_sources,
         }
@@ -59,25 +62,21 @@ impl Identify {
         if !peer_trusted {
             return peer;
         }
-        let forwarded: Vec<&str> = headers
-            .get_all(FORWARDED)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .collect();
-        if !forwarded.is_empty() {
-            let hops = forwarded
-                .iter()
-                .flat_map(|v| v.split(','))
-                .map(forwarded_for);
-            return self.walk(peer, hops);
+        let name = match self.client_ip_header {
+            ClientIpHeader::Forwarded => &FORWARDED,
+            ClientIpHeader::XForwardedFor => &X_FORWARDED_FOR,
+        };
+        let values = headers.get_all(name).iter().filter_map(|v| v.to_str().ok());
+        match self.client_ip_header {
+            ClientIpHeader::Forwarded => {
+                let elements: Vec<&str> = values.flat_map(|v| v.split(',')).collect();
+                self.walk(peer, elements.into_iter().map(forwarded_for))
+            }
+            ClientIpHeader::XForwardedFor => {
+                let hops: Vec<&str> = values.flat_map(|v| v.split(',')).collect();
+                self.walk(peer, hops.into_iter().map(parse_hop))
+            }
         }
-        let xff: Vec<&str> = headers
-            .get_all(&X_FORWARDED_FOR)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .collect();
-        let hops = xff.iter().flat_map(|v| v.split(',')).map(parse_hop);
-        self.walk(peer, hops)
     }
 
     /// Right to left: skip trusted hops; the first untrusted one is the client. A malformed
@@ -259,6 +258,10 @@ mod tests {
     use super::*;
 
     fn identify(trusted: &[&str]) -> Identify {
+        identify_by(trusted, ClientIpHeader::XForwardedFor)
+    }
+
+    fn identify_by(trusted: &[&str], client_ip_header: ClientIpHeader) -> Identify {
         Identify::new(&Identity {
             api_key: vec![
                 KeySource::Header("x-api-key".into()),
@@ -266,6 +269,7 @@ mod tests {
                 KeySource::Query("api_key".into()),
             ],
             trusted_proxies: trusted.iter().map(|c| c.parse().unwrap()).collect(),
+            client_ip_header,
             ipv6_prefix: 64,
         })
     }
@@ -327,7 +331,7 @@ mod tests {
 
     #[test]
     fn forwarded_header_with_quoted_ipv6_and_ports() {
-        let id = identify(&["10.0.0.0/8"]);
+        let id = identify_by(&["10.0.0.0/8"], ClientIpHeader::Forwarded);
         let h = headers(&[(
             "forwarded",
             r#"for=192.0.2.60;proto=http, for="[2001:db8:cafe::17]:4711";by=10.0.0.2"#,
@@ -341,6 +345,23 @@ mod tests {
             ip("10.3.3.3"),
             "unknown stops the walk"
         );
+    }
+
+    /// A proxy passes on the header it does not write as the client sent it: only the
+    /// configured one is read, or a client behind an `X-Forwarded-For` proxy could choose its
+    /// address with `Forwarded`, and the other way round.
+    #[test]
+    fn only_the_configured_header_is_believed() {
+        let both = headers(&[
+            ("forwarded", "for=6.6.6.6"),
+            ("x-forwarded-for", "203.0.113.5"),
+        ]);
+        let xff = identify_by(&["10.0.0.0/8"], ClientIpHeader::XForwardedFor);
+        assert_eq!(client(&xff, ip("10.0.0.1"), &both), ip("203.0.113.5"));
+        let fwd = identify_by(&["10.0.0.0/8"], ClientIpHeader::Forwarded);
+        assert_eq!(client(&fwd, ip("10.0.0.1"), &both), ip("6.6.6.6"));
+        let only_fwd = headers(&[("forwarded", "for=6.6.6.6")]);
+        assert_eq!(client(&xff, ip("10.0.0.1"), &only_fwd), ip("10.0.0.1"));
     }
 
     #[test]

@@ -6,7 +6,9 @@ use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use super::Validator;
-use crate::model::{Admin, Gateway, Identity, KeySource, Responses, RetryRange, Upstream};
+use crate::model::{
+    Admin, ClientIpHeader, Gateway, Identity, KeySource, Responses, RetryRange, Upstream,
+};
 use crate::raw::{RawAdmin, RawGateway, RawIdentity, RawResponses, RawUpstream, S};
 use crate::Cidr;
 
@@ -200,9 +202,28 @@ impl Validator<'_> {
                 }
             },
         };
+        let client_ip_header = match raw.client_ip_header.as_ref() {
+            None => ClientIpHeader::XForwardedFor,
+            Some(v) => match v.get_ref().to_ascii_lowercase().as_str() {
+                "x-forwarded-for" => ClientIpHeader::XForwardedFor,
+                "forwarded" => ClientIpHeader::Forwarded,
+                _ => {
+                    self.err(
+                        Some(v.span()),
+                        "identity.client_ip_header",
+                        format!(
+                            "\"{}\" is not \"x-forwarded-for\" or \"forwarded\"",
+                            v.get_ref()
+                        ),
+                    );
+                    ClientIpHeader::XForwardedFor
+                }
+            },
+        };
         Identity {
             api_key,
             trusted_proxies,
+            client_ip_header,
             ipv6_prefix,
         }
     }
