@@ -844,6 +844,7 @@ window = "1h"
         "/../v1/search",
         "/v1/search;jsessionid=1",
         "/v1/other/..;/search",
+        "/V1/Search",
     ] {
         let r = raw_get(gw.main, spelling, &key).await;
         assert_eq!(
@@ -921,5 +922,9 @@ window = "1h"
         .await;
         statuses.push(r.status.as_u16());
     }
-    assert_eq!(statuses, [200, 200, 429, 429, 429], "one client: 203.0.113.5");
+    assert_eq!(
+        statuses,
+        [200, 200, 429, 429, 429],
+        "one client: 203.0.113.5"
+    );
 }

@@ -72,12 +72,16 @@ impl Router {
     }
 }
 
-/// `/v1/search` matches `/v1/search` and `/v1/search/x`, not `/v1/searchx`.
+/// `/v1/search` matches `/v1/search`, `/v1/search/x` and `/V1/Search`, not `/v1/searchx`.
+/// Case is ignored (ASCII): Express and ASP.NET Core route `/V1/Search` to the `/v1/search`
+/// handler by default, and counting such a request under the route's limits costs nothing
+/// where the upstream tells case apart (it is a different, usually missing, resource there).
 fn path_matches(prefix: &str, path: &str) -> bool {
-    match path.strip_prefix(prefix) {
-        Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
-        None => false,
-    }
+    let Some((head, rest)) = path.split_at_checked(prefix.len()) else {
+        return false;
+    };
+    head.eq_ignore_ascii_case(prefix)
+        && (rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'))
 }
 
 fn method_matches(methods: Option<&[Method]>, method: &Method) -> bool {
@@ -159,6 +163,8 @@ mod tests {
             "/v1/login;jsessionid=1",
             "/v1;v=2/login",
             "/v1/public/..;/login",
+            "/V1/LOGIN",
+            "/v1/Login/x",
         ] {
             assert_eq!(
                 find(&router, "GET", spelling, "a"),
