@@ -105,6 +105,55 @@ async fn two_instances_on_one_redis_admit_exactly_the_quota_together() {
     );
 }
 
+/// A limit by route counts a route by its name: two instances whose route lists differ (a
+/// rolling change of the configuration that adds a route) still share each route's count, and
+/// never count one route in another's.
+#[tokio::test]
+async fn instances_with_different_route_lists_share_each_routes_count_by_name() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let per_route = r#"
+[[limits]]
+name = "per-route"
+by = ["api_key", "route"]
+algorithm = "fixed_window"
+quota = 4
+window = "1h"
+"#;
+    let old = config(
+        &up.url(),
+        &redis_store(&redis.url(), "local", "2s"),
+        256,
+        per_route,
+    );
+    // The new list has a route in front: every index moves by one.
+    let new = old.replacen(
+        "[[routes]]\nname = \"search\"",
+        "[[routes]]\nname = \"added\"\npath = \"/v1/added\"\nupstream = \"app\"\n\n[[routes]]\nname = \"search\"",
+        1,
+    );
+    assert_ne!(old, new);
+    let (a, b) = (start(&old), start(&new));
+    for (gw, path) in [(&a, "/v1/search"), (&b, "/v1/search")].repeat(2) {
+        assert_eq!(call(gw.main, path, "k").await.status, 200);
+    }
+    assert_eq!(
+        call(a.main, "/v1/search", "k").await.status,
+        429,
+        "search: 4 of 4 used on both"
+    );
+    assert_eq!(call(b.main, "/v1/search", "k").await.status, 429);
+    // The catch-all route, index 1 on one and 2 on the other, has its own whole quota.
+    for gw in [&a, &b, &a, &b] {
+        assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+    }
+    assert_eq!(
+        call(b.main, "/v1/added", "k").await.status,
+        200,
+        "a route of its own"
+    );
+}
+
 #[tokio::test]
 async fn one_evalsha_per_limited_request_for_a_route_with_three_limits() {
     let redis = RedisServer::start();

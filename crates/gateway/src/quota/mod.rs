@@ -51,6 +51,10 @@ pub(crate) struct Quota {
     by_route: Vec<RouteLimits>,
     /// The headers some limit counts callers by (`by = "header:<name>"`), each once.
     key_headers: Vec<HeaderName>,
+    /// Each route's name, its part of a key by `route`: a name, not an index, so that
+    /// instances sharing a Redis agree on it while their route lists differ (a rolling
+    /// change of the configuration that adds a route).
+    route_names: Vec<Box<[u8]>>,
 }
 
 /// What the gateway needs to know about a limit beyond its counters.
@@ -192,7 +196,8 @@ impl Quota {
                     if !l.routes.as_ref().is_none_or(|rs| rs.contains(&r)) {
                         continue;
                     }
-                    let entry = (id(l), key_of(&hasher, &info.parts, r, None));
+                    let name = config.routes[r].name.as_bytes();
+                    let entry = (id(l), key_of(&hasher, &info.parts, name, None));
                     match l.mode {
                         Mode::DryRun => on_route.dry_run.push(entry),
                         Mode::Enforce | Mode::Delay { .. } => on_route.enforced.push(entry),
@@ -219,6 +224,11 @@ impl Quota {
             limits,
             by_route,
             key_headers,
+            route_names: config
+                .routes
+                .iter()
+                .map(|r| r.name.as_bytes().into())
+                .collect(),
         })
     }
 
@@ -255,7 +265,8 @@ impl Quota {
         let keyed = |&(id, fixed): &(LimitId, Option<Key>)| {
             let parts = &self.limits[id.index()].parts;
             let who = Some((&ip, caller));
-            let key = fixed.or_else(|| key_of(&self.hasher, parts, caller.route, who));
+            let route = &self.route_names[caller.route];
+            let key = fixed.or_else(|| key_of(&self.hasher, parts, route, who));
             Some((id, key?))
         };
         Layers {
@@ -311,21 +322,20 @@ impl std::fmt::Debug for Quota {
     }
 }
 
-/// The key of a limit keyed by `parts`, for `caller` (with its address as 16 bytes) on route
-/// `route`, or `None` if the caller lacks a part (no API key, no such header). Without a
-/// caller, the key every caller shares, if the parts are only `route` and `global`: made once
-/// at start.
+/// The key of a limit keyed by `parts`, for `caller` (with its address as 16 bytes) on the
+/// route named `route`, or `None` if the caller lacks a part (no API key, no such header).
+/// Without a caller, the key every caller shares, if the parts are only `route` and
+/// `global`: made once at start.
 fn key_of(
     hasher: &KeyHasher,
     parts: &[Part],
-    route: usize,
+    route: &[u8],
     caller: Option<(&[u8; 16], &Caller<'_>)>,
 ) -> Option<Key> {
-    let route_bytes = (route as u32).to_le_bytes();
     let mut bytes: SmallVec<[&[u8]; 4]> = SmallVec::new();
     for p in parts {
         bytes.push(match (p, caller) {
-            (Part::Route, _) => &route_bytes,
+            (Part::Route, _) => route,
             (Part::Global, _) => b"",
             (Part::Ip, Some((ip, _))) => ip,
             (Part::ApiKey, Some((_, c))) => c.api_key?,
