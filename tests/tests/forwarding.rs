@@ -752,3 +752,44 @@ async fn upstream_override_points_an_upstream_elsewhere() {
     assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
     assert_eq!(up.requests(), 1);
 }
+
+/// Routes match on `Host`: a request with two (an upstream may read the other one) or with a
+/// value that is not a host is refused (RFC 9112 section 3.2), never forwarded.
+#[tokio::test]
+async fn a_request_with_two_hosts_or_a_bad_one_is_a_400_and_never_forwarded() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    // raw_get sends a Host of its own: one more is two.
+    let two = sluice_tests::raw_get(gw.main, "/api/echo", &[("host", "admin.example")]).await;
+    assert_eq!(two.status, 400, "{}", two.text());
+    assert_eq!(
+        sluice_tests::raw_get(gw.main, "/api/echo", &[])
+            .await
+            .status,
+        200
+    );
+    assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
+    let mut bad = Request::get("/api/echo")
+        .header("host", "a.example:80:80")
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    let r = send(gw.main, bad).await;
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.json()["type"],
+        "https://api.example.com/problems/bad-request"
+    );
+    bad = Request::get("/api/echo")
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    assert_eq!(
+        send(gw.main, bad).await.status,
+        400,
+        "HTTP/1.1 without Host"
+    );
+    assert_eq!(
+        up.requests(),
+        2,
+        "only the two good requests were forwarded"
+    );
+}

@@ -224,6 +224,7 @@ async fn an_h2c_upgrade_is_not_forwarded() {
     let gw = Sluice::start(&config(up));
     // Cleartext HTTP/2 would hand the client a raw HTTP/2 connection to the upstream.
     let req = http::Request::get("/ws")
+        .header("host", gw.main.to_string())
         .header("x-api-key", "k")
         .header("connection", "Upgrade, HTTP2-Settings")
         .header("upgrade", "h2c")

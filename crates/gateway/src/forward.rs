@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::time::{Instant, Sleep};
 
 use bytes::Bytes;
-use http::header::{HeaderName, HeaderValue, CONNECTION, HOST, UPGRADE};
+use http::header::{HeaderName, HeaderValue, CONNECTION, COOKIE, HOST, UPGRADE};
 use http::uri::{Authority, PathAndQuery};
 use http::{HeaderMap, Request, Response, StatusCode, Uri};
 use http_body::{Frame, SizeHint};
@@ -110,6 +110,11 @@ impl UpstreamClient {
     /// How long to wait for the response head, and then for each piece of the body.
     pub(crate) fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// The upstream's host and port: the `Host` of a request that names none.
+    pub(crate) fn authority(&self) -> &Authority {
+        &self.authority
     }
 
     /// How long a tunnel to this upstream may carry no byte before it is closed.
@@ -415,15 +420,20 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
         return;
     }
     if connection {
-        // The headers it names, other than `close` (names none) and `keep-alive` (removed
-        // below anyway); an invalid name names nothing.
+        // The headers it names, other than `close` (names none), `keep-alive` (removed
+        // below anyway) and `host` (the request is routed by it, and must reach the upstream
+        // with it); an invalid name names nothing.
         let named: smallvec::SmallVec<[HeaderName; 2]> = headers
             .get_all(CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
             .map(str::trim)
-            .filter(|n| !n.eq_ignore_ascii_case("close") && !n.eq_ignore_ascii_case("keep-alive"))
+            .filter(|n| {
+                !["close", "keep-alive", "host"]
+                    .iter()
+                    .any(|k| n.eq_ignore_ascii_case(k))
+            })
             .filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok())
             .collect();
         for name in named {
@@ -522,39 +532,143 @@ impl Peer {
 
 /// Rewrites request headers for the upstream: hop-by-hop stripped, the peer appended to
 /// `X-Forwarded-For`, `X-Forwarded-Proto` set (kept only from a trusted proxy), `Host` kept
-/// (taken from `:authority` for HTTP/2).
-pub(crate) fn prepare_request<B>(req: &mut Request<B>, peer: &Peer) {
+/// (taken from `:authority` for HTTP/2, and `upstream`'s own for a request that names no host:
+/// HTTP/1.0, or HTTP/2 without `:authority`), and HTTP/2's `cookie` fields joined into one
+/// line (RFC 9113 section 8.2.3: many HTTP/1.1 servers read only the first).
+pub(crate) fn prepare_request<B>(req: &mut Request<B>, peer: &Peer, upstream: &Authority) {
+    if req.version() == http::Version::HTTP_2 {
+        join_cookies(req.headers_mut());
+    }
+    strip_hop_by_hop(req.headers_mut());
     if !req.headers().contains_key(HOST) {
-        if let Some(host) = req
-            .uri()
-            .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-        {
+        let host = req.uri().authority().unwrap_or(upstream).as_str();
+        if let Ok(host) = HeaderValue::from_str(host) {
             req.headers_mut().insert(HOST, host);
         }
     }
     let headers = req.headers_mut();
-    strip_hop_by_hop(headers);
-    let mut xff = String::new();
+    // As bytes: a value that is not text (a client's stray byte a proxy passed on) is carried
+    // on, not dropped with the chain it is part of.
+    let mut xff: Vec<u8> = Vec::new();
     for v in headers.get_all(&X_FORWARDED_FOR) {
-        if let Ok(s) = v.to_str() {
-            if !s.trim().is_empty() {
-                xff.push_str(s.trim());
-                xff.push_str(", ");
-            }
+        let v = v.as_bytes().trim_ascii();
+        if !v.is_empty() {
+            xff.extend_from_slice(v);
+            xff.extend_from_slice(b", ");
         }
     }
     let forwarded = if xff.is_empty() {
         Some(peer.forwarded.clone())
     } else {
-        xff.push_str(peer.forwarded.to_str().unwrap_or_default());
-        HeaderValue::from_str(&xff).ok()
+        xff.extend_from_slice(peer.forwarded.as_bytes());
+        HeaderValue::from_bytes(&xff).ok()
     };
     if let Some(v) = forwarded {
         headers.insert(X_FORWARDED_FOR.clone(), v);
     }
     if !(peer.trusted && headers.contains_key(&X_FORWARDED_PROTO)) {
         headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+    }
+}
+
+/// HTTP/2 may split `cookie` into several fields; HTTP/1.1 has one line, joined by `; `.
+fn join_cookies(headers: &mut HeaderMap) {
+    let mut values = headers.get_all(COOKIE).iter();
+    if values.next().is_none() || values.next().is_none() {
+        return;
+    }
+    let joined: Vec<u8> = headers
+        .get_all(COOKIE)
+        .iter()
+        .map(HeaderValue::as_bytes)
+        .collect::<Vec<_>>()
+        .join(&b"; "[..]);
+    if let Ok(v) = HeaderValue::from_bytes(&joined) {
+        headers.insert(COOKIE, v);
+    }
+}
+
+/// Why a request's `Host` makes it unroutable (RFC 9112 section 3.2: answered 400): an
+/// HTTP/1.1 request without one, a request with two, a value that is not a host and port, or
+/// (HTTP/2) one that names another host than `:authority`. Routes match on `Host`, and an
+/// upstream that read another `Host` than the gateway would serve one route under another's
+/// limits.
+pub(crate) fn bad_host<B>(req: &Request<B>) -> Option<&'static str> {
+    let mut hosts = req.headers().get_all(HOST).iter();
+    let Some(host) = hosts.next() else {
+        return (req.version() == http::Version::HTTP_11)
+            .then_some("An HTTP/1.1 request must carry a Host header.");
+    };
+    if hosts.next().is_some() {
+        return Some("The request carries more than one Host header.");
+    }
+    if !is_host_and_port(host.as_bytes()) {
+        return Some("The Host header is not a host name or address with an optional port.");
+    }
+    match req.uri().authority() {
+        Some(a)
+            if req.version() == http::Version::HTTP_2
+                && !a.as_str().as_bytes().eq_ignore_ascii_case(host.as_bytes()) =>
+        {
+            Some("The Host header names another host than the request's :authority.")
+        }
+        _ => None,
+    }
+}
+
+/// `uri-host [ ":" port ]` (RFC 9110 section 7.2): a registered name (unreserved characters,
+/// sub-delimiters and escapes, no `@`, `/` or `,`) or a bracketed IPv6 literal, then at most
+/// one `:` and digits.
+fn is_host_and_port(v: &[u8]) -> bool {
+    let (host, port) = if v.first() == Some(&b'[') {
+        match v.iter().position(|&b| b == b']') {
+            Some(end) => {
+                let inside = &v[1..end];
+                let ok = !inside.is_empty()
+                    && inside
+                        .iter()
+                        .all(|&b| b.is_ascii_hexdigit() || matches!(b, b':' | b'.'));
+                if !ok {
+                    return false;
+                }
+                (&v[..=end], &v[end + 1..])
+            }
+            None => return false,
+        }
+    } else {
+        let end = v.iter().position(|&b| b == b':').unwrap_or(v.len());
+        let name = &v[..end];
+        let ok = !name.is_empty()
+            && name.iter().all(|&b| {
+                b.is_ascii_alphanumeric()
+                    || matches!(
+                        b,
+                        b'-' | b'.'
+                            | b'_'
+                            | b'~'
+                            | b'%'
+                            | b'!'
+                            | b'$'
+                            | b'&'
+                            | b'\''
+                            | b'('
+                            | b')'
+                            | b'*'
+                            | b'+'
+                            | b';'
+                            | b'='
+                    )
+            });
+        if !ok {
+            return false;
+        }
+        (name, &v[end..])
+    };
+    debug_assert!(!host.is_empty());
+    match port.split_first() {
+        None => true,
+        Some((b':', digits)) => digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit),
+        Some(_) => false,
     }
 }
 
@@ -621,6 +735,99 @@ mod tests {
 
     fn peer(addr: &str, trusted: bool) -> Peer {
         Peer::new(addr.parse().unwrap(), |_| trusted)
+    }
+
+    fn upstream() -> Authority {
+        Authority::from_static("127.0.0.1:3000")
+    }
+
+    #[test]
+    fn a_request_naming_no_host_gets_the_upstreams_and_connection_cannot_remove_host() {
+        let mut req = Request::builder()
+            .uri("/")
+            .version(http::Version::HTTP_10)
+            .body(())
+            .unwrap();
+        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream());
+        assert_eq!(req.headers()[HOST], "127.0.0.1:3000");
+        let mut req = Request::builder()
+            .uri("/")
+            .header("host", "api.example.com")
+            .header("connection", "host, x-gone")
+            .header("x-gone", "1")
+            .body(())
+            .unwrap();
+        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream());
+        assert_eq!(req.headers()[HOST], "api.example.com");
+        assert!(!req.headers().contains_key("x-gone"));
+    }
+
+    #[test]
+    fn http2_cookie_fields_become_one_line_and_forwarded_for_keeps_non_text_bytes() {
+        let mut req = Request::builder()
+            .uri("http://api.example.com/")
+            .version(http::Version::HTTP_2)
+            .header("cookie", "a=1")
+            .header("cookie", "b=2")
+            .header("x-forwarded-for", HeaderValue::from_bytes(b"\xff").unwrap())
+            .body(())
+            .unwrap();
+        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream());
+        let cookies: Vec<_> = req.headers().get_all(COOKIE).iter().collect();
+        assert_eq!(cookies, ["a=1; b=2"]);
+        assert_eq!(
+            req.headers()["x-forwarded-for"].as_bytes(),
+            b"\xff, 192.0.2.1"
+        );
+        // HTTP/1.1 has one cookie line already; two are passed on as they came.
+        let mut req = Request::builder()
+            .uri("/")
+            .header("host", "h")
+            .header("cookie", "a=1")
+            .header("cookie", "b=2")
+            .body(())
+            .unwrap();
+        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream());
+        assert_eq!(req.headers().get_all(COOKIE).iter().count(), 2);
+    }
+
+    #[test]
+    fn host_must_be_one_valid_host_and_agree_with_the_authority() {
+        let req = |version, uri: &str, hosts: &[&str]| {
+            let mut b = Request::builder().uri(uri).version(version);
+            for h in hosts {
+                b = b.header("host", *h);
+            }
+            b.body(()).unwrap()
+        };
+        let v11 = http::Version::HTTP_11;
+        for fine in [
+            "api.example.com",
+            "api.example.com:8080",
+            "[::1]:80",
+            "192.0.2.1",
+            "a_b.example:",
+        ] {
+            assert_eq!(bad_host(&req(v11, "/", &[fine])), None, "{fine}");
+        }
+        for bad in [
+            "a:80:80", "a, b", "user@a", "a/b", "[::1", "[zz]", "a:x", "", "a:123456",
+        ] {
+            assert!(bad_host(&req(v11, "/", &[bad])).is_some(), "{bad:?}");
+        }
+        assert!(bad_host(&req(v11, "/", &["a", "b"])).is_some(), "two");
+        assert!(
+            bad_host(&req(v11, "/", &[])).is_some(),
+            "HTTP/1.1 without Host"
+        );
+        assert_eq!(bad_host(&req(http::Version::HTTP_10, "/", &[])), None);
+        let v2 = http::Version::HTTP_2;
+        assert_eq!(bad_host(&req(v2, "http://a.example/", &[])), None);
+        assert_eq!(
+            bad_host(&req(v2, "http://a.example/", &["A.example"])),
+            None
+        );
+        assert!(bad_host(&req(v2, "http://a.example/", &["b.example"])).is_some());
     }
 
     #[test]
@@ -693,7 +900,7 @@ mod tests {
             .header("upgrades", "kept too")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false));
+        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream());
         let h = req.headers();
         for gone in [
             "connection",
@@ -725,7 +932,7 @@ mod tests {
             .header("x-forwarded-proto", "https")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("::ffff:192.0.2.1", false));
+        prepare_request(&mut req, &peer("::ffff:192.0.2.1", false), &upstream());
         assert_eq!(
             req.headers()["x-forwarded-for"],
             "203.0.113.9, 198.51.100.2, 192.0.2.1"
@@ -744,7 +951,7 @@ mod tests {
             .header("x-forwarded-proto", "https")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("10.0.0.1", true));
+        prepare_request(&mut req, &peer("10.0.0.1", true), &upstream());
         assert_eq!(req.headers()["x-forwarded-proto"], "https");
         assert_eq!(req.headers()["host"], "api.example.com");
     }

@@ -19,7 +19,8 @@ use crate::advertise;
 use crate::body::Body;
 use crate::capacity::Capacity;
 use crate::forward::{
-    prepare_request, set_upgrade, strip_hop_by_hop, upgrade_protocol, Peer, UpstreamClient,
+    bad_host, prepare_request, set_upgrade, strip_hop_by_hop, upgrade_protocol, Peer,
+    UpstreamClient,
 };
 use crate::head_timeout::Busy;
 use crate::identify::{Identify, KeyError, MAX_KEY_BYTES};
@@ -122,6 +123,10 @@ pub(crate) async fn handle(
             if shared.health_path.as_deref() == Some(req.uri().path()) {
                 break 'walk readiness(&shared.capacity);
             }
+            // Routed by `Host` (health checks above need none): it must be one, and valid.
+            if let Some(detail) = bad_host(&req) {
+                break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
+            }
             let Some((index, route)) = shared.router.find(&req, shared.merge_slashes) else {
                 break 'walk Problem::not_found().into_response(&shared.problem_base);
             };
@@ -192,7 +197,7 @@ pub(crate) async fn handle(
                 RouteAction::Upstream(u) => {
                     let upgrade = upgrade_protocol(&req);
                     let client_side = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
-                    prepare_request(&mut req, peer);
+                    prepare_request(&mut req, peer, shared.upstreams[*u].authority());
                     if let Some(protocol) = upgrade {
                         set_upgrade(req.headers_mut(), protocol);
                     }

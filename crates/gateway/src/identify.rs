@@ -66,17 +66,20 @@ impl Identify {
             ClientIpHeader::Forwarded => &FORWARDED,
             ClientIpHeader::XForwardedFor => &X_FORWARDED_FOR,
         };
-        let values = headers.get_all(name).iter().filter_map(|v| v.to_str().ok());
-        match self.client_ip_header {
-            ClientIpHeader::Forwarded => {
-                let elements: Vec<&str> = values.flat_map(|v| v.split(',')).collect();
-                self.walk(peer, elements.into_iter().map(forwarded_for))
-            }
-            ClientIpHeader::XForwardedFor => {
-                let hops: Vec<&str> = values.flat_map(|v| v.split(',')).collect();
-                self.walk(peer, hops.into_iter().map(parse_hop))
-            }
-        }
+        // Split as bytes, each element read as text on its own: a client's stray non-ASCII
+        // byte, which a proxy passes on in front of what it appends, must cost only its own
+        // element, not the proxy's entry to its right.
+        let elements: Vec<Option<&str>> = headers
+            .get_all(name)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+            .map(|e| std::str::from_utf8(e).ok())
+            .collect();
+        let parse = match self.client_ip_header {
+            ClientIpHeader::Forwarded => forwarded_for,
+            ClientIpHeader::XForwardedFor => parse_hop,
+        };
+        self.walk(peer, elements.into_iter().map(|e| e.and_then(parse)))
     }
 
     /// Right to left: skip trusted hops; the first untrusted one is the client. A malformed
@@ -362,6 +365,27 @@ mod tests {
         assert_eq!(client(&fwd, ip("10.0.0.1"), &both), ip("6.6.6.6"));
         let only_fwd = headers(&[("forwarded", "for=6.6.6.6")]);
         assert_eq!(client(&xff, ip("10.0.0.1"), &only_fwd), ip("10.0.0.1"));
+    }
+
+    #[test]
+    fn a_non_ascii_byte_costs_only_its_own_element() {
+        let id = identify(&["10.0.0.0/8"]);
+        let xff = |raw: &[u8]| {
+            let mut h = HeaderMap::new();
+            h.append(
+                X_FORWARDED_FOR.clone(),
+                http::HeaderValue::from_bytes(raw).unwrap(),
+            );
+            h
+        };
+        let h = xff(b"\xff, 203.0.113.7");
+        assert_eq!(client(&id, ip("10.0.0.1"), &h), ip("203.0.113.7"));
+        let h = xff(b"203.0.113.7, \xff");
+        assert_eq!(
+            client(&id, ip("10.0.0.1"), &h),
+            ip("10.0.0.1"),
+            "malformed: stop"
+        );
     }
 
     #[test]
