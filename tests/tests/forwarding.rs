@@ -377,9 +377,10 @@ async fn request_bodies_over_max_body_size_are_413() {
 }
 
 /// An upload longer than the upstream's `timeout` passes while its pieces keep coming (the
-/// response timer counts from its last piece, then from its end); one that stops is 504.
+/// response timer counts from its last piece, then from its end); one that stops is the
+/// client's doing: 408, not the upstream's 504.
 #[tokio::test]
-async fn a_slow_upload_passes_while_it_moves_and_a_stalled_one_is_504() {
+async fn a_slow_upload_passes_while_it_moves_and_a_stalled_one_is_408() {
     let up = MockUpstream::start().await;
     let gw = Sluice::start(&config(&up.url(), "400ms"));
     let started = tokio::time::Instant::now();
@@ -399,12 +400,67 @@ async fn a_slow_upload_passes_while_it_moves_and_a_stalled_one_is_504() {
         .unwrap();
     let started = tokio::time::Instant::now();
     let reply = send(gw.main, stalled).await;
-    assert_eq!(reply.status, 504, "{}", reply.text());
+    assert_eq!(reply.status, 408, "{}", reply.text());
+    assert_eq!(
+        reply.json()["type"],
+        "https://api.example.com/problems/request-timeout"
+    );
     let took = started.elapsed();
     assert!(
         took >= Duration::from_millis(550) && took < Duration::from_secs(5),
-        "504 after {took:?}: 400 ms after the last piece, at 200 ms"
+        "408 after {took:?}: 400 ms after the last piece, at 200 ms"
     );
+}
+
+/// A body that keeps coming, but slower than `min_body_rate`, is cut after the grace: a few
+/// connections trickling bytes cannot hold the gateway full (and its readiness failing).
+#[tokio::test]
+async fn an_upload_slower_than_the_minimum_rate_is_408_after_the_grace() {
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), "10s").replace(
+        "max_in_flight = 64",
+        "max_in_flight = 64\nmin_body_rate = \"20KB\"\nmin_body_rate_grace = \"300ms\"",
+    );
+    let gw = Sluice::start(&cfg);
+    // 1 KiB every 100 ms: 10 KB/s, half the minimum. Each piece comes well within the
+    // upstream's timeout, so only the rate can stop it.
+    let slow = Request::post("/api/upload")
+        .header("host", "x")
+        .body(Trickle::new(30, Duration::from_millis(100), false))
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let reply = send(gw.main, slow).await;
+    assert_eq!(reply.status, 408, "{}", reply.text());
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(2), "408 after {took:?}");
+    // 1 KiB every 20 ms (51 KB/s) passes.
+    let fast = Request::post("/api/upload")
+        .header("host", "x")
+        .body(Trickle::new(30, Duration::from_millis(20), false))
+        .unwrap();
+    let reply = send(gw.main, fast).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["body_bytes"], 30 * 1024);
+}
+
+/// A malformed request body is the caller's error: 400 with a problem body, not a 502 that
+/// would blame the upstream.
+#[tokio::test]
+async fn a_malformed_request_body_is_a_400() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let mut stream = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    stream
+        .write_all(b"POST /api/upload HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n")
+        .await
+        .unwrap();
+    let mut reply = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut reply));
+    read.await.expect("answered in time").unwrap();
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(reply.starts_with("HTTP/1.1 400"), "{reply}");
+    assert!(reply.contains("/problems/bad-request"), "{reply}");
 }
 
 /// An upstream that stops in the middle of its body: after `timeout` without a piece of it,

@@ -52,6 +52,18 @@ pub struct Gateway {
     pub overload_retry_after: RetryRange,
     /// Whether runs of slashes in a request's path are merged into one (see [`crate::path`]).
     pub merge_slashes: bool,
+    /// The slowest a request body may arrive (`None`: no minimum).
+    pub min_body_rate: Option<MinBodyRate>,
+}
+
+/// A minimum rate for request bodies, as Kestrel's `MinRequestBodyDataRate`: after `grace`,
+/// a body still arriving must average at least `bytes_per_second` since it started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MinBodyRate {
+    /// Bytes per second, averaged from the start of the body.
+    pub bytes_per_second: u64,
+    /// Time a body has before the rate is asked of it.
+    pub grace: Duration,
 }
 
 /// A range of whole seconds, `min <= max`, both at least one second.

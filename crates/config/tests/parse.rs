@@ -67,7 +67,35 @@ fn empty_file_takes_every_default() {
     assert_eq!(c.gateway.max_connections, None);
     assert_eq!(c.identity.ipv6_prefix, 64);
     assert!(c.gateway.merge_slashes);
+    assert_eq!(
+        c.gateway.min_body_rate,
+        Some(sluice_config::MinBodyRate {
+            bytes_per_second: 240,
+            grace: Duration::from_secs(5)
+        })
+    );
     assert!(c.routes.is_empty());
+}
+
+#[test]
+fn min_body_rate_is_a_size_per_second_and_zero_turns_it_off() {
+    let c = parse(
+        "[gateway]\nmin_body_rate = \"1KiB\"\nmin_body_rate_grace = \"2s\"\n",
+        Path::new("c.toml"),
+    )
+    .unwrap();
+    let rate = c.gateway.min_body_rate.unwrap();
+    assert_eq!(
+        (rate.bytes_per_second, rate.grace),
+        (1024, Duration::from_secs(2))
+    );
+    let off = parse("[gateway]\nmin_body_rate = \"0B\"\n", Path::new("c.toml")).unwrap();
+    assert_eq!(off.gateway.min_body_rate, None);
+    let e = errors("[gateway]\nmin_body_rate = \"fast\"\n");
+    assert!(
+        e[0].starts_with("c.toml:2:17: gateway.min_body_rate: \"fast\" is not a size"),
+        "{e:?}"
+    );
 }
 
 #[test]

@@ -7,7 +7,7 @@ use std::error::Error as StdError;
 use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -23,7 +23,7 @@ use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use pin_project_lite::pin_project;
-use sluice_config::Upstream;
+use sluice_config::{MinBodyRate, Upstream};
 use tokio::net::TcpStream;
 
 use crate::problem::Problem;
@@ -87,6 +87,8 @@ struct Kept {
 enum Failure {
     /// The upstream did not connect or answer before the request's deadline.
     Timeout,
+    /// The request body stopped coming from the client, or came slower than `min_body_rate`.
+    ClientStalled,
     Connect(io::Error),
     Http(hyper::Error),
 }
@@ -129,8 +131,9 @@ impl UpstreamClient {
         &self,
         req: Request<Incoming>,
         max_body: u64,
+        min_rate: Option<MinBodyRate>,
     ) -> Result<Response<Incoming>, Problem> {
-        let mut req = req.map(|body| Upload::new(body, max_body));
+        let mut req = req.map(|body| Upload::new(body, max_body, min_rate));
         let path = req
             .uri()
             .path_and_query()
@@ -141,6 +144,7 @@ impl UpstreamClient {
         let now = Instant::now();
         match self.exchange(req, now, now + self.timeout).await {
             Err(Failure::Timeout) => Err(Problem::upstream_timeout()),
+            Err(Failure::ClientStalled) => Err(Problem::body_timeout()),
             Ok(res) => Ok(res),
             Err(Failure::Connect(e)) => {
                 tracing::debug!(upstream = %self.authority, error = %e, "cannot connect to the upstream");
@@ -149,6 +153,14 @@ impl UpstreamClient {
             Err(Failure::Http(e)) if caused_by_timeout(&e) => Err(Problem::upstream_timeout()),
             Err(Failure::Http(e)) if caused_by::<BodyTooLarge>(&e) => {
                 Err(Problem::body_too_large(max_body))
+            }
+            // The client's own body failed (a malformed chunk, fewer bytes than declared): the
+            // caller's error, not the upstream's.
+            Err(Failure::Http(e)) if caused_by::<ClientBody>(&e) => {
+                tracing::debug!(error = %display_chain(&e), "request body failed");
+                Err(Problem::bad_request(
+                    "The request body was malformed or ended before its declared length.",
+                ))
             }
             Err(Failure::Http(e)) => {
                 tracing::debug!(error = %display_chain(&e), "upstream request failed");
@@ -166,6 +178,10 @@ impl UpstreamClient {
         deadline: Instant,
     ) -> Result<Response<Incoming>, Failure> {
         let moved = req.body().moved.clone();
+        // With a body still to come, the timer also wakes for the body's own deadlines.
+        let deadline = moved
+            .as_ref()
+            .map_or(deadline, |m| deadline.min(m.next_check(self.timeout)));
         loop {
             let (mut conn, pooled) = match self.checkout(now) {
                 Some(conn) => (conn, true),
@@ -182,9 +198,10 @@ impl UpstreamClient {
                     sent = sending.as_mut() => break sent,
                     () = conn.timer.as_mut() => {
                         // A body still coming moves the deadline: it counts from its last piece.
-                        match moved.as_ref().map(|m| m.deadline(self.timeout)) {
-                            Some(later) if later > Instant::now() => conn.timer.as_mut().reset(later),
-                            _ => return Err(Failure::Timeout),
+                        match moved.as_ref().map(|m| m.verdict(self.timeout, Instant::now())) {
+                            Some(Verdict::Wait(later)) => conn.timer.as_mut().reset(later),
+                            Some(Verdict::ClientStalled) => return Err(Failure::ClientStalled),
+                            Some(Verdict::UpstreamLate) | None => return Err(Failure::Timeout),
                         }
                     }
                 }
@@ -297,33 +314,111 @@ impl std::fmt::Display for BodyTooLarge {
 
 impl StdError for BodyTooLarge {}
 
-/// When a request body's last piece passed (or it ended).
+/// The client's request body failed (hyper's error inside): answered 400, not 502.
+#[derive(Debug)]
+struct ClientBody(hyper::Error);
+
+impl std::fmt::Display for ClientBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the client's request body failed")
+    }
+}
+
+impl StdError for ClientBody {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        Some(&self.0)
+    }
+}
+
+/// How a request body is coming: when its last piece passed, how much came, and whether the
+/// gateway is waiting on the client for more.
 #[derive(Debug)]
 struct Moved {
     start: Instant,
     /// Nanoseconds after `start`.
     last: AtomicU64,
+    bytes: AtomicU64,
+    /// [`MOVING`], [`WAITING`] or [`ENDED`].
+    state: AtomicU8,
+    min_rate: Option<MinBodyRate>,
+}
+
+/// The body's last poll gave a piece: the next is not asked for yet (the upstream may not be
+/// taking what it has).
+const MOVING: u8 = 0;
+/// The body's last poll found nothing yet: the client owes the next piece.
+const WAITING: u8 = 1;
+/// The whole body has come.
+const ENDED: u8 = 2;
+
+/// What the response timer finds when it fires.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Nothing is late yet: look again then.
+    Wait(Instant),
+    /// The client owes the body's next piece and is past its deadline (`timeout` after the
+    /// last piece, or behind `min_body_rate`): 408.
+    ClientStalled,
+    /// The body has come (or the upstream is not taking it) and the upstream is late: 504.
+    UpstreamLate,
 }
 
 impl Moved {
-    fn note(&self) {
+    fn note(&self, state: u8, len: u64) {
         let nanos = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.last.store(nanos, Ordering::Release);
+        self.bytes.fetch_add(len, Ordering::AcqRel);
+        self.state.store(state, Ordering::Release);
     }
 
     /// `timeout` after the last piece (or the end).
     fn deadline(&self, timeout: Duration) -> Instant {
         self.start + Duration::from_nanos(self.last.load(Ordering::Acquire)) + timeout
     }
+
+    /// When a body that has received what it has so far falls behind `min_body_rate`: after
+    /// the grace, the time by which those bytes were due at the rate.
+    fn rate_deadline(&self) -> Option<Instant> {
+        let rate = self.min_rate?;
+        let bytes = self.bytes.load(Ordering::Acquire);
+        let due = Duration::from_secs_f64(bytes as f64 / rate.bytes_per_second as f64);
+        Some(self.start + rate.grace.max(due))
+    }
+
+    /// The first moment the timer must look at this body.
+    fn next_check(&self, timeout: Duration) -> Instant {
+        let deadline = self.deadline(timeout);
+        self.rate_deadline().map_or(deadline, |r| r.min(deadline))
+    }
+
+    fn verdict(&self, timeout: Duration, now: Instant) -> Verdict {
+        let deadline = self.deadline(timeout);
+        if self.state.load(Ordering::Acquire) != WAITING {
+            return if deadline > now {
+                Verdict::Wait(deadline)
+            } else {
+                Verdict::UpstreamLate
+            };
+        }
+        let due = self.rate_deadline().map_or(deadline, |r| r.min(deadline));
+        if due > now {
+            Verdict::Wait(due)
+        } else {
+            Verdict::ClientStalled
+        }
+    }
 }
 
 impl Upload {
-    fn new(body: Incoming, allowed: u64) -> Self {
+    fn new(body: Incoming, allowed: u64, min_rate: Option<MinBodyRate>) -> Self {
         // Most requests have no body: no clock and no allocation for them.
         let moved = (!http_body::Body::is_end_stream(&body)).then(|| {
             Arc::new(Moved {
                 start: Instant::now(),
                 last: AtomicU64::new(0),
+                bytes: AtomicU64::new(0),
+                state: AtomicU8::new(MOVING),
+                min_rate,
             })
         });
         Upload {
@@ -342,19 +437,28 @@ impl http_body::Body for Upload {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let this = self.project();
-        let polled = this.body.poll_frame(cx);
-        if let (Poll::Ready(_), Some(moved)) = (&polled, this.moved) {
-            moved.note();
+        let mut this = self.project();
+        let polled = this.body.as_mut().poll_frame(cx);
+        let len = match &polled {
+            Poll::Ready(Some(Ok(frame))) => frame.data_ref().map_or(0, |d| d.len() as u64),
+            _ => 0,
+        };
+        if let Some(moved) = this.moved {
+            match &polled {
+                Poll::Pending => moved.state.store(WAITING, Ordering::Release),
+                Poll::Ready(Some(Ok(_))) if !this.body.is_end_stream() => moved.note(MOVING, len),
+                Poll::Ready(_) => moved.note(ENDED, len),
+            }
         }
-        if let Poll::Ready(Some(Ok(frame))) = &polled {
-            let len = frame.data_ref().map_or(0, |d| d.len() as u64);
+        if len > 0 {
             match this.allowed.checked_sub(len) {
                 Some(left) => *this.allowed = left,
                 None => return Poll::Ready(Some(Err(Box::new(BodyTooLarge)))),
             }
         }
-        polled.map(|frame| frame.map(|f| f.map_err(Into::into)))
+        // Coerced, not `into()`: that would box the box, and hide the type from `caused_by`.
+        let client_body = |e| -> Self::Error { Box::new(ClientBody(e)) };
+        polled.map(|frame| frame.map(|f| f.map_err(client_body)))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -735,6 +839,48 @@ mod tests {
 
     fn peer(addr: &str, trusted: bool) -> Peer {
         Peer::new(addr.parse().unwrap(), |_| trusted)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_is_late_on_the_client_when_it_owes_the_next_piece_else_on_the_upstream() {
+        let timeout = Duration::from_secs(10);
+        let start = Instant::now();
+        let at = |s: u64| start + Duration::from_secs(s);
+        let moved = |min_rate| Moved {
+            start,
+            last: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            state: AtomicU8::new(MOVING),
+            min_rate,
+        };
+        let rate = Some(MinBodyRate {
+            bytes_per_second: 1000,
+            grace: Duration::from_secs(5),
+        });
+        let m = moved(rate);
+        // Not waiting on the client (the upstream is not taking the body): its timeout alone.
+        assert_eq!(m.verdict(timeout, at(0)), Verdict::Wait(at(10)));
+        assert_eq!(m.verdict(timeout, at(10)), Verdict::UpstreamLate);
+        // Waiting on the client: nothing by the grace's end is below any rate.
+        m.state.store(WAITING, Ordering::Release);
+        assert_eq!(m.next_check(timeout), at(5));
+        assert_eq!(m.verdict(timeout, at(0)), Verdict::Wait(at(5)));
+        assert_eq!(m.verdict(timeout, at(5)), Verdict::ClientStalled);
+        // 6,000 bytes by 5 s are due by 6 s at 1,000 a second.
+        tokio::time::advance(Duration::from_secs(5)).await;
+        m.note(MOVING, 6_000);
+        m.state.store(WAITING, Ordering::Release);
+        assert_eq!(m.verdict(timeout, at(5)), Verdict::Wait(at(6)));
+        assert_eq!(m.verdict(timeout, at(6)), Verdict::ClientStalled);
+        // Once the body has ended, only the upstream can be late: 10 s after the end.
+        m.note(ENDED, 0);
+        assert_eq!(m.verdict(timeout, at(6)), Verdict::Wait(at(15)));
+        assert_eq!(m.verdict(timeout, at(15)), Verdict::UpstreamLate);
+        // Without a minimum rate a client is late `timeout` after its last piece.
+        let m = moved(None);
+        m.state.store(WAITING, Ordering::Release);
+        assert_eq!(m.verdict(timeout, at(9)), Verdict::Wait(at(10)));
+        assert_eq!(m.verdict(timeout, at(10)), Verdict::ClientStalled);
     }
 
     fn upstream() -> Authority {

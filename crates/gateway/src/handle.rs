@@ -44,6 +44,8 @@ pub(crate) struct Shared {
     health_path: Option<String>,
     /// `gateway.merge_slashes`: how request paths are brought to normal form.
     merge_slashes: bool,
+    /// `gateway.min_body_rate`.
+    min_body_rate: Option<sluice_config::MinBodyRate>,
     /// The largest request body forwarded (`u64::MAX`: no limit).
     max_body_size: u64,
     pub(crate) problem_base: String,
@@ -82,6 +84,7 @@ impl Shared {
             ),
             health_path: config.gateway.health_path.clone(),
             merge_slashes: config.gateway.merge_slashes,
+            min_body_rate: config.gateway.min_body_rate,
             max_body_size: config.gateway.max_body_size.unwrap_or(u64::MAX),
             problem_base: config.responses.problem_base.clone(),
             legacy_headers: config.responses.legacy_headers,
@@ -201,7 +204,9 @@ pub(crate) async fn handle(
                     if let Some(protocol) = upgrade {
                         set_upgrade(req.headers_mut(), protocol);
                     }
-                    let sent = shared.upstreams[*u].send(req, shared.max_body_size).await;
+                    let sent = shared.upstreams[*u]
+                        .send(req, shared.max_body_size, shared.min_body_rate)
+                        .await;
                     log.upstream_done();
                     match (sent, client_side) {
                         (Ok(mut res), Some(client_side))

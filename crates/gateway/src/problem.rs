@@ -82,6 +82,16 @@ impl Problem {
         Self::new(StatusCode::BAD_GATEWAY, "upstream-unavailable", "The upstream service could not be reached", "The connection to the upstream service was refused, reset or closed before it answered.")
     }
 
+    /// 408: the request body stopped coming, or came slower than `min_body_rate`.
+    pub(crate) fn body_timeout() -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "request-timeout",
+            "The request body did not arrive in time",
+            "The request body stopped arriving, or arrived slower than the gateway's minimum rate.",
+        )
+    }
+
     pub(crate) fn upstream_timeout() -> Self {
         Self::new(
             StatusCode::GATEWAY_TIMEOUT,

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use super::Validator;
 use crate::model::{
-    Admin, ClientIpHeader, Gateway, Identity, KeySource, Responses, RetryRange, Upstream,
+    Admin, ClientIpHeader, Gateway, Identity, KeySource, MinBodyRate, Responses, RetryRange,
+    Upstream,
 };
 use crate::raw::{RawAdmin, RawGateway, RawIdentity, RawResponses, RawUpstream, S};
 use crate::Cidr;
@@ -77,6 +78,7 @@ impl Validator<'_> {
             Duration::from_secs(30),
         );
         let overload_retry_after = self.retry_range(raw);
+        let min_body_rate = self.min_body_rate(raw);
         Gateway {
             listen,
             max_in_flight,
@@ -88,7 +90,30 @@ impl Validator<'_> {
             shutdown_grace,
             overload_retry_after,
             merge_slashes,
+            min_body_rate,
         }
+    }
+
+    fn min_body_rate(&mut self, raw: &RawGateway) -> Option<MinBodyRate> {
+        let grace = self.duration(
+            &raw.min_body_rate_grace,
+            "gateway.min_body_rate_grace",
+            Duration::from_secs(5),
+        );
+        let bytes_per_second = match &raw.min_body_rate {
+            None => 240,
+            Some(v) => match crate::size::parse_size(v.get_ref()) {
+                Ok(n) => n,
+                Err(msg) => {
+                    self.err(Some(v.span()), "gateway.min_body_rate", msg);
+                    240
+                }
+            },
+        };
+        (bytes_per_second > 0).then_some(MinBodyRate {
+            bytes_per_second,
+            grace,
+        })
     }
 
     fn retry_range(&mut self, raw: &RawGateway) -> RetryRange {
