@@ -849,3 +849,46 @@ async fn a_request_with_two_hosts_or_a_bad_one_is_a_400_and_never_forwarded() {
         "only the two good requests were forwarded"
     );
 }
+
+/// HTTP/2 requests are held to the header-field count HTTP/1.1 requests are (hyper refuses
+/// those itself): 100 fields pass, 101 are a 431 with a problem body.
+#[tokio::test]
+async fn an_http2_request_with_more_than_100_header_fields_is_a_431() {
+    use http_body_util::BodyExt;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let stream = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    for (fields, status) in [(100, 200), (101, 431)] {
+        // The route answers itself: an upstream would add its own limit to the gateway's
+        // (hyper's, 100, counting the forwarding headers the gateway adds).
+        let mut req = Request::get("http://x/status");
+        for i in 0..fields {
+            req = req.header(format!("x-h{i}"), "1");
+        }
+        let res = sender
+            .send_request(req.body(Full::<Bytes>::default()).unwrap())
+            .await
+            .unwrap();
+        let got = res.status();
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(
+            got,
+            status,
+            "{fields} fields: {}",
+            String::from_utf8_lossy(&body)
+        );
+        if status == 431 {
+            let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(
+                json["type"],
+                "https://api.example.com/problems/headers-too-large"
+            );
+        }
+    }
+}

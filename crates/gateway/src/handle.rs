@@ -29,7 +29,7 @@ use crate::quota::{Caller, Notes, Outcome, Quota, Reports, Stop};
 use crate::refusal::quota_exceeded;
 use crate::request_id::{RequestIds, X_REQUEST_ID};
 use crate::route::{malformed_path, normalize_path, Router};
-use crate::server::{default_max_connections, ConnectionCap};
+use crate::server::{default_max_connections, ConnectionCap, MAX_HEADERS};
 
 /// Everything a request needs, built once from the configuration.
 #[derive(Debug)]
@@ -105,6 +105,8 @@ pub(crate) async fn handle(
     if req.version() == http::Version::HTTP_2 {
         busy.http2();
     }
+    // Counted before the gateway adds its own (HTTP/1.1 past it never gets here).
+    let too_many_headers = req.headers().len() > MAX_HEADERS;
     // Room for what the walk adds (X-Request-Id, X-Forwarded-For, X-Forwarded-Proto) at once:
     // hyper sizes the map for the headers it parsed, and each growth rehashes it.
     req.headers_mut().reserve(3);
@@ -119,6 +121,10 @@ pub(crate) async fn handle(
         let (shared, peer, log) = (&*shared, &peer, &mut log);
         let mut req = req;
         'walk: {
+            if too_many_headers {
+                break 'walk Problem::too_many_headers(MAX_HEADERS)
+                    .into_response(&shared.problem_base);
+            }
             // Matched and forwarded in normal form: no spelling of a path escapes its route.
             if normalize_path(&mut req, shared.merge_slashes).is_err() {
                 break 'walk malformed_path().into_response(&shared.problem_base);

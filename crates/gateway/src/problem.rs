@@ -68,6 +68,17 @@ impl Problem {
         )
     }
 
+    /// 431: an HTTP/2 request with more header fields than HTTP/1.1's limit (hyper answers
+    /// that one itself, before the gateway sees the request).
+    pub(crate) fn too_many_headers(max: usize) -> Self {
+        Self::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "headers-too-large",
+            "The request has too many header fields",
+            format!("The request has more than {max} header fields."),
+        )
+    }
+
     /// 413: the request's body is over `max_body_size` (declared, or found while forwarding).
     pub(crate) fn body_too_large(limit: u64) -> Self {
         Self::new(

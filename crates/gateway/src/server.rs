@@ -24,6 +24,10 @@ use crate::spread::{Handoff, Open, Place, Spread};
 /// Request heads (and HTTP/2 header lists) larger than this are refused (431 on HTTP/1.1).
 pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
 
+/// Header fields a request may have: hyper's HTTP/1.1 limit, which answers 431 past it;
+/// HTTP/2 requests are held to it by the gateway.
+pub(crate) const MAX_HEADERS: usize = 100;
+
 /// Builds the connection settings of both listeners.
 pub(crate) fn builder() -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
