@@ -95,10 +95,11 @@ pub(crate) fn write(
             .expect("items is not empty");
         headers.insert(X_LIMIT.clone(), HeaderValue::from(r.quota));
         headers.insert(X_REMAINING.clone(), HeaderValue::from(r.remaining));
-        headers.insert(
-            X_RESET.clone(),
-            HeaderValue::from(r.reset.map_or(0, ceil_secs)),
-        );
+        // A limit with no reset time (concurrency: a slot frees when a request ends) says
+        // none, rather than 0, "now", beside a Retry-After that says otherwise.
+        if let Some(reset) = r.reset {
+            headers.insert(X_RESET.clone(), HeaderValue::from(ceil_secs(reset)));
+        }
     }
 }
 
@@ -221,6 +222,17 @@ mod tests {
         assert_eq!(h["x-ratelimit-reset"], "9");
         assert_eq!(h["ratelimit-cost"], "5");
         assert_eq!(h["ratelimit"], "\"a\";r=3;t=5, \"b\";r=3;t=9, \"c\";r=4");
+        // A spent concurrency limit has no reset time: no X-RateLimit-Reset, not 0.
+        let mut h = HeaderMap::new();
+        write(
+            &mut h,
+            &[(&*names[2], report(1, None, 0, None))],
+            1,
+            true,
+            &PolicyCache::default(),
+        );
+        assert_eq!(h["x-ratelimit-remaining"], "0");
+        assert!(!h.contains_key("x-ratelimit-reset"));
     }
 
     #[test]
