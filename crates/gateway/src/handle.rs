@@ -196,7 +196,7 @@ pub(crate) async fn handle(
                 .await
             {
                 Ok(pass) => pass,
-                Err(stop) => break 'walk stopped(shared, index, stop, cost, log),
+                Err(stop) => break 'walk stopped(shared, index, stop, (&reports, cost), log),
             };
             log.outcome(pass.outcome, &shared.quota);
 
@@ -266,11 +266,13 @@ pub(crate) async fn handle(
 }
 
 /// The answer to a request that was not admitted: 429, 503 (or 500 for an impossible cost).
+/// The answer to a request that was not admitted. `reports` are the figures of a request
+/// refused for capacity (as had it been served: nothing was charged).
 fn stopped(
     shared: &Shared,
     route: usize,
     stop: Stop,
-    cost: u32,
+    (reports, cost): (&Reports, u32),
     log: &mut AccessLog,
 ) -> Response<Body> {
     match stop {
@@ -288,8 +290,10 @@ fn stopped(
         }
         Stop::Overloaded => {
             log.outcome(Outcome::Overloaded, &shared.quota);
-            Problem::overloaded(overload_retry_after(shared.overload_retry_after))
-                .into_response(&shared.problem_base)
+            let mut res = Problem::overloaded(overload_retry_after(shared.overload_retry_after))
+                .into_response(&shared.problem_base);
+            advertise(shared, route, res.headers_mut(), reports, cost);
+            res
         }
         Stop::CostTooLarge(id) => {
             tracing::error!(

@@ -57,12 +57,13 @@ impl Quota {
         self.limiter
             .decide_with(&layers.enforced, cost, now, |decision| match decision {
                 Decision::Admitted(admission) => {
+                    // The figures had it been served: a 503 advertises them too.
+                    reports.extend(admission.reports(&self.limiter).map(|r| (r.limit, r)));
                     // A held request is in-flight work: a full gateway cannot hold more.
                     let Some(slot) = slot.or_else(|| capacity.try_acquire()) else {
                         self.limiter.refund(admission);
                         return (Err(Stop::Overloaded), None);
                     };
-                    reports.extend(admission.reports(&self.limiter).map(|r| (r.limit, r)));
                     let wait = admission.wait();
                     let held_back = !wait.is_zero();
                     let (dry_run, dry_refused, dry_admission) =

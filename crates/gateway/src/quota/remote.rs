@@ -140,11 +140,12 @@ impl Remote {
         };
         match decision {
             RemoteDecision::Admitted(mut a) => {
+                // The figures had it been served: a 503 advertises them too.
+                notes.reports.extend(figures(layers, &a.reports));
                 // Check-only said "would pass": the caller is within quota, the instance is full.
                 let Some(slot) = slot else {
                     return Err(Stop::Overloaded);
                 };
-                notes.reports.extend(figures(layers, &a.reports));
                 let dry_refused = a.dry_run_refused.map(|i| id_of(layers, i));
                 let held = Held {
                     _lease: a.lease.take(),
