@@ -850,6 +850,8 @@ window = "1h"
         "/v1/search;jsessionid=1",
         "/v1/other/..;/search",
         "/V1/Search",
+        "/v1%2Fsearch",
+        "/v1\\search",
     ] {
         let r = raw_get(gw.main, spelling, &key).await;
         assert_eq!(
@@ -931,5 +933,37 @@ window = "1h"
         statuses,
         [200, 200, 429, 429, 429],
         "one client: 203.0.113.5"
+    );
+}
+
+/// `Connection` names headers a proxy must not forward, but a caller could name the one it
+/// was counted by (`X-Api-Key: random`, `Authorization: Bearer real`, `Connection:
+/// x-api-key`): counted under a fresh key each time, served under the real one. The headers
+/// the gateway identifies callers by reach the upstream whatever `Connection` says.
+#[tokio::test]
+async fn connection_cannot_remove_the_headers_a_caller_was_counted_by() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), 16, KEY_QUOTA));
+    let r = raw_get(
+        gw.main,
+        "/v1/echo",
+        &[
+            ("x-api-key", "random-1"),
+            ("authorization", "Bearer real"),
+            ("x-other", "1"),
+            (
+                "connection",
+                "x-api-key, authorization, x-forwarded-for, x-other",
+            ),
+        ],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let sent = &r.json()["headers"];
+    assert_eq!(sent["x-api-key"], "random-1", "{sent}");
+    assert_eq!(sent["authorization"], "Bearer real", "{sent}");
+    assert!(
+        sent.get("x-other").is_none(),
+        "other named headers still go: {sent}"
     );
 }

@@ -10,10 +10,10 @@
 //! nginx does before matching its locations and Envoy does with `normalize_path` and
 //! `merge_slashes`.
 //!
-//! Routes are matched on one more step, [`route_key`]: each segment's parameters (`;...`) are
-//! dropped first, as Java servlet containers do before they route, so `/v1/login;x` and
-//! `/v1/public/..;/login` are counted as the login route they reach there. The forwarded path
-//! keeps its parameters.
+//! Routes are matched on one more step, [`route_key`]: escaped slashes are read as slashes and
+//! each segment's parameters (`;...`) are dropped first, as many servers do before they route,
+//! so `/v1%2Flogin`, `/v1/login;x` and `/v1/public/..;/login` are counted as the login route
+//! they reach there. The forwarded path keeps them as they are.
 
 use std::borrow::Cow;
 
@@ -37,13 +37,25 @@ pub fn normalize(path: &str, merge_slashes: bool) -> Result<Cow<'_, str>, Malfor
     })
 }
 
-/// What a path in normal form is matched against routes as: `normal` with each segment's
-/// parameters (from `;` to the segment's end) dropped and dot segments removed again.
+/// What a path in normal form is matched against routes as: `normal` with escaped slashes and
+/// backslashes (`%2F`, `%5C`, `\\`) read as `/`, each segment's parameters (from `;` to the
+/// segment's end) dropped, and dot segments removed again. Many servers (Python's ASGI and
+/// WSGI servers, Go's before 1.22, some Java containers) decode `%2F` before they route, and
+/// Windows ones take `\\` for `/`: a route must not be escaped that way either.
 pub fn route_key(normal: &str, merge_slashes: bool) -> Cow<'_, str> {
-    if !normal.starts_with('/') || !normal.contains(';') {
+    if !normal.starts_with('/') || !normal.bytes().any(|b| matches!(b, b';' | b'\\' | b'%')) {
         return Cow::Borrowed(normal);
     }
-    Cow::Owned(resolve(normal, merge_slashes, true))
+    let slashes = normal
+        .replace("%2F", "/")
+        .replace("%5C", "/")
+        .replace('\\', "/");
+    let key = resolve(&slashes, merge_slashes, true);
+    if key == normal {
+        Cow::Borrowed(normal)
+    } else {
+        Cow::Owned(key)
+    }
 }
 
 /// Whether `path` holds nothing [`normalize`] would change: no `%`, no segment starting with
@@ -212,6 +224,11 @@ mod tests {
         assert_eq!(route_key("/v1/public/..;/login", true), "/v1/login");
         assert_eq!(route_key("/v1/;x/login", true), "/v1/login");
         assert!(matches!(route_key("/v1/login", true), Cow::Borrowed(_)));
+        assert!(matches!(route_key("/v1/a%20b", true), Cow::Borrowed(_)));
+        assert_eq!(route_key("/v1%2Flogin", true), "/v1/login");
+        assert_eq!(route_key("/v1%5Clogin", true), "/v1/login");
+        assert_eq!(route_key("/v1\\login", true), "/v1/login");
+        assert_eq!(route_key("/v1/x/..%2Flogin", true), "/v1/login");
     }
 
     /// Every output is a fixed point: normalizing twice changes nothing, and no dot segment

@@ -126,6 +126,24 @@ fn route_hosts_are_matched_without_port_or_trailing_dot() {
 }
 
 #[test]
+fn a_route_shadowed_by_an_earlier_one_but_for_case_is_refused() {
+    let route = |name: &str, path: &str, extra: &str| {
+        format!("[[routes]]\nname = \"{name}\"\npath = \"{path}\"\n{extra}respond = {{ status = 200 }}\n\n")
+    };
+    let text = [
+        route("a", "/v1/search", ""),
+        route("b", "/V1/Search", ""),
+        route("c", "/v1/SEARCH", "methods = [\"POST\"]\n"),
+        route("d", "/v1/search", "host = \"a.example\"\n"),
+    ]
+    .concat();
+    assert_eq!(
+        errors(&text),
+        ["c.toml:8:8: routes[1].path: \"/V1/Search\" is routes[0]'s path (paths match regardless of case), with the same methods and host: this route could never match"]
+    );
+}
+
+#[test]
 fn route_and_health_paths_must_be_in_the_normal_form_requests_are_matched_in() {
     let text = "[gateway]\nhealth_path = \"/health/./x\"\n\n\
                 [[routes]]\nname = \"a\"\npath = \"/v1//a\"\nrespond = { status = 200 }\n\n\

@@ -178,8 +178,9 @@ impl UpstreamClient {
         deadline: Instant,
     ) -> Result<Response<Incoming>, Failure> {
         let moved = req.body().moved.clone();
-        // With a body still to come, the timer also wakes for the body's own deadlines.
-        let deadline = moved
+        // With a body still to come, the timer also wakes for the body's own deadlines (not
+        // the connect: that has the upstream's deadline).
+        let first_look = moved
             .as_ref()
             .map_or(deadline, |m| deadline.min(m.next_check(self.timeout)));
         loop {
@@ -189,7 +190,7 @@ impl UpstreamClient {
                 // every request's.
                 None => (Box::pin(self.connect(deadline)).await?, false),
             };
-            conn.timer.as_mut().reset(deadline);
+            conn.timer.as_mut().reset(first_look);
             let sending = conn.sender.try_send_request(req);
             tokio::pin!(sending);
             let sent = loop {
@@ -330,8 +331,10 @@ impl StdError for ClientBody {
     }
 }
 
-/// How a request body is coming: when its last piece passed, how much came, and whether the
-/// gateway is waiting on the client for more.
+/// How a request body is coming: when its last piece passed, how much came, whether the
+/// gateway is waiting on the client for more, and for how long it has waited on the client
+/// in all (the minimum rate is asked of that time only: time the upstream spends not taking
+/// the body is not the client's).
 #[derive(Debug)]
 struct Moved {
     start: Instant,
@@ -340,6 +343,10 @@ struct Moved {
     bytes: AtomicU64,
     /// [`MOVING`], [`WAITING`] or [`ENDED`].
     state: AtomicU8,
+    /// Nanoseconds spent waiting on the client, in stretches that ended.
+    waited: AtomicU64,
+    /// Nanoseconds after `start` when the current stretch of waiting began.
+    wait_since: AtomicU64,
     min_rate: Option<MinBodyRate>,
 }
 
@@ -364,11 +371,40 @@ enum Verdict {
 }
 
 impl Moved {
+    fn new(min_rate: Option<MinBodyRate>) -> Self {
+        Moved {
+            start: Instant::now(),
+            last: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            state: AtomicU8::new(MOVING),
+            waited: AtomicU64::new(0),
+            wait_since: AtomicU64::new(0),
+            min_rate,
+        }
+    }
+
+    fn nanos_since_start(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The body's poll found nothing: a stretch of waiting on the client begins (or goes on).
+    fn wait(&self) {
+        if self.state.swap(WAITING, Ordering::AcqRel) != WAITING {
+            self.wait_since
+                .store(self.nanos_since_start(), Ordering::Release);
+        }
+    }
+
+    /// A piece of `len` bytes came (or the end): the body is `state` now.
     fn note(&self, state: u8, len: u64) {
-        let nanos = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let nanos = self.nanos_since_start();
+        if self.state.swap(state, Ordering::AcqRel) == WAITING {
+            let since = self.wait_since.load(Ordering::Acquire);
+            self.waited
+                .fetch_add(nanos.saturating_sub(since), Ordering::AcqRel);
+        }
         self.last.store(nanos, Ordering::Release);
         self.bytes.fetch_add(len, Ordering::AcqRel);
-        self.state.store(state, Ordering::Release);
     }
 
     /// `timeout` after the last piece (or the end).
@@ -376,31 +412,48 @@ impl Moved {
         self.start + Duration::from_nanos(self.last.load(Ordering::Acquire)) + timeout
     }
 
-    /// When a body that has received what it has so far falls behind `min_body_rate`: after
-    /// the grace, the time by which those bytes were due at the rate.
-    fn rate_deadline(&self) -> Option<Instant> {
-        let rate = self.min_rate?;
+    /// Waiting time the body has left before it falls behind `min_body_rate`: the grace, or
+    /// the time its bytes so far buy at the rate if longer, less what it has waited already.
+    fn rate_allowance(&self, rate: MinBodyRate) -> Duration {
         let bytes = self.bytes.load(Ordering::Acquire);
-        let due = Duration::from_secs_f64(bytes as f64 / rate.bytes_per_second as f64);
-        Some(self.start + rate.grace.max(due))
+        let bought = Duration::from_secs_f64(bytes as f64 / rate.bytes_per_second as f64);
+        let waited = Duration::from_nanos(self.waited.load(Ordering::Acquire));
+        rate.grace.max(bought).saturating_sub(waited)
     }
 
-    /// The first moment the timer must look at this body.
+    /// The first moment the timer must look at this body: the earliest a client could fall
+    /// behind the rate is once it has waited the grace.
     fn next_check(&self, timeout: Duration) -> Instant {
         let deadline = self.deadline(timeout);
-        self.rate_deadline().map_or(deadline, |r| r.min(deadline))
+        self.min_rate
+            .map_or(deadline, |r| deadline.min(self.start + r.grace))
     }
 
     fn verdict(&self, timeout: Duration, now: Instant) -> Verdict {
         let deadline = self.deadline(timeout);
-        if self.state.load(Ordering::Acquire) != WAITING {
+        let state = self.state.load(Ordering::Acquire);
+        let waiting = state == WAITING;
+        // Behind the rate: when the current stretch of waiting uses up the allowance (a body
+        // that has ended owes nothing).
+        let rate_due = self.min_rate.filter(|_| state != ENDED).map(|rate| {
+            let allowance = self.rate_allowance(rate);
+            if waiting {
+                let since = self.wait_since.load(Ordering::Acquire);
+                self.start + Duration::from_nanos(since) + allowance
+            } else {
+                // Not waiting: the allowance from now at the soonest, and not more often than
+                // once a second while the upstream is not taking the body.
+                now + allowance.max(Duration::from_secs(1))
+            }
+        });
+        if !waiting {
             return if deadline > now {
-                Verdict::Wait(deadline)
+                Verdict::Wait(rate_due.map_or(deadline, |r| r.min(deadline)))
             } else {
                 Verdict::UpstreamLate
             };
         }
-        let due = self.rate_deadline().map_or(deadline, |r| r.min(deadline));
+        let due = rate_due.map_or(deadline, |r| r.min(deadline));
         if due > now {
             Verdict::Wait(due)
         } else {
@@ -412,15 +465,8 @@ impl Moved {
 impl Upload {
     fn new(body: Incoming, allowed: u64, min_rate: Option<MinBodyRate>) -> Self {
         // Most requests have no body: no clock and no allocation for them.
-        let moved = (!http_body::Body::is_end_stream(&body)).then(|| {
-            Arc::new(Moved {
-                start: Instant::now(),
-                last: AtomicU64::new(0),
-                bytes: AtomicU64::new(0),
-                state: AtomicU8::new(MOVING),
-                min_rate,
-            })
-        });
+        let moved =
+            (!http_body::Body::is_end_stream(&body)).then(|| Arc::new(Moved::new(min_rate)));
         Upload {
             body,
             moved,
@@ -445,7 +491,7 @@ impl http_body::Body for Upload {
         };
         if let Some(moved) = this.moved {
             match &polled {
-                Poll::Pending => moved.state.store(WAITING, Ordering::Release),
+                Poll::Pending => moved.wait(),
                 Poll::Ready(Some(Ok(_))) if !this.body.is_end_stream() => moved.note(MOVING, len),
                 Poll::Ready(_) => moved.note(ENDED, len),
             }
@@ -512,7 +558,7 @@ fn display_chain(e: &(dyn StdError + 'static)) -> String {
 /// pass over the names, without hashing or copying, in the usual cases: none at all (a
 /// request), or a `Connection` header alone naming nothing else (`keep-alive`, `close`: most
 /// responses).
-pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) {
     let (mut found, mut connection) = (0usize, false);
     for name in headers.keys() {
         if is_hop_by_hop(name) {
@@ -525,8 +571,9 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
     if connection {
         // The headers it names, other than `close` (names none), `keep-alive` (removed
-        // below anyway) and `host` (the request is routed by it, and must reach the upstream
-        // with it); an invalid name names nothing.
+        // below anyway), `host` and those in `keep` (the request was routed and counted by
+        // them: the upstream must see what the gateway saw, or a caller could be counted
+        // under one key and served under another); an invalid name names nothing.
         let named: smallvec::SmallVec<[HeaderName; 2]> = headers
             .get_all(CONNECTION)
             .iter()
@@ -539,6 +586,7 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
                     .any(|k| n.eq_ignore_ascii_case(k))
             })
             .filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok())
+            .filter(|n| !keep.contains(n))
             .collect();
         for name in named {
             headers.remove(name);
@@ -639,11 +687,16 @@ impl Peer {
 /// (taken from `:authority` for HTTP/2, and `upstream`'s own for a request that names no host:
 /// HTTP/1.0, or HTTP/2 without `:authority`), and HTTP/2's `cookie` fields joined into one
 /// line (RFC 9113 section 8.2.3: many HTTP/1.1 servers read only the first).
-pub(crate) fn prepare_request<B>(req: &mut Request<B>, peer: &Peer, upstream: &Authority) {
+pub(crate) fn prepare_request<B>(
+    req: &mut Request<B>,
+    peer: &Peer,
+    upstream: &Authority,
+    identity_headers: &[HeaderName],
+) {
     if req.version() == http::Version::HTTP_2 {
         join_cookies(req.headers_mut());
     }
-    strip_hop_by_hop(req.headers_mut());
+    strip_hop_by_hop(req.headers_mut(), identity_headers);
     if !req.headers().contains_key(HOST) {
         let host = req.uri().authority().unwrap_or(upstream).as_str();
         if let Ok(host) = HeaderValue::from_str(host) {
@@ -722,59 +775,75 @@ pub(crate) fn bad_host<B>(req: &Request<B>) -> Option<&'static str> {
 
 /// `uri-host [ ":" port ]` (RFC 9110 section 7.2): a registered name (unreserved characters,
 /// sub-delimiters and escapes, no `@`, `/` or `,`) or a bracketed IPv6 literal, then at most
-/// one `:` and digits.
+/// one `:` and up to five digits. One pass over a table: it runs on every request.
 fn is_host_and_port(v: &[u8]) -> bool {
-    let (host, port) = if v.first() == Some(&b'[') {
-        match v.iter().position(|&b| b == b']') {
-            Some(end) => {
-                let inside = &v[1..end];
-                let ok = !inside.is_empty()
-                    && inside
-                        .iter()
-                        .all(|&b| b.is_ascii_hexdigit() || matches!(b, b':' | b'.'));
-                if !ok {
-                    return false;
-                }
-                (&v[..=end], &v[end + 1..])
-            }
-            None => return false,
+    let mut i = 0;
+    if v.first() == Some(&b'[') {
+        i = 1;
+        while i < v.len() && HOST_CHARS[usize::from(v[i])] == IPV6 {
+            i += 1;
         }
-    } else {
-        let end = v.iter().position(|&b| b == b':').unwrap_or(v.len());
-        let name = &v[..end];
-        let ok = !name.is_empty()
-            && name.iter().all(|&b| {
-                b.is_ascii_alphanumeric()
-                    || matches!(
-                        b,
-                        b'-' | b'.'
-                            | b'_'
-                            | b'~'
-                            | b'%'
-                            | b'!'
-                            | b'$'
-                            | b'&'
-                            | b'\''
-                            | b'('
-                            | b')'
-                            | b'*'
-                            | b'+'
-                            | b';'
-                            | b'='
-                    )
-            });
-        if !ok {
+        if i == 1 || v.get(i) != Some(&b']') {
             return false;
         }
-        (name, &v[end..])
-    };
-    debug_assert!(!host.is_empty());
-    match port.split_first() {
+        i += 1;
+    } else {
+        while i < v.len() && v[i] != b':' && HOST_CHARS[usize::from(v[i])] != NO {
+            i += 1;
+        }
+        if i == 0 {
+            return false;
+        }
+    }
+    match v.get(i) {
         None => true,
-        Some((b':', digits)) => digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit),
+        Some(b':') => {
+            let digits = &v[i + 1..];
+            digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit)
+        }
         Some(_) => false,
     }
 }
+
+/// [`HOST_CHARS`]'s classes: not allowed, a registered name's character, an IPv6 literal's
+/// character (hex digits, `:` and `.`, which names use too).
+const NO: u8 = 0;
+const NAME: u8 = 1;
+const IPV6: u8 = 2;
+
+static HOST_CHARS: [u8; 256] = {
+    let mut t = [NO; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        t[b] = if c.is_ascii_hexdigit() || c == b':' || c == b'.' {
+            IPV6
+        } else if c.is_ascii_alphanumeric()
+            || matches!(
+                c,
+                b'-' | b'_'
+                    | b'~'
+                    | b'%'
+                    | b'!'
+                    | b'$'
+                    | b'&'
+                    | b'\''
+                    | b'('
+                    | b')'
+                    | b'*'
+                    | b'+'
+                    | b';'
+                    | b'='
+            )
+        {
+            NAME
+        } else {
+            NO
+        };
+        b += 1;
+    }
+    t
+};
 
 /// What a checkout found a pooled connection to be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -843,44 +912,56 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_body_is_late_on_the_client_when_it_owes_the_next_piece_else_on_the_upstream() {
-        let timeout = Duration::from_secs(10);
         let start = Instant::now();
         let at = |s: u64| start + Duration::from_secs(s);
-        let moved = |min_rate| Moved {
-            start,
-            last: AtomicU64::new(0),
-            bytes: AtomicU64::new(0),
-            state: AtomicU8::new(MOVING),
-            min_rate,
-        };
         let rate = Some(MinBodyRate {
             bytes_per_second: 1000,
             grace: Duration::from_secs(5),
         });
-        let m = moved(rate);
-        // Not waiting on the client (the upstream is not taking the body): its timeout alone.
-        assert_eq!(m.verdict(timeout, at(0)), Verdict::Wait(at(10)));
+        let timeout = Duration::from_secs(10);
+        let m = Moved::new(rate);
+        assert_eq!(m.next_check(timeout), at(5), "the grace, at the soonest");
+        // Not waiting on the client (the upstream is not taking the body): the upstream's
+        // timeout decides; the rate is looked at again later.
+        assert_eq!(m.verdict(timeout, at(0)), Verdict::Wait(at(5)));
         assert_eq!(m.verdict(timeout, at(10)), Verdict::UpstreamLate);
-        // Waiting on the client: nothing by the grace's end is below any rate.
-        m.state.store(WAITING, Ordering::Release);
-        assert_eq!(m.next_check(timeout), at(5));
+        // Waiting on the client from the start: nothing by the grace's end is below any rate.
+        m.wait();
         assert_eq!(m.verdict(timeout, at(0)), Verdict::Wait(at(5)));
         assert_eq!(m.verdict(timeout, at(5)), Verdict::ClientStalled);
-        // 6,000 bytes by 5 s are due by 6 s at 1,000 a second.
-        tokio::time::advance(Duration::from_secs(5)).await;
-        m.note(MOVING, 6_000);
-        m.state.store(WAITING, Ordering::Release);
-        assert_eq!(m.verdict(timeout, at(5)), Verdict::Wait(at(6)));
-        assert_eq!(m.verdict(timeout, at(6)), Verdict::ClientStalled);
-        // Once the body has ended, only the upstream can be late: 10 s after the end.
-        m.note(ENDED, 0);
-        assert_eq!(m.verdict(timeout, at(6)), Verdict::Wait(at(15)));
-        assert_eq!(m.verdict(timeout, at(15)), Verdict::UpstreamLate);
+        // Once the body has ended, only the upstream can be late: `timeout` after the end.
+        tokio::time::advance(Duration::from_secs(3)).await;
+        m.note(ENDED, 100);
+        assert_eq!(m.verdict(timeout, at(3)), Verdict::Wait(at(13)));
+        assert_eq!(m.verdict(timeout, at(13)), Verdict::UpstreamLate);
         // Without a minimum rate a client is late `timeout` after its last piece.
-        let m = moved(None);
-        m.state.store(WAITING, Ordering::Release);
-        assert_eq!(m.verdict(timeout, at(9)), Verdict::Wait(at(10)));
-        assert_eq!(m.verdict(timeout, at(10)), Verdict::ClientStalled);
+        let m = Moved::new(None);
+        m.wait();
+        assert_eq!(m.verdict(timeout, at(12)), Verdict::Wait(at(13)));
+        assert_eq!(m.verdict(timeout, at(13)), Verdict::ClientStalled);
+    }
+
+    /// The rate is asked of the time spent waiting on the client only: 20 s in which the
+    /// upstream takes nothing do not count against a client that kept up.
+    #[tokio::test(start_paused = true)]
+    async fn the_minimum_rate_counts_only_the_time_spent_waiting_on_the_client() {
+        let start = Instant::now();
+        let at = |s: u64| start + Duration::from_secs(s);
+        let timeout = Duration::from_secs(60);
+        let m = Moved::new(Some(MinBodyRate {
+            bytes_per_second: 1000,
+            grace: Duration::from_secs(5),
+        }));
+        // 2 s waiting on the client for 6,000 bytes (6 s of allowance at the rate).
+        m.wait();
+        tokio::time::advance(Duration::from_secs(2)).await;
+        m.note(MOVING, 6_000);
+        // The upstream takes nothing for 20 s, then the gateway waits on the client again:
+        // 6 s allowed less 2 s waited leaves 4 s, from 22 s.
+        tokio::time::advance(Duration::from_secs(20)).await;
+        m.wait();
+        assert_eq!(m.verdict(timeout, at(25)), Verdict::Wait(at(26)));
+        assert_eq!(m.verdict(timeout, at(26)), Verdict::ClientStalled);
     }
 
     fn upstream() -> Authority {
@@ -894,7 +975,7 @@ mod tests {
             .version(http::Version::HTTP_10)
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream());
+        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &[]);
         assert_eq!(req.headers()[HOST], "127.0.0.1:3000");
         let mut req = Request::builder()
             .uri("/")
@@ -903,7 +984,7 @@ mod tests {
             .header("x-gone", "1")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream());
+        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &[]);
         assert_eq!(req.headers()[HOST], "api.example.com");
         assert!(!req.headers().contains_key("x-gone"));
     }
@@ -918,7 +999,7 @@ mod tests {
             .header("x-forwarded-for", HeaderValue::from_bytes(b"\xff").unwrap())
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream());
+        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &[]);
         let cookies: Vec<_> = req.headers().get_all(COOKIE).iter().collect();
         assert_eq!(cookies, ["a=1; b=2"]);
         assert_eq!(
@@ -933,7 +1014,7 @@ mod tests {
             .header("cookie", "b=2")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream());
+        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &[]);
         assert_eq!(req.headers().get_all(COOKIE).iter().count(), 2);
     }
 
@@ -1017,7 +1098,7 @@ mod tests {
             h.insert(CONNECTION, HeaderValue::from_static(connection));
             h.insert("x-mine", HeaderValue::from_static("1"));
             h.insert("x-kept", HeaderValue::from_static("1"));
-            strip_hop_by_hop(&mut h);
+            strip_hop_by_hop(&mut h, &[]);
             assert!(!h.contains_key(CONNECTION), "{connection}");
             assert_eq!(h.contains_key("x-mine"), named.is_none(), "{connection}");
             assert!(h.contains_key("x-kept"), "{connection}");
@@ -1046,7 +1127,7 @@ mod tests {
             .header("upgrades", "kept too")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream());
+        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &[]);
         let h = req.headers();
         for gone in [
             "connection",
@@ -1078,7 +1159,7 @@ mod tests {
             .header("x-forwarded-proto", "https")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("::ffff:192.0.2.1", false), &upstream());
+        prepare_request(&mut req, &peer("::ffff:192.0.2.1", false), &upstream(), &[]);
         assert_eq!(
             req.headers()["x-forwarded-for"],
             "203.0.113.9, 198.51.100.2, 192.0.2.1"
@@ -1097,7 +1178,7 @@ mod tests {
             .header("x-forwarded-proto", "https")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("10.0.0.1", true), &upstream());
+        prepare_request(&mut req, &peer("10.0.0.1", true), &upstream(), &[]);
         assert_eq!(req.headers()["x-forwarded-proto"], "https");
         assert_eq!(req.headers()["host"], "api.example.com");
     }

@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
+use http::header::{HeaderName, HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use rand::Rng;
@@ -44,6 +44,10 @@ pub(crate) struct Shared {
     health_path: Option<String>,
     /// `gateway.merge_slashes`: how request paths are brought to normal form.
     merge_slashes: bool,
+    /// The headers callers are identified and counted by (API key sources, `Authorization`
+    /// for bearer keys, headers limits count by, the client-IP header): a `Connection`
+    /// header cannot remove them before the upstream sees them.
+    identity_headers: Vec<HeaderName>,
     /// `gateway.min_body_rate`.
     min_body_rate: Option<sluice_config::MinBodyRate>,
     /// The largest request body forwarded (`u64::MAX`: no limit).
@@ -65,6 +69,10 @@ impl Shared {
     }
 
     pub(crate) async fn new(config: &Config, clock: Arc<dyn Clock>) -> Result<Self, String> {
+        let identify = Identify::new(&config.identity);
+        let quota = Quota::new(config, clock).await?;
+        let mut identity_headers = identify.header_names();
+        identity_headers.extend(quota.key_headers().iter().cloned());
         Ok(Self {
             router: Router::new(&config.routes),
             route_names: config
@@ -73,8 +81,9 @@ impl Shared {
                 .map(|r| Arc::from(r.name.as_str()))
                 .collect(),
             upstreams: config.upstreams.iter().map(UpstreamClient::new).collect(),
-            identify: Identify::new(&config.identity),
-            quota: Quota::new(config, clock).await?,
+            identify,
+            quota,
+            identity_headers,
             capacity: Capacity::new(config.gateway.max_in_flight.get()),
             connections: ConnectionCap::new(
                 config
@@ -206,7 +215,12 @@ pub(crate) async fn handle(
                 RouteAction::Upstream(u) => {
                     let upgrade = upgrade_protocol(&req);
                     let client_side = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
-                    prepare_request(&mut req, peer, shared.upstreams[*u].authority());
+                    prepare_request(
+                        &mut req,
+                        peer,
+                        shared.upstreams[*u].authority(),
+                        &shared.identity_headers,
+                    );
                     if let Some(protocol) = upgrade {
                         set_upgrade(req.headers_mut(), protocol);
                     }
@@ -221,7 +235,7 @@ pub(crate) async fn handle(
                             let upstream_side = hyper::upgrade::on(&mut res);
                             let (mut parts, _) = res.into_parts();
                             let protocol = parts.headers.get(http::header::UPGRADE).cloned();
-                            strip_hop_by_hop(&mut parts.headers);
+                            strip_hop_by_hop(&mut parts.headers, &[]);
                             if let Some(protocol) = protocol {
                                 set_upgrade(&mut parts.headers, protocol);
                             }
@@ -243,7 +257,7 @@ pub(crate) async fn handle(
                         }
                         (Ok(res), _) => {
                             let (mut parts, body) = res.into_parts();
-                            strip_hop_by_hop(&mut parts.headers);
+                            strip_hop_by_hop(&mut parts.headers, &[]);
                             // RateLimit-Policy, RateLimit, X-Request-Id: one growth at most.
                             parts.headers.reserve(3);
                             let timeout = shared.upstreams[*u].timeout();
@@ -266,8 +280,8 @@ pub(crate) async fn handle(
 }
 
 /// The answer to a request that was not admitted: 429, 503 (or 500 for an impossible cost).
-/// The answer to a request that was not admitted. `reports` are the figures of a request
-/// refused for capacity (as had it been served: nothing was charged).
+/// `reports` are the figures of a request refused for capacity (as had it been served:
+/// nothing was charged).
 fn stopped(
     shared: &Shared,
     route: usize,

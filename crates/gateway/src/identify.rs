@@ -1,12 +1,11 @@
 //! The identify step: who is calling. The client IP (the TCP peer, or behind trusted proxies
-//! the first untrusted hop of `Forwarded` / `X-Forwarded-For`, walked right to left) and the
+//! the first untrusted hop of `client_ip_header`, walked right to left) and the
 //! API key (from the configured sources, first found wins).
 
 use std::borrow::Cow;
 use std::net::IpAddr;
 
 use http::header::{AUTHORIZATION, FORWARDED};
-
 use http::{HeaderMap, HeaderName, Uri};
 use sluice_config::{mask_v6, Cidr, ClientIpHeader, Identity, KeySource};
 
@@ -43,6 +42,27 @@ impl Identify {
             ipv6_prefix: identity.ipv6_prefix,
             key_sources,
         }
+    }
+
+    /// The headers this identifies callers by: the API key's header sources, `Authorization`
+    /// when bearer keys are read, and the client-IP header when some proxy is trusted.
+    pub(crate) fn header_names(&self) -> Vec<HeaderName> {
+        let mut names: Vec<HeaderName> = Vec::new();
+        for (source, header) in &self.key_sources {
+            let name = match source {
+                KeySource::Header(_) => header.clone(),
+                KeySource::Bearer => Some(AUTHORIZATION),
+                KeySource::Query(_) => None,
+            };
+            names.extend(name);
+        }
+        if !self.trusted.is_empty() {
+            names.push(match self.client_ip_header {
+                ClientIpHeader::Forwarded => FORWARDED,
+                ClientIpHeader::XForwardedFor => X_FORWARDED_FOR.clone(),
+            });
+        }
+        names
     }
 
     pub(crate) fn is_trusted(&self, ip: IpAddr) -> bool {

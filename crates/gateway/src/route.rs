@@ -165,6 +165,9 @@ mod tests {
             "/v1/public/..;/login",
             "/V1/LOGIN",
             "/v1/Login/x",
+            "/v1%2Flogin",
+            "/v1%5clogin",
+            "/v1/login%2Fx",
         ] {
             assert_eq!(
                 find(&router, "GET", spelling, "a"),
@@ -172,7 +175,11 @@ mod tests {
                 "{spelling}"
             );
         }
-        for other in ["/v1/login%2Fx", "/v1/logins", "/v1/%2e%2e%2flogin"] {
+        for other in [
+            "/v1/logins",
+            "/v1/%2e%2e%2flogin",
+            "/v1/x%2F..%2F..%2Flogin",
+        ] {
             assert_eq!(
                 find(&router, "GET", other, "a"),
                 Some("catch-all"),

@@ -14,10 +14,52 @@ impl Validator<'_> {
         merge_slashes: bool,
     ) -> Vec<Route> {
         self.unique_names("routes", raw.iter().map(|r| &r.name));
+        self.reachable(raw);
         raw.iter()
             .enumerate()
             .filter_map(|(i, r)| self.route(i, r, upstreams, merge_slashes))
             .collect()
+    }
+
+    /// Paths are matched regardless of case: a route with the path of an earlier one but for
+    /// case, and the same methods and host, could never match.
+    fn reachable(&mut self, raw: &[RawRoute]) {
+        fn methods(r: &RawRoute) -> Option<Vec<&str>> {
+            let mut ms: Option<Vec<&str>> = r
+                .methods
+                .as_ref()
+                .map(|ms| ms.iter().map(|m| m.get_ref().as_str()).collect());
+            if let Some(ms) = &mut ms {
+                ms.sort_unstable();
+            }
+            ms
+        }
+        let host = |r: &RawRoute| {
+            r.host.as_ref().map(|h| {
+                let h = h.get_ref();
+                h.strip_suffix('.').unwrap_or(h).to_ascii_lowercase()
+            })
+        };
+        for (j, later) in raw.iter().enumerate() {
+            let shadowed = raw[..j].iter().position(|earlier| {
+                earlier
+                    .path
+                    .get_ref()
+                    .eq_ignore_ascii_case(later.path.get_ref())
+                    && methods(earlier) == methods(later)
+                    && host(earlier) == host(later)
+            });
+            if let Some(i) = shadowed {
+                self.err(
+                    Some(later.path.span()),
+                    &format!("routes[{j}].path"),
+                    format!(
+                        "\"{}\" is routes[{i}]'s path (paths match regardless of case), with the same methods and host: this route could never match",
+                        later.path.get_ref()
+                    ),
+                );
+            }
+        }
     }
 
     fn route(

@@ -232,6 +232,11 @@ impl Quota {
         })
     }
 
+    /// The headers some limit counts callers by.
+    pub(crate) fn key_headers(&self) -> &[HeaderName] {
+        &self.key_headers
+    }
+
     /// A header some limit counts callers by that `headers` holds twice with different
     /// values. Such a request is refused, as one with two API keys is: the limit would count
     /// the first value, and an upstream may read the last.
