@@ -751,10 +751,21 @@ fn join_cookies(headers: &mut HeaderMap) {
 /// upstream that read another `Host` than the gateway would serve one route under another's
 /// limits.
 pub(crate) fn bad_host<B>(req: &Request<B>) -> Option<&'static str> {
+    let authority = req
+        .uri()
+        .authority()
+        .filter(|_| req.version() == http::Version::HTTP_2);
     let mut hosts = req.headers().get_all(HOST).iter();
     let Some(host) = hosts.next() else {
-        return (req.version() == http::Version::HTTP_11)
-            .then_some("An HTTP/1.1 request must carry a Host header.");
+        return match authority {
+            // The `:authority` is the host then: it is held to the same rule.
+            Some(a) if !is_host_and_port(a.as_str().as_bytes()) => {
+                Some("The :authority is not a host name or address with an optional port.")
+            }
+            Some(_) => None,
+            None => (req.version() == http::Version::HTTP_11)
+                .then_some("An HTTP/1.1 request must carry a Host header."),
+        };
     };
     if hosts.next().is_some() {
         return Some("The request carries more than one Host header.");
@@ -762,15 +773,30 @@ pub(crate) fn bad_host<B>(req: &Request<B>) -> Option<&'static str> {
     if !is_host_and_port(host.as_bytes()) {
         return Some("The Host header is not a host name or address with an optional port.");
     }
-    match req.uri().authority() {
-        Some(a)
-            if req.version() == http::Version::HTTP_2
-                && !a.as_str().as_bytes().eq_ignore_ascii_case(host.as_bytes()) =>
-        {
+    match authority {
+        Some(a) if !same_host(a.as_str().as_bytes(), host.as_bytes()) => {
             Some("The Host header names another host than the request's :authority.")
         }
         _ => None,
     }
+}
+
+/// Whether two `host[:port]` values name the same host: case and a trailing dot aside, and
+/// a port left out on one side agreeing with any.
+fn same_host(a: &[u8], b: &[u8]) -> bool {
+    fn split(v: &[u8]) -> (&[u8], Option<&[u8]>) {
+        let colon = match v.iter().rposition(|&b| b == b']') {
+            Some(end) => v[end..].iter().position(|&b| b == b':').map(|i| end + i),
+            None => v.iter().position(|&b| b == b':'),
+        };
+        let (host, port) = match colon {
+            Some(i) => (&v[..i], Some(&v[i + 1..])),
+            None => (v, None),
+        };
+        (host.strip_suffix(b".").unwrap_or(host), port)
+    }
+    let ((ha, pa), (hb, pb)) = (split(a), split(b));
+    ha.eq_ignore_ascii_case(hb) && (pa.is_none() || pb.is_none() || pa == pb)
 }
 
 /// `uri-host [ ":" port ]` (RFC 9110 section 7.2): a registered name (unreserved characters,
@@ -1055,6 +1081,19 @@ mod tests {
             None
         );
         assert!(bad_host(&req(v2, "http://a.example/", &["b.example"])).is_some());
+        assert_eq!(
+            bad_host(&req(v2, "http://a.example/", &["a.example.:80"])),
+            None
+        );
+        assert_eq!(
+            bad_host(&req(v2, "http://a.example:8080/", &["a.example"])),
+            None
+        );
+        assert!(bad_host(&req(v2, "http://a.example:8080/", &["a.example:9090"])).is_some());
+        assert!(
+            bad_host(&req(v2, "http://evil@a.example/", &[])).is_some(),
+            "userinfo"
+        );
     }
 
     #[test]

@@ -114,8 +114,12 @@ pub(crate) async fn handle(
     if req.version() == http::Version::HTTP_2 {
         busy.http2();
     }
-    // Counted before the gateway adds its own (HTTP/1.1 past it never gets here).
-    let too_many_headers = req.headers().len() > MAX_HEADERS;
+    // Counted before the gateway adds its own (HTTP/1.1 past it never gets here), with
+    // HTTP/2's cookie crumbs as the one field they are over HTTP/1.1.
+    let too_many_headers = req.headers().len() > MAX_HEADERS && {
+        let cookies = req.headers().get_all(http::header::COOKIE).iter().count();
+        req.headers().len() - cookies.saturating_sub(1) > MAX_HEADERS
+    };
     // Room for what the walk adds (X-Request-Id, X-Forwarded-For, X-Forwarded-Proto) at once:
     // hyper sizes the map for the headers it parsed, and each growth rehashes it.
     req.headers_mut().reserve(3);

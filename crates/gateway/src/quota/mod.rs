@@ -51,10 +51,11 @@ pub(crate) struct Quota {
     by_route: Vec<RouteLimits>,
     /// The headers some limit counts callers by (`by = "header:<name>"`), each once.
     key_headers: Vec<HeaderName>,
-    /// Each route's name, its part of a key by `route`: a name, not an index, so that
-    /// instances sharing a Redis agree on it while their route lists differ (a rolling
-    /// change of the configuration that adds a route).
-    route_names: Vec<Box<[u8]>>,
+    /// Each route's part of a key by `route`: its name's keyed hash (a name, not an index,
+    /// so that instances sharing a Redis agree on it while their route lists differ, as in a
+    /// rolling change that adds a route; hashed once, so a key costs 16 bytes of it whatever
+    /// the name's length).
+    route_parts: Vec<[u8; 16]>,
 }
 
 /// What the gateway needs to know about a limit beyond its counters.
@@ -189,6 +190,11 @@ impl Quota {
                 config: l.clone(),
             })
             .collect();
+        let route_parts: Vec<[u8; 16]> = config
+            .routes
+            .iter()
+            .map(|r| hasher.key(&[b"route", r.name.as_bytes()]).to_bytes())
+            .collect();
         let by_route = (0..config.routes.len())
             .map(|r| {
                 let mut on_route = RouteLimits::default();
@@ -196,8 +202,7 @@ impl Quota {
                     if !l.routes.as_ref().is_none_or(|rs| rs.contains(&r)) {
                         continue;
                     }
-                    let name = config.routes[r].name.as_bytes();
-                    let entry = (id(l), key_of(&hasher, &info.parts, name, None));
+                    let entry = (id(l), key_of(&hasher, &info.parts, &route_parts[r], None));
                     match l.mode {
                         Mode::DryRun => on_route.dry_run.push(entry),
                         Mode::Enforce | Mode::Delay { .. } => on_route.enforced.push(entry),
@@ -224,11 +229,7 @@ impl Quota {
             limits,
             by_route,
             key_headers,
-            route_names: config
-                .routes
-                .iter()
-                .map(|r| r.name.as_bytes().into())
-                .collect(),
+            route_parts,
         })
     }
 
@@ -270,7 +271,7 @@ impl Quota {
         let keyed = |&(id, fixed): &(LimitId, Option<Key>)| {
             let parts = &self.limits[id.index()].parts;
             let who = Some((&ip, caller));
-            let route = &self.route_names[caller.route];
+            let route = &self.route_parts[caller.route];
             let key = fixed.or_else(|| key_of(&self.hasher, parts, route, who));
             Some((id, key?))
         };
@@ -328,7 +329,7 @@ impl std::fmt::Debug for Quota {
 }
 
 /// The key of a limit keyed by `parts`, for `caller` (with its address as 16 bytes) on the
-/// route named `route`, or `None` if the caller lacks a part (no API key, no such header).
+/// route whose part is `route`, or `None` if the caller lacks a part (no API key, no such header).
 /// Without a caller, the key every caller shares, if the parts are only `route` and
 /// `global`: made once at start.
 fn key_of(
