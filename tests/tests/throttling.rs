@@ -89,6 +89,16 @@ upstream = "app"
     )
 }
 
+/// Two requests an hour per client IP.
+const PER_IP_2: &str = r#"
+[[limits]]
+name = "per-ip"
+by = "ip"
+algorithm = "fixed_window"
+quota = 2
+window = "1h"
+"#;
+
 const KEY_QUOTA: &str = r#"
 [[limits]]
 name = "key-quota"
@@ -395,14 +405,7 @@ window = "1h"
 both_stores!(through_a_trusted_proxy_clients_and_ipv6_networks_get_their_own_buckets);
 async fn through_a_trusted_proxy_clients_and_ipv6_networks_get_their_own_buckets(store: TestStore) {
     let up = MockUpstream::start().await;
-    let limit = r#"
-[[limits]]
-name = "per-ip"
-by = "ip"
-algorithm = "fixed_window"
-quota = 2
-window = "1h"
-"#;
+    let limit = PER_IP_2;
     let gw = InProcess::start(&store.apply(&config(&up.url(), 64, limit)), Duration::ZERO).await;
     let from = |ip: &'static str| async move {
         get(gw.main, "/v1/items", &[("x-forwarded-for", ip)])
@@ -908,14 +911,7 @@ async fn a_request_with_two_different_keys_in_one_header_is_refused_and_charges_
 #[tokio::test]
 async fn a_client_behind_a_trusted_proxy_cannot_choose_its_address_with_the_other_header() {
     let up = MockUpstream::start().await;
-    let limit = r#"
-[[limits]]
-name = "per-ip"
-by = "ip"
-algorithm = "fixed_window"
-quota = 2
-window = "1h"
-"#;
+    let limit = PER_IP_2;
     let gw = Sluice::start(&config(&up.url(), 16, limit));
     let mut statuses = Vec::new();
     for i in 1..=5 {
