@@ -167,7 +167,7 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let (status, n, ended) = count(addr, req).await;
+    let (status, n, ended) = send_until_end(addr, req).await;
     ended.expect("body frame");
     (status, n)
 }
@@ -179,12 +179,15 @@ pub async fn get_until_end(addr: SocketAddr, path: &str) -> (StatusCode, u64, Re
         .header("host", addr.to_string())
         .body(Empty::<Bytes>::new())
         .unwrap();
-    count(addr, req).await
+    send_until_end(addr, req).await
 }
 
 /// Sends `req` and reads the response body to its end, counting its bytes: the status, the
 /// count, and how the body ended.
-async fn count<B>(addr: SocketAddr, req: Request<B>) -> (StatusCode, u64, Result<(), String>)
+pub async fn send_until_end<B>(
+    addr: SocketAddr,
+    req: Request<B>,
+) -> (StatusCode, u64, Result<(), String>)
 where
     B: Body + Send + 'static,
     B::Data: Send,

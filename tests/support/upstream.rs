@@ -146,6 +146,7 @@ async fn serve(
             Ok(Response::new(Repeat::new(n).boxed()))
         }
         "stall" => Ok(Response::new(Stall { sent: false }.boxed())),
+        "mirror" => Ok(Response::new(Mirror(req.into_body()).boxed())),
         "pause" => {
             let ms: u64 = query
                 .strip_prefix("ms=")
@@ -225,6 +226,33 @@ impl Body for Stall {
 
     fn size_hint(&self) -> SizeHint {
         SizeHint::with_exact(1000)
+    }
+}
+
+/// A response body that sends the request body back as it comes, before the request has
+/// ended (a streaming or echo service). It ends where the request body ends or fails.
+#[derive(Debug)]
+pub struct Mirror(Incoming);
+
+impl Body for Mirror {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        loop {
+            return match Pin::new(&mut self.0).poll_frame(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
+                    // Trailers are not mirrored.
+                    Err(_) => continue,
+                },
+                Poll::Ready(Some(Err(_)) | None) => Poll::Ready(None),
+            };
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use http::Request;
 use http_body_util::Full;
-use sluice_tests::client::{get_until_end, send_counting, Trickle};
+use sluice_tests::client::{get_until_end, send_counting, send_until_end, Trickle};
 use sluice_tests::upstream::Repeat;
 use sluice_tests::{closed_port, get, send, MockUpstream, Sluice};
 use std::time::Duration;
@@ -441,6 +441,38 @@ async fn an_upload_slower_than_the_minimum_rate_is_408_after_the_grace() {
     let reply = send(gw.main, fast).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(reply.json()["body_bytes"], 30 * 1024);
+}
+
+/// An upstream that answers before the upload has ended (one that streams it back) leaves
+/// the body's pace to the gateway: a client trickling slower than `min_body_rate` is cut after
+/// the grace all the same, and its in-flight slot is free again.
+#[tokio::test]
+async fn an_upload_the_upstream_answered_early_is_still_held_to_the_minimum_rate() {
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), "10s").replace(
+        "max_in_flight = 64",
+        "max_in_flight = 1\nmin_body_rate = \"20KB\"\nmin_body_rate_grace = \"300ms\"",
+    );
+    let gw = Sluice::start(&cfg);
+    // 1 KiB every 100 ms for 3 s: half the minimum rate.
+    let slow = Request::post("/api/mirror")
+        .header("host", "x")
+        .body(Trickle::new(30, Duration::from_millis(100), false))
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let (status, bytes, ended) = send_until_end(gw.main, slow).await;
+    let took = started.elapsed();
+    assert_eq!(status, 200, "the upstream answered at once");
+    assert!(
+        ended.is_err() && bytes < 30 * 1024,
+        "the whole upload passed at half the minimum rate ({bytes} bytes, {ended:?})"
+    );
+    assert!(took < Duration::from_secs(2), "cut after {took:?}");
+    assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
+    let line = gw
+        .wait_log("the trickled upload", |v| v["path"] == "/api/mirror")
+        .await;
+    assert_eq!(line["body_failed"], true, "{line}");
 }
 
 /// A malformed request body is the caller's error: 400 with a problem body, not a 502 that

@@ -4,6 +4,7 @@
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::error::Error as StdError;
+use std::future::Future;
 use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
@@ -133,7 +134,7 @@ impl UpstreamClient {
         max_body: u64,
         min_rate: Option<MinBodyRate>,
     ) -> Result<Response<Incoming>, Problem> {
-        let mut req = req.map(|body| Upload::new(body, max_body, min_rate));
+        let mut req = req.map(|body| Upload::new(body, max_body, min_rate, self.timeout));
         let path = req
             .uri()
             .path_and_query()
@@ -151,6 +152,7 @@ impl UpstreamClient {
                 Err(Problem::upstream_unavailable())
             }
             Err(Failure::Http(e)) if caused_by_timeout(&e) => Err(Problem::upstream_timeout()),
+            Err(Failure::Http(e)) if caused_by::<ClientTooSlow>(&e) => Err(Problem::body_timeout()),
             Err(Failure::Http(e)) if caused_by::<BodyTooLarge>(&e) => {
                 Err(Problem::body_too_large(max_body))
             }
@@ -293,6 +295,12 @@ pin_project! {
     /// piece passed, so that the response timer counts from the end of the upload, not from
     /// its start: an upload longer than the timeout passes while it keeps moving, and one
     /// that stops is timed out from its last piece.
+    ///
+    /// While it waits on the client, the body also keeps its own timer on the client's
+    /// deadlines (`timeout` after the last piece, and `min_body_rate`): the exchange's timer
+    /// stops looking once the response head has come, and an upstream that answers before
+    /// the body ends (one that streams, or echoes) must not leave a trickling client
+    /// unbounded. Only a body that has to wait pays for the timer.
     #[derive(Debug)]
     pub(crate) struct Upload {
         #[pin]
@@ -300,8 +308,24 @@ pin_project! {
         moved: Option<Arc<Moved>>,
         // Bytes still allowed (`max_body_size`).
         allowed: u64,
+        // The upstream's timeout: the longest the client may take over each piece.
+        timeout: Duration,
+        // Armed the first time the body waits on the client.
+        client_timer: Option<Pin<Box<Sleep>>>,
     }
 }
+
+/// The client stopped sending the request body, or sent it slower than `min_body_rate`.
+#[derive(Debug)]
+struct ClientTooSlow;
+
+impl std::fmt::Display for ClientTooSlow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the client sent the request body too slowly")
+    }
+}
+
+impl StdError for ClientTooSlow {}
 
 /// A request body went past `max_body_size` while it was forwarded.
 #[derive(Debug)]
@@ -463,7 +487,7 @@ impl Moved {
 }
 
 impl Upload {
-    fn new(body: Incoming, allowed: u64, min_rate: Option<MinBodyRate>) -> Self {
+    fn new(body: Incoming, allowed: u64, min_rate: Option<MinBodyRate>, timeout: Duration) -> Self {
         // Most requests have no body: no clock and no allocation for them.
         let moved =
             (!http_body::Body::is_end_stream(&body)).then(|| Arc::new(Moved::new(min_rate)));
@@ -471,6 +495,33 @@ impl Upload {
             body,
             moved,
             allowed,
+            timeout,
+            client_timer: None,
+        }
+    }
+}
+
+/// Whether the client, which owes the body's next piece, is past its deadline; if not, the
+/// body's timer is set to wake the task at that deadline.
+fn client_late(
+    timer: &mut Option<Pin<Box<Sleep>>>,
+    moved: &Moved,
+    timeout: Duration,
+    cx: &mut Context<'_>,
+) -> bool {
+    loop {
+        let at = match moved.verdict(timeout, Instant::now()) {
+            Verdict::Wait(at) => at,
+            Verdict::ClientStalled => return true,
+            // Only a body that is not waiting on its client can find the upstream late.
+            Verdict::UpstreamLate => return false,
+        };
+        let sleep = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+        if sleep.deadline() != at {
+            sleep.as_mut().reset(at);
+        }
+        if sleep.as_mut().poll(cx).is_pending() {
+            return false;
         }
     }
 }
@@ -491,7 +542,12 @@ impl http_body::Body for Upload {
         };
         if let Some(moved) = this.moved {
             match &polled {
-                Poll::Pending => moved.wait(),
+                Poll::Pending => {
+                    moved.wait();
+                    if client_late(this.client_timer, moved, *this.timeout, cx) {
+                        return Poll::Ready(Some(Err(Box::new(ClientTooSlow))));
+                    }
+                }
                 Poll::Ready(Some(Ok(_))) if !this.body.is_end_stream() => moved.note(MOVING, len),
                 Poll::Ready(_) => moved.note(ENDED, len),
             }
