@@ -37,9 +37,35 @@ pub struct Report {
     /// `r`: quota remaining after this request (0 while blocked).
     pub remaining: u32,
     /// `t`: after an admission, the time until the remaining quota grows (zero when full); after
-    /// a refusal, the time until this request would pass. `None` for concurrency: slots free
-    /// when requests end, not with time.
+    /// a refusal, the time until this request would pass. For concurrency, zero while a slot
+    /// is free, else `None`: slots free when requests end, not with time.
     pub reset: Option<Duration>,
+}
+
+impl Report {
+    /// The figures of an admission of `cost` that was taken back (refunded, or decided without
+    /// charging): `cost` more remaining, and no wait for more once that is the whole quota.
+    /// For a token bucket, a fixed window and concurrency the time until the remaining quota
+    /// grows does not depend on how much was charged (the next token, the window's end, a
+    /// slot's release), so `t` is exact. A sliding window's does (the current count decays
+    /// from the next window on): its `t` stays the charged request's, which is never later
+    /// than the true one.
+    pub fn uncharged(self, cost: u32) -> Report {
+        // A concurrency limit (no window) takes one slot per request whatever its cost.
+        let back = if self.window.is_none() { 1 } else { cost };
+        let remaining = self.remaining.saturating_add(back).min(self.quota);
+        // Concurrency has a slot free now: zero, as for any concurrency limit with room.
+        let reset = if remaining >= self.quota || self.window.is_none() {
+            Some(Duration::ZERO)
+        } else {
+            self.reset
+        };
+        Report {
+            remaining,
+            reset,
+            ..self
+        }
+    }
 }
 
 /// One limit's part in a decision: enough to report on it and to take its charge back.
@@ -357,6 +383,64 @@ mod tests {
     use crate::{Algorithm, KeyHasher, Limit, Limiter, Nanos};
     use std::num::NonZeroU32;
     use std::time::Duration;
+
+    /// A request's figures with its charge taken back are the same whatever it cost: the
+    /// state as it is (a sliding window's `t` aside, see [`super::Report::uncharged`]).
+    /// Checked for every algorithm, from states reached by earlier requests spread over two
+    /// windows, against the figures of a cost-1 check taken back.
+    #[test]
+    fn uncharged_figures_do_not_depend_on_the_cost_taken_back() {
+        let q = NonZeroU32::new(10).unwrap();
+        let algorithms = [
+            Algorithm::TokenBucket {
+                burst: NonZeroU32::new(6).unwrap(),
+            },
+            Algorithm::TokenBucket { burst: q },
+            Algorithm::FixedWindow,
+            Algorithm::SlidingWindow,
+            Algorithm::Concurrency,
+        ];
+        let second = 1_000_000_000;
+        for algorithm in algorithms {
+            let limit = Limit::new("l", algorithm, q, Duration::from_secs(1)).unwrap();
+            let limiter = Limiter::new([limit]).unwrap();
+            let key = KeyHasher::with_secret(b"t").key(&[b"k"]);
+            let layers = [(limiter.id("l").unwrap(), key)];
+            // Decided, then refunded (as the gateway does at capacity): the figures taken back.
+            let taken_back = |cost: u32, now: Nanos| {
+                limiter.decide_with(&layers, cost, now, |d| match d {
+                    super::Decision::Admitted(a) => {
+                        let r = a.reports(&limiter).next().unwrap().uncharged(cost);
+                        limiter.refund(a);
+                        Some(r)
+                    }
+                    _ => None,
+                })
+            };
+            let fresh = taken_back(1, Nanos(0)).unwrap();
+            assert_eq!(fresh.remaining, fresh.quota, "{algorithm:?}");
+            assert_eq!(fresh.reset, Some(Duration::ZERO), "{algorithm:?}");
+            let mut held = Vec::new();
+            for step in 0..40u64 {
+                let now = Nanos(step * second / 13);
+                if step % 3 == 0 {
+                    held.push(limiter.decide(&layers, 1, now));
+                }
+                let Some(base) = taken_back(1, now) else {
+                    continue;
+                };
+                for cost in 2..=3 {
+                    if let Some(mut r) = taken_back(cost, now) {
+                        if algorithm == Algorithm::SlidingWindow {
+                            assert!(r.reset <= base.reset, "{algorithm:?} step {step}");
+                            r.reset = base.reset;
+                        }
+                        assert_eq!(r, base, "{algorithm:?} step {step} cost {cost}");
+                    }
+                }
+            }
+        }
+    }
 
     /// Two concurrency limits put an admission's slots on the heap; a refund empties them but
     /// keeps the buffer, so the decision must still be dropped, not forgotten.
