@@ -501,6 +501,42 @@ async fn local_fallback_enforces_quota_divided_by_instances() {
     .await;
 }
 
+/// A route that costs a limit's whole burst stays servable under the local fallback: the
+/// limit's share is never less than that cost (burst 4 over two instances would be 2, and
+/// every request on the route a 500 while Redis is away).
+#[tokio::test]
+async fn local_fallback_still_serves_a_route_that_costs_the_whole_burst() {
+    let redis = RedisServer::start_on(sluice_tests::closed_port());
+    let port = redis.port;
+    drop(redis);
+    let up = MockUpstream::start().await;
+    let bucket = r#"
+[[limits]]
+name = "key-bucket"
+by = "api_key"
+algorithm = "token_bucket"
+quota = 4
+window = "1h"
+"#;
+    let cfg = config(
+        &up.url(),
+        &redis_store(&format!("redis://127.0.0.1:{port}"), "local", "25ms"),
+        64,
+        bucket,
+    )
+    .replace("path = \"/v1/search\"", "path = \"/v1/search\"\ncost = 4");
+    let gw = start(&cfg);
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(call(gw.main, "/v1/search", "k").await.status.as_u16());
+    }
+    assert_eq!(
+        statuses,
+        [200, 429, 429],
+        "one whole-burst request, then the bucket is spent"
+    );
+}
+
 #[tokio::test]
 async fn stalled_redis_falls_back_within_the_timeout() {
     let redis = RedisServer::start();

@@ -62,7 +62,7 @@ pub(crate) struct RawAdmin {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawIdentity {
-    pub api_key: Option<Vec<S<String>>>,
+    pub api_key: Option<S<Vec<S<String>>>>,
     pub trusted_proxies: Option<Vec<S<String>>>,
     pub client_ip_header: Option<S<String>>,
     pub ipv6_prefix: Option<S<i64>>,
@@ -91,7 +91,7 @@ pub(crate) struct RawUpstream {
 pub(crate) struct RawRoute {
     pub name: S<String>,
     pub path: S<String>,
-    pub methods: Option<Vec<S<String>>>,
+    pub methods: Option<S<Vec<S<String>>>>,
     pub host: Option<S<String>>,
     pub upstream: Option<S<String>>,
     pub respond: Option<S<RawRespond>>,
@@ -116,7 +116,7 @@ pub(crate) struct RawLimit {
     pub quota: S<i64>,
     pub window: Option<S<String>>,
     pub burst: Option<S<i64>>,
-    pub routes: Option<Vec<S<String>>>,
+    pub routes: Option<S<Vec<S<String>>>>,
     pub mode: Option<S<String>>,
     pub max_delay: Option<S<String>>,
     pub block_for: Option<S<String>>,

@@ -126,6 +126,25 @@ fn route_hosts_are_matched_without_port_or_trailing_dot() {
 }
 
 #[test]
+fn empty_lists_that_would_switch_something_off_silently_are_refused() {
+    let text = shipped_with("methods = [\"GET\"]", "methods = []");
+    let text = text.replacen("routes = [\"search\"]", "routes = []", 1);
+    let text = text.replacen(
+        "api_key = [\"header:x-api-key\", \"bearer\"]",
+        "api_key = []",
+        1,
+    );
+    assert_eq!(
+        errors(&text),
+        [
+            "c.toml:21:11: identity.api_key: an empty list finds no key, so every limit by \"api_key\" would count nobody; leave the key out for the default [\"header:x-api-key\", \"bearer\"]",
+            "c.toml:44:11: routes[1].methods: an empty list matches no request; leave the key out for every method",
+            "c.toml:70:10: limits[2].routes: an empty list limits no route; leave the key out for every route",
+        ]
+    );
+}
+
+#[test]
 fn a_route_shadowed_by_an_earlier_one_but_for_case_is_refused() {
     let route = |name: &str, path: &str, extra: &str| {
         format!("[[routes]]\nname = \"{name}\"\npath = \"{path}\"\n{extra}respond = {{ status = 200 }}\n\n")

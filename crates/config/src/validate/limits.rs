@@ -50,8 +50,16 @@ impl Validator<'_> {
                 None
             }
         };
+        if let Some(names) = l.routes.as_ref().filter(|ns| ns.get_ref().is_empty()) {
+            self.err(
+                Some(names.span()),
+                &key("routes"),
+                "an empty list limits no route; leave the key out for every route",
+            );
+        }
         let routes = l.routes.as_ref().map(|names| {
             names
+                .get_ref()
                 .iter()
                 .enumerate()
                 .filter_map(|(j, n)| {

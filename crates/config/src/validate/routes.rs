@@ -28,7 +28,7 @@ impl Validator<'_> {
             let mut ms: Option<Vec<&str>> = r
                 .methods
                 .as_ref()
-                .map(|ms| ms.iter().map(|m| m.get_ref().as_str()).collect());
+                .map(|ms| ms.get_ref().iter().map(|m| m.get_ref().as_str()).collect());
             if let Some(ms) = &mut ms {
                 ms.sort_unstable();
             }
@@ -71,8 +71,16 @@ impl Validator<'_> {
     ) -> Option<Route> {
         let key = |field: &str| format!("routes[{i}].{field}");
         self.path(&r.path, &key("path"), merge_slashes);
+        if let Some(ms) = r.methods.as_ref().filter(|ms| ms.get_ref().is_empty()) {
+            self.err(
+                Some(ms.span()),
+                &key("methods"),
+                "an empty list matches no request; leave the key out for every method",
+            );
+        }
         let methods = r.methods.as_ref().map(|ms| {
-            ms.iter()
+            ms.get_ref()
+                .iter()
                 .filter_map(|m| {
                     let v = m.get_ref();
                     let ok = !v.is_empty() && v.bytes().all(|b| b.is_ascii_uppercase());

@@ -191,7 +191,12 @@ impl Validator<'_> {
     pub(super) fn identity(&mut self, raw: &RawIdentity) -> Identity {
         let api_key = match &raw.api_key {
             None => vec![KeySource::Header("x-api-key".into()), KeySource::Bearer],
+            Some(list) if list.get_ref().is_empty() => {
+                self.err(Some(list.span()), "identity.api_key", "an empty list finds no key, so every limit by \"api_key\" would count nobody; leave the key out for the default [\"header:x-api-key\", \"bearer\"]");
+                Vec::new()
+            }
             Some(list) => list
+                .get_ref()
                 .iter()
                 .enumerate()
                 .filter_map(|(i, s)| self.key_source(s, &format!("identity.api_key[{i}]")))

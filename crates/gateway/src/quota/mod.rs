@@ -167,14 +167,17 @@ impl Quota {
                 (KeyHasher::with_secret(secret.as_bytes()), r.instances.get())
             }
         };
-        let compiled: Vec<Limit> = config.limits.iter().map(|l| compile(l, 1)).collect();
+        let compiled: Vec<Limit> = config.limits.iter().map(|l| compile(l, 1, 1)).collect();
         let remote = match &config.store {
             Store::Memory => None,
             Store::Redis(r) => Some(Remote::start(r, &compiled).await?),
         };
         // With Redis, this limiter is the local fallback: each quota divided by `instances`.
-        let limiter = Limiter::new(config.limits.iter().map(|l| compile(l, divide_by)))
-            .expect("validated configuration has unique limit names");
+        let limiter = Limiter::new(config.limits.iter().map(|l| {
+            let most = (divide_by > 1).then(|| largest_cost(config, l)).flatten();
+            compile(l, divide_by, most.unwrap_or(1))
+        }))
+        .expect("validated configuration has unique limit names");
         let id = |l: &config::Limit| {
             limiter
                 .id(&l.name)
@@ -364,11 +367,30 @@ fn part(p: &KeyPart) -> Part {
     }
 }
 
-/// The limiter's form of a configured limit, with quota (and burst) divided by `divide_by`
-/// (at least 1 left), for the local fallback of a store shared by that many instances.
-fn compile(l: &config::Limit, divide_by: u32) -> Limit {
+/// The largest cost of the routes `l` applies to, if they cost more than 1 (and `l` counts
+/// cost: a concurrency limit takes one slot per request).
+fn largest_cost(config: &Config, l: &config::Limit) -> Option<u32> {
+    if l.algorithm == config::Algorithm::Concurrency {
+        return None;
+    }
+    let applies = |i: usize| l.routes.as_ref().is_none_or(|rs| rs.contains(&i));
+    let costs = config
+        .routes
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| applies(i));
+    costs.map(|(_, r)| r.cost.get()).max().filter(|&c| c > 1)
+}
+
+/// The limiter's form of a configured limit, with quota (and burst) divided by `divide_by`,
+/// for the local fallback of a store shared by that many instances; but never below `floor`,
+/// the largest cost of the routes it applies to, or those routes could not be served at all
+/// while the store is away (each instance then admits one such request where the shares
+/// would round to less).
+fn compile(l: &config::Limit, divide_by: u32, floor: u32) -> Limit {
     let share = |n: std::num::NonZeroU32| {
-        std::num::NonZeroU32::new(n.get() / divide_by).unwrap_or(std::num::NonZeroU32::MIN)
+        let part = (n.get() / divide_by).max(floor.min(n.get()));
+        std::num::NonZeroU32::new(part).unwrap_or(std::num::NonZeroU32::MIN)
     };
     let algorithm = match l.algorithm {
         config::Algorithm::TokenBucket { burst } => Algorithm::TokenBucket {
