@@ -929,3 +929,82 @@ async fn an_http2_request_with_more_than_100_header_fields_is_a_431() {
         }
     }
 }
+
+/// Writes `bytes` on a new connection and reads the answer until the gateway closes it. The
+/// gateway may close before it has read everything (a head too large): the write may then
+/// fail, and the close may come as a reset after the answer.
+async fn raw_exchange(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let _ = stream.write_all(bytes).await;
+    let mut reply = Vec::new();
+    let read = async {
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = stream.read(&mut buf).await {
+            reply.extend_from_slice(&buf[..n]);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("answered and closed in time");
+    String::from_utf8_lossy(&reply).into_owned()
+}
+
+/// A request head that HTTP/1.1 cannot parse, or that is too large, is refused by hyper before
+/// the gateway sees it; the answer still carries a problem body, as every other refusal does,
+/// also after an earlier request on the same connection.
+#[tokio::test]
+async fn heads_refused_before_routing_still_get_problem_bodies() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let huge = format!("x-big: {}\r\n", "a".repeat(70_000));
+    let cases = [
+        (
+            "GET /status HTTP/1.1\r\nhost: x\r\nbad header: y\r\n\r\n".to_owned(),
+            400,
+            "bad-request",
+        ),
+        (
+            format!("GET /status HTTP/1.1\r\nhost: x\r\n{huge}\r\n"),
+            431,
+            "headers-too-large",
+        ),
+        (
+            "GET /status HTTP/1.1\r\nhost: x\r\n\r\nGET /st\x01tus HTTP/1.1\r\nhost: x\r\n\r\n"
+                .to_owned(),
+            400,
+            "bad-request",
+        ),
+    ];
+    for (request, status, kind) in cases {
+        let reply = raw_exchange(gw.main, request.as_bytes()).await;
+        let last = reply.rfind("HTTP/1.1 ").expect("an answer");
+        let (head, body) = reply[last..]
+            .split_once("\r\n\r\n")
+            .expect("a whole answer");
+        assert!(head.starts_with(&format!("HTTP/1.1 {status} ")), "{reply}");
+        let head = head.to_ascii_lowercase();
+        assert!(
+            head.contains("content-type: application/problem+json"),
+            "{head}"
+        );
+        assert!(
+            head.contains(&format!("content-length: {}", body.len())),
+            "{head}"
+        );
+        assert!(head.contains("date: "), "{head}");
+        let json: serde_json::Value = serde_json::from_str(body).expect("a JSON body");
+        assert_eq!(
+            json["type"],
+            format!("https://api.example.com/problems/{kind}")
+        );
+        assert_eq!(json["status"], status);
+    }
+    // The pipelined case answered its first request as usual.
+    let reply = raw_exchange(
+        gw.main,
+        b"GET /status HTTP/1.1\r\nhost: x\r\n\r\nGET /st\x01tus HTTP/1.1\r\nhost: x\r\n\r\n",
+    )
+    .await;
+    assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
+}

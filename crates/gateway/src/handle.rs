@@ -22,6 +22,7 @@ use crate::forward::{
     bad_host, prepare_request, set_upgrade, strip_hop_by_hop, upgrade_protocol, Peer,
     UpstreamClient,
 };
+use crate::head_error::HeadErrors;
 use crate::head_timeout::Busy;
 use crate::identify::{Identify, KeyError, MAX_KEY_BYTES};
 use crate::problem::Problem;
@@ -53,6 +54,8 @@ pub(crate) struct Shared {
     /// The largest request body forwarded (`u64::MAX`: no limit).
     max_body_size: u64,
     pub(crate) problem_base: String,
+    /// Problem answers in place of hyper's own to request heads it refuses.
+    pub(crate) head_errors: Arc<HeadErrors>,
     legacy_headers: bool,
     overload_retry_after: RetryRange,
     ids: RequestIds,
@@ -96,6 +99,7 @@ impl Shared {
             min_body_rate: config.gateway.min_body_rate,
             max_body_size: config.gateway.max_body_size.unwrap_or(u64::MAX),
             problem_base: config.responses.problem_base.clone(),
+            head_errors: Arc::new(HeadErrors::new(&config.responses.problem_base)),
             legacy_headers: config.responses.legacy_headers,
             overload_retry_after: config.gateway.overload_retry_after,
             ids: RequestIds::new(),

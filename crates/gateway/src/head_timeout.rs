@@ -29,13 +29,14 @@ use std::io;
 use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use pin_project_lite::pin_project;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
+use crate::head_error::HeadErrors;
 use crate::server::Room;
 
 /// A connection's two timeouts (`[gateway]` `header_timeout` and `send_timeout`).
@@ -282,18 +283,67 @@ impl Drop for Busy {
 }
 
 pin_project! {
-    /// A connection's IO, noting each read or write that moves bytes for the send timeout.
+    /// A connection's IO, noting each read or write that moves bytes for the send timeout,
+    /// and putting problem bodies into hyper's own answers to heads it refuses
+    /// ([`HeadErrors`]).
     #[derive(Debug)]
     pub(crate) struct Counted<T> {
         #[pin]
         io: T,
         head: Arc<HeadTimeout>,
+        errors: Arc<HeadErrors>,
+        // A replacement being written, and how much of it has gone.
+        swap: Option<(Vec<u8>, usize)>,
     }
 }
 
 impl<T> Counted<T> {
-    pub(crate) fn new(io: T, head: Arc<HeadTimeout>) -> Self {
-        Counted { io, head }
+    pub(crate) fn new(io: T, head: Arc<HeadTimeout>, errors: Arc<HeadErrors>) -> Self {
+        Counted {
+            io,
+            head,
+            errors,
+            swap: None,
+        }
+    }
+}
+
+impl<T: AsyncWrite> Counted<T> {
+    /// Writes `buf`, or the problem answer in its place if it is one of hyper's automatic
+    /// answers: all of the replacement is written before `buf` is reported written (hyper
+    /// offers the same `buf` again while this is pending).
+    fn poll_write_or_swap(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let mut this = self.project();
+        if this.swap.is_none() {
+            match this.errors.replacement(buf) {
+                Some(answer) => *this.swap = Some((answer, 0)),
+                None => {
+                    let polled = this.io.poll_write(cx, buf);
+                    if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+                        this.head.note_moved();
+                    }
+                    return polled;
+                }
+            }
+        }
+        if let Some((answer, sent)) = this.swap.as_mut() {
+            while *sent < answer.len() {
+                match ready!(this.io.as_mut().poll_write(cx, &answer[*sent..])) {
+                    Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                    Ok(n) => {
+                        *sent += n;
+                        this.head.note_moved();
+                    }
+                    Err(e) => return Poll::Ready(Err(e)),
+                }
+            }
+        }
+        *this.swap = None;
+        Poll::Ready(Ok(buf.len()))
     }
 }
 
@@ -327,12 +377,7 @@ impl<T: AsyncWrite> AsyncWrite for Counted<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let this = self.project();
-        let polled = this.io.poll_write(cx, buf);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            this.head.note_moved();
-        }
-        polled
+        self.poll_write_or_swap(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -340,6 +385,13 @@ impl<T: AsyncWrite> AsyncWrite for Counted<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        // hyper's automatic answer is a head alone: one slice that starts with the status line.
+        if let [first, rest @ ..] = bufs {
+            let alone = rest.iter().all(|b| b.is_empty());
+            if alone && (self.swap.is_some() || self.errors.replacement(first).is_some()) {
+                return self.poll_write_or_swap(cx, first);
+            }
+        }
         let this = self.project();
         let polled = this.io.poll_write_vectored(cx, bufs);
         if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {

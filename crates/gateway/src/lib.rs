@@ -18,6 +18,7 @@ mod body;
 mod capacity;
 mod forward;
 mod handle;
+mod head_error;
 mod head_timeout;
 mod identify;
 mod once_a_second;

@@ -11,6 +11,9 @@ use smallvec::SmallVec;
 
 use crate::body::Body;
 
+/// The title of every `headers-too-large` problem.
+const HEAD_TOO_LARGE: &str = "The request head is too large";
+
 /// A problem to answer with.
 #[derive(Debug, Clone)]
 pub(crate) struct Problem {
@@ -74,8 +77,21 @@ impl Problem {
         Self::new(
             StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             "headers-too-large",
-            "The request has too many header fields",
+            HEAD_TOO_LARGE,
             format!("The request has more than {max} header fields."),
+        )
+    }
+
+    /// 431 over HTTP/1.1, where hyper cannot say which of the two limits a head went past.
+    pub(crate) fn head_too_large(max_bytes: usize, max_fields: usize) -> Self {
+        Self::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "headers-too-large",
+            HEAD_TOO_LARGE,
+            format!(
+                "The request head is larger than {} KiB or has more than {max_fields} header fields.",
+                max_bytes / 1024
+            ),
         )
     }
 

@@ -318,7 +318,8 @@ impl Conn {
             _permit: permit,
             _open: open,
         });
-        let io = TokioIo::new(Counted::new(stream, Arc::clone(&head)));
+        let errors = Arc::clone(&shared.head_errors);
+        let io = TokioIo::new(Counted::new(stream, Arc::clone(&head), errors));
         let requests = Arc::clone(&head);
         let result = match self.kind {
             Listener::Main => {
