@@ -150,15 +150,22 @@ fn a_route_shadowed_by_an_earlier_one_but_for_case_is_refused() {
         format!("[[routes]]\nname = \"{name}\"\npath = \"{path}\"\n{extra}respond = {{ status = 200 }}\n\n")
     };
     let text = [
-        route("a", "/v1/search", ""),
-        route("b", "/V1/Search", ""),
+        route("a", "/v1/search", "methods = [\"GET\"]\n"),
+        route("b", "/V1/Search", "methods = [\"HEAD\"]\n"),
         route("c", "/v1/SEARCH", "methods = [\"POST\"]\n"),
         route("d", "/v1/search", "host = \"a.example\"\n"),
+        route("e", "/v1/search", ""),
+        route("f", "/v1/search", "methods = [\"PUT\"]\n"),
     ]
     .concat();
+    // b: `GET` also matches `HEAD`; f: e matches every method. c and e each match a method
+    // no earlier route with that path and host does.
     assert_eq!(
         errors(&text),
-        ["c.toml:8:8: routes[1].path: \"/V1/Search\" is routes[0]'s path (paths match regardless of case), with the same methods and host: this route could never match"]
+        [
+            "c.toml:9:8: routes[1].path: \"/V1/Search\" is routes[0]'s path (paths match regardless of case), with the same host and every method of this route: this route could never match",
+            "c.toml:32:8: routes[5].path: \"/v1/search\" is routes[4]'s path (paths match regardless of case), with the same host and every method of this route: this route could never match",
+        ]
     );
 }
 

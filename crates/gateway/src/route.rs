@@ -84,8 +84,19 @@ fn path_matches(prefix: &str, path: &str) -> bool {
         && (rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'))
 }
 
+/// Whether `method` is one of the route's. Servers disagree here too, and a request is then
+/// counted under the more specific route (see the paths): method names are compared ignoring
+/// ASCII case (RFC 9110 makes them case-sensitive, but some frameworks do not), and `GET`
+/// also matches `HEAD`, which most frameworks answer with the `GET` handler (as nginx's
+/// `limit_except GET` allows `HEAD` too).
 fn method_matches(methods: Option<&[Method]>, method: &Method) -> bool {
-    methods.is_none_or(|ms| ms.contains(method))
+    let Some(ms) = methods else {
+        return true;
+    };
+    let m = method.as_str();
+    let head = m.eq_ignore_ascii_case("HEAD");
+    ms.iter()
+        .any(|r| r.as_str().eq_ignore_ascii_case(m) || (head && *r == Method::GET))
 }
 
 /// The host a request is addressed to, without port and without the trailing dot of a fully
@@ -186,6 +197,33 @@ mod tests {
                 "{other}"
             );
         }
+    }
+
+    /// A route for `GET` is also the route of `HEAD` and of `get`: a request the upstream
+    /// answers with the same handler must not slip past the route's limits.
+    #[test]
+    fn methods_match_ignoring_case_and_get_takes_head() {
+        let router = Router::new(&[
+            route("catch-all", "/", None, None),
+            route("search", "/v1/search", Some(vec![Method::GET]), None),
+            route("upload", "/v1/upload", Some(vec![Method::POST]), None),
+        ]);
+        for method in ["GET", "HEAD", "get", "Head"] {
+            assert_eq!(
+                find(&router, method, "/v1/search", "a"),
+                Some("search"),
+                "{method}"
+            );
+        }
+        for method in ["POST", "PUT", "OPTIONS"] {
+            assert_eq!(
+                find(&router, method, "/v1/search", "a"),
+                Some("catch-all"),
+                "{method}"
+            );
+        }
+        assert_eq!(find(&router, "post", "/v1/upload", "a"), Some("upload"));
+        assert_eq!(find(&router, "HEAD", "/v1/upload", "a"), Some("catch-all"));
     }
 
     #[test]

@@ -22,18 +22,29 @@ impl Validator<'_> {
     }
 
     /// Paths are matched regardless of case: a route with the path of an earlier one but for
-    /// case, and the same methods and host, could never match.
+    /// case, the same host, and no method the earlier one does not match, could never match.
     fn reachable(&mut self, raw: &[RawRoute]) {
-        fn methods(r: &RawRoute) -> Option<Vec<&str>> {
-            let mut ms: Option<Vec<&str>> = r
-                .methods
-                .as_ref()
-                .map(|ms| ms.get_ref().iter().map(|m| m.get_ref().as_str()).collect());
-            if let Some(ms) = &mut ms {
-                ms.sort_unstable();
-            }
-            ms
+        // The methods a route matches (`None`: all), as the router compares them: ignoring
+        // case, and `GET` taking `HEAD`.
+        fn methods(r: &RawRoute) -> Option<Vec<String>> {
+            r.methods.as_ref().map(|ms| {
+                let mut ms: Vec<String> = ms
+                    .get_ref()
+                    .iter()
+                    .map(|m| m.get_ref().to_ascii_uppercase())
+                    .collect();
+                if ms.iter().any(|m| m == "GET") {
+                    ms.push("HEAD".to_owned());
+                }
+                ms
+            })
         }
+        let covers = |earlier: &RawRoute, later: &RawRoute| match (methods(earlier), methods(later))
+        {
+            (None, _) => true,
+            (Some(_), None) => false,
+            (Some(e), Some(l)) => l.iter().all(|m| e.contains(m)),
+        };
         let host = |r: &RawRoute| {
             r.host.as_ref().map(|h| {
                 let h = h.get_ref();
@@ -46,7 +57,7 @@ impl Validator<'_> {
                     .path
                     .get_ref()
                     .eq_ignore_ascii_case(later.path.get_ref())
-                    && methods(earlier) == methods(later)
+                    && covers(earlier, later)
                     && host(earlier) == host(later)
             });
             if let Some(i) = shadowed {
@@ -54,7 +65,7 @@ impl Validator<'_> {
                     Some(later.path.span()),
                     &format!("routes[{j}].path"),
                     format!(
-                        "\"{}\" is routes[{i}]'s path (paths match regardless of case), with the same methods and host: this route could never match",
+                        "\"{}\" is routes[{i}]'s path (paths match regardless of case), with the same host and every method of this route: this route could never match",
                         later.path.get_ref()
                     ),
                 );
