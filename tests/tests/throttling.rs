@@ -964,3 +964,38 @@ async fn connection_cannot_remove_the_headers_a_caller_was_counted_by() {
         "other named headers still go: {sent}"
     );
 }
+
+both_stores!(a_limit_that_did_not_refuse_reports_the_same_t_as_after_an_admission);
+/// A token bucket beside a fixed window that runs out first: in the 429s the window causes,
+/// the bucket (not charged, and willing) reports the same `r` and `t` as in the last 200, at
+/// the same moment. Before, it said `t=0` ("until this request would pass it").
+async fn a_limit_that_did_not_refuse_reports_the_same_t_as_after_an_admission(store: TestStore) {
+    let limits = r#"
+[[limits]]
+name = "bucket"
+by = "api_key"
+quota = 5
+window = "10s"
+
+[[limits]]
+name = "window"
+by = "api_key"
+algorithm = "fixed_window"
+quota = 3
+window = "1h"
+"#;
+    let up = MockUpstream::start().await;
+    let gw = InProcess::start(&store.apply(&config(&up.url(), 64, limits)), Duration::ZERO).await;
+    let mut replies = Vec::new();
+    for _ in 0..5 {
+        replies.push(call(gw.main, "/v1/items", "k").await);
+    }
+    assert_eq!(statuses(&replies), [200, 200, 200, 429, 429]);
+    let bucket = |r: &Reply| sf_list(r, "ratelimit")["bucket"].clone();
+    let last_admitted = bucket(&replies[2]);
+    assert_eq!((last_admitted["r"], last_admitted["t"]), (2, 2));
+    for refused in &replies[3..] {
+        assert_eq!(bucket(refused), last_admitted);
+        assert_eq!(sf_list(refused, "ratelimit")["window"]["r"], 0);
+    }
+}

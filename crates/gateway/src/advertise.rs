@@ -97,7 +97,7 @@ pub(crate) fn write(
         headers.insert(X_REMAINING.clone(), HeaderValue::from(r.remaining));
         // A limit with no reset time (concurrency: a slot frees when a request ends) says
         // none, rather than 0, "now", beside a Retry-After that says otherwise.
-        if let Some(reset) = r.reset {
+        if let Some(reset) = r.window.and(r.reset) {
             headers.insert(X_RESET.clone(), HeaderValue::from(ceil_secs(reset)));
         }
     }
@@ -109,9 +109,10 @@ fn policy(items: &[(&str, Report)]) -> String {
     list(items, (";q=", |r| r.quota.into()), (";w=", window))
 }
 
-/// `RateLimit`: each limit's remaining quota and time to reset.
+/// `RateLimit`: each limit's remaining quota and time to reset. A concurrency limit (no
+/// window) has no time to reset: its slots free when requests end.
 fn state(items: &[(&str, Report)]) -> String {
-    let reset = |r: &Report| r.reset.map(ceil_secs);
+    let reset = |r: &Report| r.window.and(r.reset).map(ceil_secs);
     list(items, (";r=", |r| r.remaining.into()), (";t=", reset))
 }
 
@@ -214,7 +215,8 @@ mod tests {
         let items = [
             (&*names[0], report(10, Some(60), 3, Some(5_000))),
             (&*names[1], report(5, Some(1), 3, Some(9_000))),
-            (&*names[2], report(10, None, 4, None)),
+            // A concurrency limit with free slots: the limiter says "now" (zero); no `t`.
+            (&*names[2], report(10, None, 4, Some(0))),
         ];
         write(&mut h, &items, 5, true, &PolicyCache::default());
         assert_eq!(h["x-ratelimit-limit"], "5");
@@ -222,17 +224,20 @@ mod tests {
         assert_eq!(h["x-ratelimit-reset"], "9");
         assert_eq!(h["ratelimit-cost"], "5");
         assert_eq!(h["ratelimit"], "\"a\";r=3;t=5, \"b\";r=3;t=9, \"c\";r=4");
-        // A spent concurrency limit has no reset time: no X-RateLimit-Reset, not 0.
-        let mut h = HeaderMap::new();
-        write(
-            &mut h,
-            &[(&*names[2], report(1, None, 0, None))],
-            1,
-            true,
-            &PolicyCache::default(),
-        );
-        assert_eq!(h["x-ratelimit-remaining"], "0");
-        assert!(!h.contains_key("x-ratelimit-reset"));
+        // A concurrency limit has no reset time, spent or not: no X-RateLimit-Reset, not 0.
+        for (remaining, reset) in [(0, None), (1, Some(0))] {
+            let mut h = HeaderMap::new();
+            write(
+                &mut h,
+                &[(&*names[2], report(2, None, remaining, reset))],
+                1,
+                true,
+                &PolicyCache::default(),
+            );
+            assert_eq!(h["x-ratelimit-remaining"], remaining.to_string().as_str());
+            assert!(!h.contains_key("x-ratelimit-reset"));
+            assert_eq!(h["ratelimit"], format!("\"c\";r={remaining}").as_str());
+        }
     }
 
     #[test]

@@ -37,7 +37,8 @@ pub struct Report {
     /// `r`: quota remaining after this request (0 while blocked).
     pub remaining: u32,
     /// `t`: after an admission, the time until the remaining quota grows (zero when full); after
-    /// a refusal, the time until this request would pass. For concurrency, zero while a slot
+    /// a refusal, for a limit that would not admit the request, the time until it would (for
+    /// one that would, as after an admission). For concurrency, zero while a slot
     /// is free, else `None`: slots free when requests end, not with time.
     pub reset: Option<Duration>,
 }
@@ -366,7 +367,12 @@ fn reports<'a>(
         } else if let Some(until) = layer.blocked_until() {
             (0, Some(until.saturating_sub(now)))
         } else {
-            rule.pending(layer.state(), cost, now)
+            match rule.pending(layer.state(), cost, now) {
+                // A limit that would admit the request (another refused it) reports like an
+                // admission, on its state as it is: when its remaining quota grows.
+                (_, Some(0)) => rule.after_admission(layer.state(), now),
+                pending => pending,
+            }
         };
         Report {
             limit: layer.limit,

@@ -484,6 +484,8 @@ local function decide(k, p)
         out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = 0, blk - now, -1, own, blk
       else
         local left, w = figures(L, cost)
+        -- A layer that would admit (another refused): when its remaining grows, as if admitted.
+        if w == 0 then left, w = figures(L) end
         out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = left, w or -1, -1, own, 0
       end
     end

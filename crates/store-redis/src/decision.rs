@@ -22,7 +22,8 @@ pub struct LayerReport {
     /// `r`: quota remaining after this request (0 while blocked).
     pub remaining: u32,
     /// `t`: after an admission, the time until the remaining quota grows (zero when full);
-    /// otherwise the time until this request would pass. For concurrency, as in memory: zero
+    /// otherwise, for a layer that would not admit the request, the time until it would (for
+    /// one that would, as after an admission). For concurrency, as in memory: zero
     /// while a slot is free, else `None` (slots free when requests end, not with time).
     pub reset: Option<Duration>,
     /// Whether this layer refused the request (or would have, for a dry-run layer).
