@@ -1008,3 +1008,27 @@ async fn heads_refused_before_routing_still_get_problem_bodies() {
     .await;
     assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
 }
+
+/// A transfer coding other than `chunked` cannot be passed on (hyper takes the chunked framing
+/// off and the upstream would read still-encoded bytes as plain): 501 with a problem body,
+/// nothing forwarded. `chunked` alone is forwarded as usual.
+#[tokio::test]
+async fn a_transfer_coding_other_than_chunked_is_501_and_not_forwarded() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let request = |te: &str| {
+        format!("POST /api/upload HTTP/1.1\r\nhost: x\r\ntransfer-encoding: {te}\r\nconnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    };
+    for te in ["gzip, chunked", "foo,chunked", "GZIP , Chunked"] {
+        let reply = raw_exchange(gw.main, request(te).as_bytes()).await;
+        assert!(reply.starts_with("HTTP/1.1 501 "), "{te}: {reply}");
+        assert!(
+            reply.contains("/problems/unsupported-transfer-coding"),
+            "{reply}"
+        );
+    }
+    assert_eq!(up.requests(), 0, "nothing was forwarded");
+    let reply = raw_exchange(gw.main, request("Chunked").as_bytes()).await;
+    assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
+    assert!(reply.contains("\"body_bytes\":5"), "{reply}");
+}

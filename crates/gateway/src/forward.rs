@@ -801,6 +801,19 @@ fn join_cookies(headers: &mut HeaderMap) {
     }
 }
 
+/// Whether a request names a transfer coding other than `chunked` (say `gzip, chunked`).
+/// hyper takes the chunked framing off and forwards the body chunked again, so the other
+/// coding's name would be lost and the upstream would read still-encoded bytes as plain:
+/// answered 501 (RFC 9112 section 6.1). hyper itself refuses a list that does not end in
+/// `chunked`.
+pub(crate) fn unsupported_coding(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(http::header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .any(|coding| !coding.trim_ascii().eq_ignore_ascii_case(b"chunked"))
+}
+
 /// Why a request's `Host` makes it unroutable (RFC 9112 section 3.2: answered 400): an
 /// HTTP/1.1 request without one, a request with two, a value that is not a host and port, or
 /// (HTTP/2) one that names another host than `:authority`. Routes match on `Host`, and an

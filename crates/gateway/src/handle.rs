@@ -19,8 +19,8 @@ use crate::advertise;
 use crate::body::Body;
 use crate::capacity::Capacity;
 use crate::forward::{
-    bad_host, prepare_request, set_upgrade, strip_hop_by_hop, upgrade_protocol, Peer,
-    UpstreamClient,
+    bad_host, prepare_request, set_upgrade, strip_hop_by_hop, unsupported_coding, upgrade_protocol,
+    Peer, UpstreamClient,
 };
 use crate::head_error::HeadErrors;
 use crate::head_timeout::Busy;
@@ -158,9 +158,14 @@ pub(crate) async fn handle(
             };
             log.route(&shared.route_names[index]);
             // A body declared over the limit is refused before it costs any quota.
-            if http_body::Body::size_hint(req.body()).lower() > shared.max_body_size {
+            let size = http_body::Body::size_hint(req.body());
+            if size.lower() > shared.max_body_size {
                 break 'walk Problem::body_too_large(shared.max_body_size)
                     .into_response(&shared.problem_base);
+            }
+            // Only a body of no declared length can be chunked.
+            if size.exact().is_none() && unsupported_coding(req.headers()) {
+                break 'walk Problem::unsupported_coding().into_response(&shared.problem_base);
             }
 
             // Identify.

@@ -105,6 +105,16 @@ impl Problem {
         )
     }
 
+    /// 501: a transfer coding other than `chunked`, which the gateway cannot pass on.
+    pub(crate) fn unsupported_coding() -> Self {
+        Self::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "unsupported-transfer-coding",
+            "The request's transfer coding is not supported",
+            "Only the chunked transfer coding is supported (RFC 9112 section 6.1); send other codings as Content-Encoding.",
+        )
+    }
+
     pub(crate) fn upstream_unavailable() -> Self {
         Self::new(StatusCode::BAD_GATEWAY, "upstream-unavailable", "The upstream service could not be reached", "The connection to the upstream service was refused, reset or closed before it answered.")
     }
