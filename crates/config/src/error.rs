@@ -88,9 +88,38 @@ impl<'a> Source<'a> {
         ConfigError {
             location: span.map(|s| self.locate(s.start)),
             key: key.into(),
-            message: message.into(),
+            message: printable(message.into()),
         }
     }
+}
+
+/// `message` as one printable line: control characters (a value's newline, NUL) escaped, so
+/// that a value cannot forge a line of its own, and a very long one (a 1 MB value) cut in the
+/// middle.
+fn printable(message: String) -> String {
+    const MOST: usize = 600;
+    let escaped = if message.chars().any(char::is_control) {
+        let mut out = String::with_capacity(message.len() + 8);
+        for c in message.chars() {
+            if c.is_control() {
+                out.extend(c.escape_default());
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    } else {
+        message
+    };
+    if escaped.chars().count() <= MOST {
+        return escaped;
+    }
+    let head: String = escaped.chars().take(MOST / 2).collect();
+    let tail: Vec<char> = escaped.chars().rev().take(MOST / 4).collect();
+    format!(
+        "{head} [...] {}",
+        tail.into_iter().rev().collect::<String>()
+    )
 }
 
 fn floor_char_boundary(s: &str, mut i: usize) -> usize {
@@ -103,6 +132,17 @@ fn floor_char_boundary(s: &str, mut i: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn messages_are_one_printable_line_of_bounded_length() {
+        assert_eq!(
+            printable("\"a\nb\0\" is bad".into()),
+            "\"a\\nb\\u{0}\" is bad"
+        );
+        let long = printable(format!("\"{}\" is too long", "x".repeat(5000)));
+        assert!(long.len() < 700 && long.contains(" [...] "), "{long}");
+        assert!(long.ends_with("\" is too long"));
+    }
 
     #[test]
     fn locations_are_one_based_lines_and_columns() {

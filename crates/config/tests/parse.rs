@@ -409,3 +409,88 @@ fn names_must_be_header_safe_and_block_for_needs_a_window_limit() {
         "{e:?}"
     );
 }
+
+/// Errors found by TOML's own reading still name the key and the value; values cannot forge
+/// lines of their own; nonsense that would fail at run time is refused here.
+#[test]
+fn every_error_names_its_key_and_a_printable_value() {
+    let text = "[gateway]\nmax_in_flight = 99999999999999999999999\n";
+    assert_eq!(
+        errors(text),
+        ["c.toml:2:17: gateway.max_in_flight: 99999999999999999999999: number too large to fit in target type"]
+    );
+    let text = "[[routes]]\nname = \"a\"\npath = \"/\"\nupstream = \"u\"\n[[routes]]\nname = \"b\"\ncost = 1e99\n";
+    assert_eq!(
+        errors(text),
+        ["c.toml:7:8: routes[1].cost: 1e99: invalid type: floating point `1000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000.0`, expected i64"]
+    );
+    let text = "[upstreams.app]\nurl = \"http://127.0.0.1:1\"\nbogus = 1\n";
+    assert_eq!(
+        errors(text),
+        ["c.toml:3:1: upstreams.app.bogus: unknown field `bogus`, expected one of `url`, `connect_timeout`, `timeout`, `idle_connections`, `tunnel_idle_timeout`"]
+    );
+}
+
+#[test]
+fn nonsense_that_would_only_fail_at_run_time_is_refused() {
+    let text = r#"
+[upstreams.a]
+url = "127.0.0.1:3900"
+[upstreams.b]
+url = "http://127.0.0.1:70000"
+[upstreams.c]
+url = "http://127.0.0.1:0"
+[upstreams.d]
+url = "http://[::1]"
+
+[[routes]]
+name = "empty"
+path = "/empty"
+respond = { status = 204, body = "gone" }
+
+[[routes]]
+name = "wild"
+path = "/wild"
+host = "*.example.com"
+upstream = "d"
+
+[[routes]]
+name = "odd\nname"
+path = "/odd"
+upstream = "d"
+
+[[limits]]
+name = "l"
+by = "ip"
+quota = 1
+window = "1s"
+routes = ["wild", "wild"]
+"#;
+    assert_eq!(
+        errors(text),
+        [
+            "c.toml:3:7: upstreams.a.url: \"127.0.0.1:3900\" has no scheme (write e.g. \"http://127.0.0.1:3000\")",
+            "c.toml:5:7: upstreams.b.url: \"http://127.0.0.1:70000\" has a port outside 1 to 65535",
+            "c.toml:7:7: upstreams.c.url: \"http://127.0.0.1:0\" has a port outside 1 to 65535",
+            "c.toml:23:8: routes[2].name: \"odd\\nname\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')",
+            "c.toml:14:22: routes[0].respond.body: a 204 response has no body: \"gone\" would never be sent (leave body out)",
+            "c.toml:19:8: routes[1].host: \"*.example.com\": wildcards are not supported; a route matches one host exactly (leave host out for every host)",
+            "c.toml:32:19: limits[0].routes[1]: \"wild\" is listed twice",
+        ]
+    );
+}
+
+#[test]
+fn a_file_that_is_not_utf8_is_refused_at_the_first_bad_byte() {
+    let path = std::env::temp_dir().join(format!("sluice-not-utf8-{}.toml", std::process::id()));
+    std::fs::write(&path, b"[gateway]\nhealth_path = \"/h\xffx\"\n").unwrap();
+    let err = sluice_config::load(&path).unwrap_err().to_string();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(
+        err,
+        format!(
+            "{}:2:18: byte 0xff is not UTF-8: a TOML file must be UTF-8 text",
+            path.display()
+        )
+    );
+}

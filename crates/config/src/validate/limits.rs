@@ -58,11 +58,19 @@ impl Validator<'_> {
             );
         }
         let routes = l.routes.as_ref().map(|names| {
+            let names = names.get_ref();
             names
-                .get_ref()
                 .iter()
                 .enumerate()
                 .filter_map(|(j, n)| {
+                    if names[..j].iter().any(|m| m.get_ref() == n.get_ref()) {
+                        self.err(
+                            Some(n.span()),
+                            &format!("limits[{i}].routes[{j}]"),
+                            format!("\"{}\" is listed twice", n.get_ref()),
+                        );
+                        return None;
+                    }
                     let found = raw_routes
                         .iter()
                         .position(|r| r.name.get_ref() == n.get_ref());

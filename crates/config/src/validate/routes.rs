@@ -107,7 +107,13 @@ impl Validator<'_> {
         });
         let host = r.host.as_ref().map(|h| {
             let v = h.get_ref();
-            if v.is_empty() || v.parse::<http::uri::Authority>().is_err() || v.contains(['@', '/'])
+            if v.contains('*') {
+                self.err(
+                    Some(h.span()),
+                    &key("host"),
+                    format!("\"{v}\": wildcards are not supported; a route matches one host exactly (leave host out for every host)"),
+                );
+            } else if v.is_empty() || v.parse::<http::uri::Authority>().is_err() || v.contains(['@', '/'])
             {
                 self.err(
                     Some(h.span()),
@@ -199,6 +205,21 @@ impl Validator<'_> {
                     raw.status.get_ref()
                 ),
             );
+        }
+        // 204 and 304 responses have no body (RFC 9110 sections 15.3.5, 15.4.5): it would not
+        // be sent.
+        if let Some(s @ (http::StatusCode::NO_CONTENT | http::StatusCode::NOT_MODIFIED)) = status {
+            if !raw.body.is_empty() {
+                self.err(
+                    Some(raw.status.span()),
+                    &format!("{key}.body"),
+                    format!(
+                        "a {} response has no body: \"{}\" would never be sent (leave body out)",
+                        s.as_u16(),
+                        raw.body
+                    ),
+                );
+            }
         }
         let content_type = raw
             .content_type
