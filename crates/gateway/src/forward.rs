@@ -820,13 +820,13 @@ pub(crate) fn unsupported_coding(headers: &HeaderMap) -> bool {
 /// upstream that read another `Host` than the gateway would serve one route under another's
 /// limits.
 pub(crate) fn bad_host<B>(req: &Request<B>) -> Option<&'static str> {
-    let authority = req
-        .uri()
-        .authority()
-        .filter(|_| req.version() == http::Version::HTTP_2);
+    let h2 = req.version() == http::Version::HTTP_2;
+    // HTTP/2's `:authority`, or an HTTP/1.1 request target in absolute form: the request is
+    // routed and forwarded by `Host`, so the two must agree.
+    let authority = req.uri().authority();
     let mut hosts = req.headers().get_all(HOST).iter();
     let Some(host) = hosts.next() else {
-        return match authority {
+        return match authority.filter(|_| h2) {
             // The `:authority` is the host then: it is held to the same rule.
             Some(a) if !is_host_and_port(a.as_str().as_bytes()) => {
                 Some("The :authority is not a host name or address with an optional port.")
@@ -843,9 +843,11 @@ pub(crate) fn bad_host<B>(req: &Request<B>) -> Option<&'static str> {
         return Some("The Host header is not a host name or address with an optional port.");
     }
     match authority {
-        Some(a) if !same_host(a.as_str().as_bytes(), host.as_bytes()) => {
-            Some("The Host header names another host than the request's :authority.")
-        }
+        Some(a) if !same_host(a.as_str().as_bytes(), host.as_bytes()) => Some(if h2 {
+            "The Host header names another host than the request's :authority."
+        } else {
+            "The Host header names another host than the request target."
+        }),
         _ => None,
     }
 }
@@ -1143,6 +1145,12 @@ mod tests {
             "HTTP/1.1 without Host"
         );
         assert_eq!(bad_host(&req(http::Version::HTTP_10, "/", &[])), None);
+        // An absolute-form target is held to its Host as HTTP/2's :authority is.
+        let absolute = |host: &[&str]| bad_host(&req(v11, "http://a.example/x", host));
+        assert_eq!(absolute(&["a.example"]), None);
+        assert_eq!(absolute(&["A.EXAMPLE:80"]), None);
+        assert!(absolute(&["evil.example"]).is_some());
+        assert!(absolute(&[]).is_some(), "HTTP/1.1 needs Host even then");
         let v2 = http::Version::HTTP_2;
         assert_eq!(bad_host(&req(v2, "http://a.example/", &[])), None);
         assert_eq!(
