@@ -104,10 +104,19 @@ impl AccessLog {
         }
     }
 
-    /// Marks the moment the upstream's response head arrived.
-    pub(crate) fn upstream_done(&mut self) {
+    /// Marks the moment the request goes to its upstream (after any `delay` hold).
+    pub(crate) fn upstream_start(&mut self) {
         if let Some(l) = &mut self.0 {
             l.upstream_ms = Some(ms_since(l.start));
+        }
+    }
+
+    /// Marks the moment the upstream's response head arrived: `upstream_ms` is the time since
+    /// [`AccessLog::upstream_start`].
+    pub(crate) fn upstream_done(&mut self) {
+        if let Some(l) = &mut self.0 {
+            let before = l.upstream_ms.unwrap_or(0.0);
+            l.upstream_ms = Some(ms_since(l.start) - before);
         }
     }
 

@@ -237,6 +237,7 @@ pub(crate) async fn handle(
                     if let Some(protocol) = upgrade {
                         set_upgrade(req.headers_mut(), protocol);
                     }
+                    log.upstream_start();
                     let sent = shared.upstreams[*u]
                         .send(req, shared.max_body_size, shared.min_body_rate)
                         .await;

@@ -53,7 +53,7 @@ use spread::{Handoff, Spread};
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
     /// A listener could not be opened.
-    #[error("cannot listen on {addr} ({what}): {source}")]
+    #[error("cannot listen on {addr} ({what})")]
     Bind {
         /// Which listener.
         what: &'static str,
