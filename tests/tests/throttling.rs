@@ -789,6 +789,13 @@ async fn a_held_request_whose_client_leaves_gives_its_moment_back() {
         })
         .await;
     assert_eq!(held["route"], gone["route"]);
+    // Its upstream time starts when it is forwarded, after the hold (about 400 ms).
+    let upstream = held["upstream_ms"].as_f64().unwrap();
+    let total = held["total_ms"].as_f64().unwrap();
+    assert!(
+        upstream + 200.0 < total,
+        "upstream_ms {upstream} counts the hold (total {total})"
+    );
 }
 
 #[tokio::test]
