@@ -1006,3 +1006,24 @@ window = "1h"
         assert_eq!(sf_list(refused, "ratelimit")["window"]["r"], 0);
     }
 }
+
+both_stores!(a_503_tells_a_caller_a_delay_limit_would_hold_that_nothing_is_left);
+/// A request a `delay` limit would hold (its bucket is spent) meets a full gateway: the 503
+/// says what the caller has now, nothing, and when that grows; not the figures of the charge
+/// taken back, which would claim a whole token left.
+async fn a_503_tells_a_caller_a_delay_limit_would_hold_that_nothing_is_left(store: TestStore) {
+    let up = MockUpstream::start().await;
+    let limits = smooth_delay_limit("750ms");
+    let gw = InProcess::start(&store.apply(&config(&up.url(), 1, &limits)), Duration::ZERO).await;
+    assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+    let main = gw.main;
+    let slow = tokio::spawn(async move { get(main, "/hold", &[]).await });
+    up.wait_holding(1).await;
+    let full = call(gw.main, "/v1/items", "k").await;
+    assert_eq!(full.status, 503, "{}", full.text());
+    let smooth = &sf_list(&full, "ratelimit")["smooth"];
+    assert_eq!(smooth["r"], 0, "the bucket is spent: {smooth:?}");
+    assert!((1..=2).contains(&smooth["t"]), "{smooth:?}");
+    up.release(1);
+    assert_eq!(slow.await.unwrap().status, 200);
+}

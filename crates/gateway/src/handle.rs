@@ -294,8 +294,8 @@ pub(crate) async fn handle(
 }
 
 /// The answer to a request that was not admitted: 429, 503 (or 500 for an impossible cost).
-/// `reports` are the figures of a request refused for capacity, as had it been served; it
-/// advertises them with its charge taken back, since nothing was charged.
+/// `reports` are the figures of a request refused for capacity: the caller's as they stand,
+/// since nothing was charged.
 fn stopped(
     shared: &Shared,
     route: usize,
@@ -320,11 +320,7 @@ fn stopped(
             log.outcome(Outcome::Overloaded, &shared.quota);
             let mut res = Problem::overloaded(overload_retry_after(shared.overload_retry_after))
                 .into_response(&shared.problem_base);
-            let uncharged: Reports = reports
-                .iter()
-                .map(|&(id, r)| (id, r.uncharged(cost)))
-                .collect();
-            advertise(shared, route, res.headers_mut(), &uncharged, cost);
+            advertise(shared, route, res.headers_mut(), reports, cost);
             res
         }
         Stop::CostTooLarge(id) => {

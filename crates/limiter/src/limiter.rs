@@ -12,7 +12,9 @@ use std::sync::Arc;
 
 use crate::algo::{Algo, Rule, Step};
 use crate::clock::{duration_to_nanos, Nanos};
-use crate::decision::{Admission, Decision, Layer, Layers, LimitId, SlotGuard, INLINE_LAYERS};
+use crate::decision::{
+    Admission, Decision, Layer, Layers, LimitId, Report, SlotGuard, INLINE_LAYERS,
+};
 use crate::table::{Expiry, State, Table, TableStats};
 use crate::{Key, Limit};
 
@@ -332,6 +334,28 @@ impl Limiter {
             }
         }
         Decision::Admitted(admission)
+    }
+
+    /// Each limit's figures for its key as they stand at `now`, charging nothing: what a caller
+    /// not served after all is told (the gateway's 503 at capacity, after [`Limiter::refund`]).
+    /// `r` is what is left, `t` the time until it grows (zero when full); a blocked key has 0
+    /// left until its block ends.
+    ///
+    /// # Panics
+    /// If a [`LimitId`] does not belong to this limiter.
+    pub fn figures<'a>(
+        &'a self,
+        layers: &'a [(LimitId, Key)],
+        now: Nanos,
+    ) -> impl Iterator<Item = Report> + 'a {
+        layers.iter().map(move |&(limit, key)| {
+            let c = &self.limits[limit.index()];
+            let (remaining, reset) = match c.blocked_until(key, now.0) {
+                Some(until) => (0, Some(until.saturating_sub(now.0))),
+                None => c.rule.after_admission(c.table.load(key), now.0),
+            };
+            Report::of(&c.rule, limit, remaining, reset)
+        })
     }
 
     /// Takes back every charge of `admission` and releases the slots it still holds, e.g. when

@@ -370,6 +370,10 @@ local function decide(k, p)
       for i = 1, n do
         local L = layers[i]
         if L[3] == dry then
+          -- Check-only: nothing is charged, so the figures are the state's as it stands (what
+          -- a caller answered 503 at a full instance still has).
+          local left, reset
+          if not write then left, reset = figures(L) end
           local algo, tag = L[2], 0
           if algo == 'c' then
             L[5] = L[5] + 1
@@ -421,8 +425,7 @@ local function decide(k, p)
               end
             end
           end
-          if not write then tag = -1 end
-          local left, reset = figures(L)
+          if write then left, reset = figures(L) else tag = -1 end
           -- The request's wait is its longest hold (its figures are as of now, as in memory).
           local hold = L[17]
           if hold and hold > out[3] then out[3] = hold end

@@ -14,7 +14,8 @@ const HOUR: Duration = Duration::from_secs(3_600);
 
 async fn remaining(store: &RedisStore, layers: &[Layer<'_>]) -> Vec<u32> {
     match store.decide(layers, 1, Mode::CheckOnly).await.unwrap() {
-        RemoteDecision::Admitted(a) => a.reports.iter().map(|r| r.remaining + 1).collect(),
+        // Check-only reports the figures as they stand.
+        RemoteDecision::Admitted(a) => a.reports.iter().map(|r| r.remaining).collect(),
         RemoteDecision::Refused(r) => r.reports.iter().map(|r| r.remaining).collect(),
         other => panic!("{other:?}"),
     }
@@ -81,8 +82,9 @@ async fn check_only_charges_nothing_and_starts_no_block() {
             panic!("quota is untouched")
         };
         assert_eq!(
-            a.reports[0].remaining, 1,
-            "figures after the charge it would make"
+            (a.reports[0].remaining, a.reports[0].reset),
+            (2, Some(Duration::ZERO)),
+            "the figures as they stand: nothing charged, the whole quota left"
         );
         assert!(a.lease.is_none());
     }

@@ -241,13 +241,13 @@ async fn a_request_whose_key_redis_cannot_read_fails_alone_and_writes_nothing() 
         }
     }
     assert_eq!(server.calls("evalsha"), 1, "one call, nothing sent again");
-    // The four good ones were charged once each (a check reports what would be left after
-    // it), the bad key is untouched, and the slot holds exactly request 0's lease.
+    // The four good ones were charged once each (a check reports what is left), the bad key
+    // is untouched, and the slot holds exactly request 0's lease.
     let d = store.decide_at(&good, 1, Mode::CheckOnly, at(0)).await;
     let RemoteDecision::Admitted(a) = d.unwrap() else {
         panic!("admitted")
     };
-    assert_eq!(a.reports[0].remaining, 100 - 4 - 1);
+    assert_eq!(a.reports[0].remaining, 100 - 4);
     let kind: String = redis::cmd("TYPE")
         .arg(&name)
         .query_async(&mut admin)

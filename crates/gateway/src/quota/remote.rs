@@ -140,7 +140,7 @@ impl Remote {
         };
         match decision {
             RemoteDecision::Admitted(mut a) => {
-                // The figures had it been served: a 503 advertises them too.
+                // Check-only (a full instance) reports the figures as they stand, for the 503.
                 notes.reports.extend(figures(layers, &a.reports));
                 // Check-only said "would pass": the caller is within quota, the instance is full.
                 let Some(slot) = slot else {
