@@ -78,6 +78,9 @@ pub(crate) struct HeadTimeout {
     streams: Mutex<Vec<Option<Instant>>>,
     /// Whether the connection speaks HTTP/2 (set by its requests).
     http2: AtomicBool,
+    /// Whether a tunnel has taken the connection: its bytes are no longer HTTP for the
+    /// gateway to look at ([`HeadErrors`]).
+    tunnel: AtomicBool,
     /// The connection's room in the gateway, until the connection ends or a tunnel takes it.
     room: Mutex<Option<Room>>,
 }
@@ -94,6 +97,7 @@ impl HeadTimeout {
             moved: AtomicU64::new(0),
             streams: Mutex::new(Vec::new()),
             http2: AtomicBool::new(false),
+            tunnel: AtomicBool::new(false),
             room: Mutex::new(None),
         })
     }
@@ -220,6 +224,7 @@ impl Busy {
     /// it: after a protocol switch, hyper lets go of the connection while its socket lives on
     /// in the tunnel, which must go on counting against `max_connections`.
     pub(crate) fn take_room(&self) -> Option<Room> {
+        self.head.tunnel.store(true, Ordering::Release);
         self.head
             .room
             .lock()
@@ -292,8 +297,9 @@ pin_project! {
         io: T,
         head: Arc<HeadTimeout>,
         errors: Arc<HeadErrors>,
-        // A replacement being written, and how much of it has gone.
-        swap: Option<(Vec<u8>, usize)>,
+        // A replacement being written in place of hyper's buffer of this length, and how
+        // much of it has gone.
+        swap: Option<Swap>,
     }
 }
 
@@ -308,19 +314,43 @@ impl<T> Counted<T> {
     }
 }
 
+/// A problem answer written in place of hyper's automatic one.
+#[derive(Debug)]
+struct Swap {
+    answer: Vec<u8>,
+    sent: usize,
+    /// The length of hyper's buffer, reported written once the whole answer is.
+    replaces: usize,
+}
+
 impl<T: AsyncWrite> Counted<T> {
-    /// Writes `buf`, or the problem answer in its place if it is one of hyper's automatic
-    /// answers: all of the replacement is written before `buf` is reported written (hyper
-    /// offers the same `buf` again while this is pending).
+    /// The problem answer to write instead of `buf`, if `buf` is one of hyper's automatic
+    /// answers to a head it refused (never once a tunnel has the connection).
+    fn swap_for(&self, buf: &[u8]) -> Option<Swap> {
+        if self.head.tunnel.load(Ordering::Acquire) {
+            return None;
+        }
+        let answer = self.errors.replacement(buf)?;
+        Some(Swap {
+            answer,
+            sent: 0,
+            replaces: buf.len(),
+        })
+    }
+
+    /// Writes `buf`, or with `swap` (or one already under way) the problem answer in its
+    /// place: all of it is written before `buf` is reported written, hyper offering the same
+    /// `buf` again while this is pending.
     fn poll_write_or_swap(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
+        swap: Option<Swap>,
     ) -> Poll<io::Result<usize>> {
         let mut this = self.project();
         if this.swap.is_none() {
-            match this.errors.replacement(buf) {
-                Some(answer) => *this.swap = Some((answer, 0)),
+            match swap {
+                Some(swap) => *this.swap = Some(swap),
                 None => {
                     let polled = this.io.poll_write(cx, buf);
                     if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
@@ -330,15 +360,27 @@ impl<T: AsyncWrite> Counted<T> {
                 }
             }
         }
-        if let Some((answer, sent)) = this.swap.as_mut() {
-            while *sent < answer.len() {
-                match ready!(this.io.as_mut().poll_write(cx, &answer[*sent..])) {
-                    Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
-                    Ok(n) => {
-                        *sent += n;
-                        this.head.note_moved();
-                    }
-                    Err(e) => return Poll::Ready(Err(e)),
+        let Some(swap) = this.swap.as_mut() else {
+            unreachable!("set above");
+        };
+        if swap.replaces != buf.len() {
+            *this.swap = None;
+            let e = io::Error::new(io::ErrorKind::InvalidInput, "another buffer mid-answer");
+            return Poll::Ready(Err(e));
+        }
+        while swap.sent < swap.answer.len() {
+            match ready!(this.io.as_mut().poll_write(cx, &swap.answer[swap.sent..])) {
+                Ok(n @ 1..) => {
+                    swap.sent += n;
+                    this.head.note_moved();
+                }
+                Ok(0) => {
+                    *this.swap = None;
+                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                }
+                Err(e) => {
+                    *this.swap = None;
+                    return Poll::Ready(Err(e));
                 }
             }
         }
@@ -377,7 +419,12 @@ impl<T: AsyncWrite> AsyncWrite for Counted<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        self.poll_write_or_swap(cx, buf)
+        let swap = if self.swap.is_none() {
+            self.swap_for(buf)
+        } else {
+            None
+        };
+        self.poll_write_or_swap(cx, buf, swap)
     }
 
     fn poll_write_vectored(
@@ -387,9 +434,13 @@ impl<T: AsyncWrite> AsyncWrite for Counted<T> {
     ) -> Poll<io::Result<usize>> {
         // hyper's automatic answer is a head alone: one slice that starts with the status line.
         if let [first, rest @ ..] = bufs {
-            let alone = rest.iter().all(|b| b.is_empty());
-            if alone && (self.swap.is_some() || self.errors.replacement(first).is_some()) {
-                return self.poll_write_or_swap(cx, first);
+            if rest.iter().all(|b| b.is_empty()) {
+                if self.swap.is_some() {
+                    return self.poll_write_or_swap(cx, first, None);
+                }
+                if let Some(swap) = self.swap_for(first) {
+                    return self.poll_write_or_swap(cx, first, Some(swap));
+                }
             }
         }
         let this = self.project();
