@@ -87,7 +87,8 @@ impl<'a> Source<'a> {
     ) -> ConfigError {
         ConfigError {
             location: span.map(|s| self.locate(s.start)),
-            key: key.into(),
+            // A key taken from the text (a TOML syntax error's) is held to the same rule.
+            key: printable(key.into()),
             message: printable(message.into()),
         }
     }

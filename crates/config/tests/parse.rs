@@ -442,6 +442,8 @@ url = "http://127.0.0.1:70000"
 url = "http://127.0.0.1:0"
 [upstreams.d]
 url = "http://[::1]"
+[upstreams.e]
+url = "http://user:pw@127.0.0.1"
 
 [[routes]]
 name = "empty"
@@ -472,10 +474,11 @@ routes = ["wild", "wild"]
             "c.toml:3:7: upstreams.a.url: \"127.0.0.1:3900\" has no scheme (write e.g. \"http://127.0.0.1:3000\")",
             "c.toml:5:7: upstreams.b.url: \"http://127.0.0.1:70000\" has a port outside 1 to 65535",
             "c.toml:7:7: upstreams.c.url: \"http://127.0.0.1:0\" has a port outside 1 to 65535",
-            "c.toml:23:8: routes[2].name: \"odd\\nname\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')",
-            "c.toml:14:22: routes[0].respond.body: a 204 response has no body: \"gone\" would never be sent (leave body out)",
-            "c.toml:19:8: routes[1].host: \"*.example.com\": wildcards are not supported; a route matches one host exactly (leave host out for every host)",
-            "c.toml:32:19: limits[0].routes[1]: \"wild\" is listed twice",
+            "c.toml:11:7: upstreams.e.url: \"http://user:pw@127.0.0.1\" has a user or password: an upstream URL is scheme, host and port only",
+            "c.toml:25:8: routes[2].name: \"odd\\nname\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')",
+            "c.toml:16:22: routes[0].respond.body: a 204 response has no body: \"gone\" would never be sent (leave body out)",
+            "c.toml:21:8: routes[1].host: \"*.example.com\": wildcards are not supported; a route matches one host exactly (leave host out for every host)",
+            "c.toml:34:19: limits[0].routes[1]: \"wild\" is listed twice",
         ]
     );
 }

@@ -517,7 +517,9 @@ fn client_late(
             Verdict::UpstreamLate => return false,
         };
         let sleep = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
-        if sleep.deadline() != at {
+        // A deadline that moved later (a piece came) can wait for the earlier one to fire:
+        // one timer operation per wait that ends, not per piece.
+        if at < sleep.deadline() || sleep.is_elapsed() {
             sleep.as_mut().reset(at);
         }
         if sleep.as_mut().poll(cx).is_pending() {
@@ -801,17 +803,22 @@ fn join_cookies(headers: &mut HeaderMap) {
     }
 }
 
-/// Whether a request names a transfer coding other than `chunked` (say `gzip, chunked`).
-/// hyper takes the chunked framing off and forwards the body chunked again, so the other
-/// coding's name would be lost and the upstream would read still-encoded bytes as plain:
-/// answered 501 (RFC 9112 section 6.1). hyper itself refuses a list that does not end in
-/// `chunked`.
+/// Whether a request's transfer codings are anything but `chunked` once (say `gzip,
+/// chunked`, or `chunked, chunked`). hyper takes one chunked framing off and forwards the
+/// body chunked again, so any other coding would be lost and the upstream would read
+/// still-encoded bytes as plain: answered 501 (RFC 9112 section 6.1). Empty list elements
+/// do not count (RFC 9110 section 5.6.1). hyper itself refuses a list not ending in `chunked`.
 pub(crate) fn unsupported_coding(headers: &HeaderMap) -> bool {
-    headers
+    let mut codings = headers
         .get_all(http::header::TRANSFER_ENCODING)
         .iter()
         .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-        .any(|coding| !coding.trim_ascii().eq_ignore_ascii_case(b"chunked"))
+        .map(<[u8]>::trim_ascii)
+        .filter(|c| !c.is_empty());
+    !(codings
+        .next()
+        .is_some_and(|c| c.eq_ignore_ascii_case(b"chunked"))
+        && codings.next().is_none())
 }
 
 /// Why a request's `Host` makes it unroutable (RFC 9112 section 3.2: answered 400): an
@@ -826,13 +833,13 @@ pub(crate) fn bad_host<B>(req: &Request<B>) -> Option<&'static str> {
     let authority = req.uri().authority();
     let mut hosts = req.headers().get_all(HOST).iter();
     let Some(host) = hosts.next() else {
-        return match authority.filter(|_| h2) {
-            // The `:authority` is the host then: it is held to the same rule.
+        return match authority {
+            // The authority is the host then: it is held to the same rule.
             Some(a) if !is_host_and_port(a.as_str().as_bytes()) => {
-                Some("The :authority is not a host name or address with an optional port.")
+                Some("The request's authority is not a host name or address with an optional port.")
             }
-            Some(_) => None,
-            None => (req.version() == http::Version::HTTP_11)
+            Some(_) if h2 || req.version() != http::Version::HTTP_11 => None,
+            _ => (req.version() == http::Version::HTTP_11)
                 .then_some("An HTTP/1.1 request must carry a Host header."),
         };
     };
@@ -1116,6 +1123,36 @@ mod tests {
     }
 
     #[test]
+    fn only_chunked_alone_is_a_transfer_coding_the_gateway_passes_on() {
+        let te = |values: &[&str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(http::header::TRANSFER_ENCODING, v.parse().unwrap());
+            }
+            unsupported_coding(&h)
+        };
+        for fine in [
+            &["chunked"][..],
+            &["Chunked"],
+            &[" chunked "],
+            &[", chunked"],
+            &["chunked,"],
+        ] {
+            assert!(!te(fine), "{fine:?}");
+        }
+        for bad in [
+            &["gzip, chunked"][..],
+            &["gzip", "chunked"],
+            &["chunked, chunked"],
+            &["chunked", "chunked"],
+            &["identity"],
+            &[""],
+        ] {
+            assert!(te(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn host_must_be_one_valid_host_and_agree_with_the_authority() {
         let req = |version, uri: &str, hosts: &[&str]| {
             let mut b = Request::builder().uri(uri).version(version);
@@ -1151,6 +1188,12 @@ mod tests {
         assert_eq!(absolute(&["A.EXAMPLE:80"]), None);
         assert!(absolute(&["evil.example"]).is_some());
         assert!(absolute(&[]).is_some(), "HTTP/1.1 needs Host even then");
+        let v10 = http::Version::HTTP_10;
+        assert_eq!(bad_host(&req(v10, "http://a.example/x", &[])), None);
+        assert!(
+            bad_host(&req(v10, "http://user@a.example/x", &[])).is_some(),
+            "an HTTP/1.0 target's authority is held to the Host rule too"
+        );
         let v2 = http::Version::HTTP_2;
         assert_eq!(bad_host(&req(v2, "http://a.example/", &[])), None);
         assert_eq!(

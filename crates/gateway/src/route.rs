@@ -93,6 +93,9 @@ fn method_matches(methods: Option<&[Method]>, method: &Method) -> bool {
     let Some(ms) = methods else {
         return true;
     };
+    if ms.contains(method) {
+        return true;
+    }
     let m = method.as_str();
     let head = m.eq_ignore_ascii_case("HEAD");
     ms.iter()

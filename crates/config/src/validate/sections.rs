@@ -342,7 +342,9 @@ impl Validator<'_> {
     fn upstream_url(&mut self, v: &S<String>, key: &str) -> Option<http::Uri> {
         let s = v.get_ref();
         let uri: Option<http::Uri> = s.parse().ok();
-        let port = uri.as_ref().and_then(|u| u.authority()).and_then(|a| {
+        let authority = uri.as_ref().and_then(|u| u.authority());
+        let userinfo = authority.is_some_and(|a| a.as_str().contains('@'));
+        let port = authority.and_then(|a| {
             let (_, port) = a.as_str().rsplit_once(':')?;
             // An IPv6 address without a port ends in `]`, not in digits.
             (!port.ends_with(']')).then_some(port)
@@ -353,6 +355,7 @@ impl Validator<'_> {
             Some(u) if u.scheme_str() == Some("https") => "is not supported: upstreams are reached over plain http:// (TLS to upstreams is not built yet)",
             Some(u) if u.scheme_str() != Some("http") => "is not supported: upstreams are reached over plain http://",
             Some(u) if u.host().is_none_or(str::is_empty) => "has no host",
+            Some(_) if userinfo => "has a user or password: an upstream URL is scheme, host and port only",
             Some(_) if port.is_some_and(|p| !matches!(p.parse::<u16>(), Ok(1..))) => {
                 "has a port outside 1 to 65535"
             }
