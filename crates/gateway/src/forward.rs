@@ -31,6 +31,7 @@ use crate::problem::Problem;
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 /// Pooled connections looked at for a ready one before opening a new connection.
 const CHECKOUT_TRIES: usize = 4;
@@ -784,6 +785,18 @@ pub(crate) fn prepare_request<B>(
     if !(peer.trusted && headers.contains_key(&X_FORWARDED_PROTO)) {
         headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
     }
+    if !peer.trusted {
+        // A caller's own word on the host (`X-Forwarded-Host`, `Forwarded: host=`) would have
+        // an upstream that believes it (Rails, Django, Express behind a proxy) serve another
+        // host than the one the request was routed and counted by: the host is the routed
+        // one, and `Forwarded` from an untrusted peer is dropped (the gateway writes its
+        // facts in X-Forwarded-For and X-Forwarded-Proto).
+        if let Some(claimed) = headers.remove(&X_FORWARDED_HOST) {
+            let routed = headers.get(HOST).cloned().unwrap_or(claimed);
+            headers.insert(X_FORWARDED_HOST.clone(), routed);
+        }
+        headers.remove(http::header::FORWARDED);
+    }
 }
 
 /// HTTP/2 may split `cookie` into several fields; HTTP/1.1 has one line, joined by `; `.
@@ -1340,5 +1353,39 @@ mod tests {
         prepare_request(&mut req, &peer("10.0.0.1", true), &upstream(), &[]);
         assert_eq!(req.headers()["x-forwarded-proto"], "https");
         assert_eq!(req.headers()["host"], "api.example.com");
+    }
+
+    /// An upstream that reads `X-Forwarded-Host` or `Forwarded: host=` must see the host the
+    /// request was routed and counted by, unless a trusted proxy wrote them.
+    #[test]
+    fn a_caller_cannot_name_another_host_in_forwarding_headers() {
+        let build = || {
+            Request::builder()
+                .uri("/x")
+                .header("host", "other.example")
+                .header("x-forwarded-host", "api.example.com")
+                .header("x-forwarded-host", "b.example")
+                .header("forwarded", "host=api.example.com;proto=https")
+                .body(())
+                .unwrap()
+        };
+        let mut req = build();
+        prepare_request(&mut req, &peer("203.0.113.7", false), &upstream(), &[]);
+        let h = req.headers();
+        let xfh: Vec<_> = h.get_all("x-forwarded-host").iter().collect();
+        assert_eq!(xfh, ["other.example"]);
+        assert!(!h.contains_key("forwarded"));
+        let mut req = build();
+        prepare_request(&mut req, &peer("10.0.0.1", true), &upstream(), &[]);
+        assert_eq!(req.headers().get_all("x-forwarded-host").iter().count(), 2);
+        assert!(req.headers().contains_key("forwarded"));
+        // A request without them gets none.
+        let mut req = Request::builder()
+            .uri("/x")
+            .header("host", "a")
+            .body(())
+            .unwrap();
+        prepare_request(&mut req, &peer("203.0.113.7", false), &upstream(), &[]);
+        assert!(!req.headers().contains_key("x-forwarded-host"));
     }
 }
