@@ -1032,3 +1032,18 @@ async fn a_transfer_coding_other_than_chunked_is_501_and_not_forwarded() {
     assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
     assert!(reply.contains("\"body_bytes\":5"), "{reply}");
 }
+
+/// A path with bytes outside ASCII (as some clients send it raw) is forwarded escaped, the
+/// spelling routes are written in, so the raw and the escaped spelling meet one route.
+#[tokio::test]
+async fn a_path_outside_ascii_is_forwarded_escaped() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let reply = raw_exchange(
+        gw.main,
+        "GET /api/café HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".as_bytes(),
+    )
+    .await;
+    assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
+    assert!(reply.contains("\"uri\":\"/api/caf%C3%A9\""), "{reply}");
+}

@@ -58,12 +58,16 @@ pub fn route_key(normal: &str, merge_slashes: bool) -> Cow<'_, str> {
     }
 }
 
-/// Whether `path` holds nothing [`normalize`] would change: no `%`, no segment starting with
-/// `.`, and (when merging) no `//`. One pass, no allocation: most paths take only this.
+/// Whether `path` holds nothing [`normalize`] would change: no `%`, no byte outside ASCII, no
+/// segment starting with `.`, and (when merging) no `//`. One pass, no allocation: most
+/// paths take only this.
 fn is_plain(path: &str, merge_slashes: bool) -> bool {
     let mut after_slash = false;
     for &b in path.as_bytes() {
-        if b == b'%' || (after_slash && (b == b'.' || (merge_slashes && b == b'/'))) {
+        if b == b'%'
+            || !b.is_ascii()
+            || (after_slash && (b == b'.' || (merge_slashes && b == b'/')))
+        {
             return false;
         }
         after_slash = b == b'/';
@@ -72,38 +76,53 @@ fn is_plain(path: &str, merge_slashes: bool) -> bool {
 }
 
 /// `path` with each `%XX` of an unreserved character (letters, digits, `-`, `.`, `_`, `~`)
-/// replaced by the character, and every other escape's hex digits in upper case.
+/// replaced by the character, every other escape's hex digits in upper case, and each byte
+/// outside ASCII escaped (`/café` is `/caf%C3%A9`, as clients send it: both spellings name
+/// one resource, and must meet one route).
 fn decode_unreserved(path: &str) -> Result<Cow<'_, str>, MalformedPath> {
-    if !path.contains('%') {
+    if !path.bytes().any(|b| b == b'%' || !b.is_ascii()) {
         return Ok(Cow::Borrowed(path));
     }
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let escape = |out: &mut Vec<u8>, value: u8| {
+        out.extend_from_slice(&[
+            b'%',
+            HEX[usize::from(value >> 4)],
+            HEX[usize::from(value & 0xf)],
+        ]);
+    };
     let bytes = path.as_bytes();
-    let mut out = String::with_capacity(path.len());
-    let (mut start, mut i) = (0, 0);
+    let mut out = Vec::with_capacity(path.len() + 8);
+    let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] != b'%' {
-            i += 1;
-            continue;
+        match bytes[i] {
+            b'%' => {
+                let digit = |j: usize| bytes.get(j).and_then(|&b| char::from(b).to_digit(16));
+                let (Some(hi), Some(lo)) = (digit(i + 1), digit(i + 2)) else {
+                    return Err(MalformedPath);
+                };
+                let value = u8::try_from(hi << 4 | lo).map_err(|_| MalformedPath)?;
+                if value.is_ascii_alphanumeric() || matches!(value, b'-' | b'.' | b'_' | b'~') {
+                    out.push(value);
+                } else {
+                    escape(&mut out, value);
+                }
+                i += 3;
+            }
+            b if !b.is_ascii() => {
+                escape(&mut out, b);
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
         }
-        let digit = |j: usize| bytes.get(j).and_then(|&b| char::from(b).to_digit(16));
-        let (Some(hi), Some(lo)) = (digit(i + 1), digit(i + 2)) else {
-            return Err(MalformedPath);
-        };
-        out.push_str(&path[start..i]);
-        let value = u8::try_from(hi << 4 | lo).map_err(|_| MalformedPath)?;
-        if value.is_ascii_alphanumeric() || matches!(value, b'-' | b'.' | b'_' | b'~') {
-            out.push(char::from(value));
-        } else {
-            out.push('%');
-            out.push(char::from(HEX[usize::from(value >> 4)]));
-            out.push(char::from(HEX[usize::from(value & 0xf)]));
-        }
-        i += 3;
-        start = i;
     }
-    out.push_str(&path[start..]);
-    Ok(Cow::Owned(out))
+    // Only ASCII went in: escapes, and the path's own ASCII bytes.
+    String::from_utf8(out)
+        .map(Cow::Owned)
+        .map_err(|_| MalformedPath)
 }
 
 /// `path` (starting with `/`) with its dot segments removed (RFC 3986 section 5.2.4: `.`
@@ -208,6 +227,9 @@ mod tests {
         // Reserved and other characters stay escaped: `%2F` is not a segment boundary.
         assert_eq!(n("/a%2fb/%20%3f"), "/a%2Fb/%20%3F");
         assert_eq!(n("/caf%C3%a9"), "/caf%C3%A9");
+        // Bytes outside ASCII are escaped: the raw and the escaped spelling meet.
+        assert_eq!(n("/café/ü"), "/caf%C3%A9/%C3%BC");
+        assert_eq!(n("/caf%c3%a9/./x"), n("/café/x"));
     }
 
     #[test]

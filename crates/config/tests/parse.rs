@@ -174,7 +174,8 @@ fn route_and_health_paths_must_be_in_the_normal_form_requests_are_matched_in() {
     let text = "[gateway]\nhealth_path = \"/health/./x\"\n\n\
                 [[routes]]\nname = \"a\"\npath = \"/v1//a\"\nrespond = { status = 200 }\n\n\
                 [[routes]]\nname = \"b\"\npath = \"/v1/%62;x\"\nrespond = { status = 200 }\n\n\
-                [[routes]]\nname = \"c\"\npath = \"/v1/%zz\"\nrespond = { status = 200 }\n";
+                [[routes]]\nname = \"c\"\npath = \"/v1/%zz\"\nrespond = { status = 200 }\n\n\
+                [[routes]]\nname = \"d\"\npath = \"/café\"\nrespond = { status = 200 }\n";
     assert_eq!(
         errors(text),
         [
@@ -182,12 +183,13 @@ fn route_and_health_paths_must_be_in_the_normal_form_requests_are_matched_in() {
             "c.toml:6:8: routes[0].path: \"/v1//a\" is not in normal form, and requests are matched after they are brought to it (write \"/v1/a\")",
             "c.toml:11:8: routes[1].path: \"/v1/%62;x\" is not in normal form, and requests are matched after they are brought to it (write \"/v1/b\")",
             "c.toml:16:8: routes[2].path: \"/v1/%zz\" has a \"%\" not followed by two hexadecimal digits",
+            "c.toml:21:8: routes[3].path: \"/café\" is not in normal form, and requests are matched after they are brought to it (write \"/caf%C3%A9\")",
         ]
     );
     // With slashes kept as they are, a route may name an empty segment.
     let kept = text.replace("[gateway]\n", "[gateway]\nmerge_slashes = false\n");
     let e = errors(&kept);
-    assert_eq!(e.len(), 3, "{e:?}");
+    assert_eq!(e.len(), 4, "{e:?}");
     assert!(!e.iter().any(|e| e.contains("routes[0]")), "{e:?}");
 }
 

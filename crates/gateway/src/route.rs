@@ -202,6 +202,25 @@ mod tests {
         }
     }
 
+    /// A path outside ASCII is matched, and forwarded, escaped: the raw and the escaped
+    /// spelling reach one route.
+    #[test]
+    fn a_path_outside_ascii_meets_its_escaped_route() {
+        let router = Router::new(&[
+            route("catch-all", "/", None, None),
+            route("cafe", "/caf%C3%A9", None, None),
+        ]);
+        // (Raw bytes outside ASCII come from hyper's parser, not from `Uri`'s: see the e2e
+        // test `a_path_outside_ascii_is_forwarded_escaped`.)
+        for spelling in ["/caf%C3%A9", "/caf%c3%a9/x", "/caf%C3%a9;v=1"] {
+            assert_eq!(
+                find(&router, "GET", spelling, "a"),
+                Some("cafe"),
+                "{spelling}"
+            );
+        }
+    }
+
     /// A route for `GET` is also the route of `HEAD` and of `get`: a request the upstream
     /// answers with the same handler must not slip past the route's limits.
     #[test]
