@@ -1047,3 +1047,30 @@ async fn a_path_outside_ascii_is_forwarded_escaped() {
     assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
     assert!(reply.contains("\"uri\":\"/api/caf%C3%A9\""), "{reply}");
 }
+
+/// The 64 KiB head limit holds for every request on a connection: hyper alone lets a later
+/// head of up to about twice that through once its buffer has grown.
+#[tokio::test]
+async fn a_head_over_64_kib_is_431_also_later_on_a_kept_alive_connection() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let big = format!("x-big: {}\r\n", "b".repeat(100_000));
+    let request = format!(
+        "GET /api/echo HTTP/1.1\r\nhost: x\r\n\r\nGET /api/echo HTTP/1.1\r\nhost: x\r\n{big}connection: close\r\n\r\n"
+    );
+    let reply = raw_exchange(gw.main, request.as_bytes()).await;
+    assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
+    let second = &reply[reply.rfind("HTTP/1.1 ").unwrap()..];
+    assert!(second.starts_with("HTTP/1.1 431 "), "{second}");
+    assert!(second.contains("/problems/headers-too-large"), "{second}");
+    assert_eq!(up.requests(), 1, "the large head was not forwarded");
+    // Just under the limit passes.
+    let fits = format!("x-fits: {}\r\n", "b".repeat(60_000));
+    let request = format!("GET /api/echo HTTP/1.1\r\nhost: x\r\n{fits}connection: close\r\n\r\n");
+    let reply = raw_exchange(gw.main, request.as_bytes()).await;
+    assert!(
+        reply.starts_with("HTTP/1.1 200 "),
+        "{}",
+        &reply[..200.min(reply.len())]
+    );
+}
