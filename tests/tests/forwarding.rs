@@ -1074,3 +1074,18 @@ async fn a_head_over_64_kib_is_431_also_later_on_a_kept_alive_connection() {
         &reply[..200.min(reply.len())]
     );
 }
+
+/// A GET with a chunked body (search APIs take one) reaches the upstream with its body: hyper's
+/// client would otherwise send such a GET without it, and the client would get an answer to a
+/// request it did not make.
+#[tokio::test]
+async fn a_get_with_a_chunked_body_is_forwarded_with_it() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    for method in ["GET", "POST", "DELETE"] {
+        let request = format!("{method} /api/echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
+        let reply = raw_exchange(gw.main, request.as_bytes()).await;
+        assert!(reply.starts_with("HTTP/1.1 200 "), "{method}: {reply}");
+        assert!(reply.contains("\"body_bytes\":5"), "{method}: {reply}");
+    }
+}

@@ -136,6 +136,15 @@ impl UpstreamClient {
         min_rate: Option<MinBodyRate>,
     ) -> Result<Response<Incoming>, Problem> {
         let mut req = req.map(|body| Upload::new(body, max_body, min_rate, self.timeout));
+        // A body of no declared length goes chunked. hyper's client would send a GET's, HEAD's
+        // or CONNECT's as no body at all unless told (the client's chunked framing was taken
+        // off with the other hop-by-hop headers).
+        let body = req.body();
+        if body.moved.is_some() && http_body::Body::size_hint(body).exact().is_none() {
+            let chunked = HeaderValue::from_static("chunked");
+            req.headers_mut()
+                .insert(http::header::TRANSFER_ENCODING, chunked);
+        }
         let path = req
             .uri()
             .path_and_query()
