@@ -99,10 +99,16 @@ impl<'a> Source<'a> {
 /// middle.
 fn printable(message: String) -> String {
     const MOST: usize = 600;
-    let escaped = if message.chars().any(char::is_control) {
+    // Control characters, and the invisible ones that reorder or hide text (bidirectional
+    // overrides and isolates, zero-width marks).
+    let hidden = |c: char| {
+        c.is_control()
+            || matches!(c, '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{FEFF}')
+    };
+    let escaped = if message.chars().any(hidden) {
         let mut out = String::with_capacity(message.len() + 8);
         for c in message.chars() {
-            if c.is_control() {
+            if hidden(c) {
                 out.extend(c.escape_default());
             } else {
                 out.push(c);
@@ -140,6 +146,7 @@ mod tests {
             printable("\"a\nb\0\" is bad".into()),
             "\"a\\nb\\u{0}\" is bad"
         );
+        assert_eq!(printable("\"a\u{202E}b\"".into()), "\"a\\u{202e}b\"");
         let long = printable(format!("\"{}\" is too long", "x".repeat(5000)));
         assert!(long.len() < 700 && long.contains(" [...] "), "{long}");
         assert!(long.ends_with("\" is too long"));

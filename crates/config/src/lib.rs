@@ -76,14 +76,15 @@ fn serde_error(
         // Some errors come from TOML's own reading (a number too large), before serde has a
         // key path: the key is the one written on the value's line.
         // And a table named by a map key (`[upstreams.app]`) is left out of serde's path.
-        if key.is_empty() || map_key_lost {
-            let found = key_at(text, span.start);
-            if !found.is_empty() {
-                key = found;
-            }
+        // So is a dotted key's table (`upstreams.app.bogus = 1` comes back as `bogus`).
+        let found = key_at(text, span.start);
+        let fuller = found.len() > key.len() && found.ends_with(&format!(".{key}"));
+        if !found.is_empty() && (key.is_empty() || map_key_lost || fuller) {
+            key = found;
         }
         let value = value_at(text, span.start);
-        if !value.is_empty() && !message.contains(value) {
+        let header = value.starts_with('[');
+        if !value.is_empty() && !header && !message.contains(value) {
             message = format!("{value}: {message}");
         }
     }
@@ -118,18 +119,23 @@ fn key_at(text: &str, offset: usize) -> String {
         return String::new();
     };
     let line_start = before.rfind('\n').map_or(0, |i| i + 1);
-    // The value's key stands before `=`; an unknown key's error points at the key itself.
-    let name = match before[line_start..].split_once('=') {
-        Some((name, _)) => name.trim(),
-        None => {
-            let rest = &text[offset..];
-            let end = rest
-                .find(|c: char| c == '=' || c.is_whitespace())
-                .unwrap_or(rest.len());
-            rest[..end].trim()
-        }
+    let line = text[line_start..].split('\n').next().unwrap_or("");
+    // A table header's errors are the table's; a value's (or an unknown key's) key is what
+    // stands before the line's `=`, a dotted key whole.
+    if let Some(header) = line.trim().strip_prefix('[') {
+        let name = header.trim_matches(['[', ']']).trim();
+        let plain = !name.is_empty() && !name.contains(['[', ']', '"', '\'', '#']);
+        return if plain {
+            name.to_owned()
+        } else {
+            String::new()
+        };
+    }
+    let Some((name, _)) = line.split_once('=') else {
+        return String::new();
     };
-    if name.is_empty() {
+    let name = name.trim();
+    if name.is_empty() || name.contains(['[', ']', '"', '\'']) {
         return String::new();
     }
     let header = before[..line_start]

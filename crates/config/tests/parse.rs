@@ -426,6 +426,31 @@ fn every_error_names_its_key_and_a_printable_value() {
         errors(text),
         ["c.toml:7:8: routes[1].cost: 1e99: invalid type: floating point `1000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000.0`, expected i64"]
     );
+    let got: Vec<Vec<String>> = [
+        "upstreams.app.url = \"http://127.0.0.1:1\"\nupstreams.app.bogus = 1\n",
+        "[upstreams.app]\ntimeout = \"1s\"\n",
+        "[upstreams.app.extra]\nx = 1\n",
+    ]
+    .iter()
+    .map(|t| errors(t))
+    .collect();
+    assert_eq!(
+        got,
+        [
+            ["c.toml:2:15: upstreams.app.bogus: unknown field `bogus`, expected one of `url`, `connect_timeout`, `timeout`, `idle_connections`, `tunnel_idle_timeout`"],
+            ["c.toml:1:1: upstreams.app: missing field `url`"],
+            ["c.toml:1:16: upstreams.app.extra: unknown field `extra`, expected one of `url`, `connect_timeout`, `timeout`, `idle_connections`, `tunnel_idle_timeout`"],
+        ]
+    );
+    // A route naming a refused upstream is not told the upstream does not exist.
+    let text = "[upstreams.app]\nurl = \"127.0.0.1:1\"\n[[routes]]\nname = \"r\"\npath = \"/\"\nmethods = [\"GET\", \"GET\"]\nupstream = \"app\"\n";
+    assert_eq!(
+        errors(text),
+        [
+            "c.toml:2:7: upstreams.app.url: \"127.0.0.1:1\" has no scheme (write e.g. \"http://127.0.0.1:3000\")",
+            "c.toml:6:19: routes[0].methods: \"GET\" is listed twice",
+        ]
+    );
     let text = "[upstreams.app]\nurl = \"http://127.0.0.1:1\"\nbogus = 1\n";
     assert_eq!(
         errors(text),
@@ -446,6 +471,10 @@ url = "http://127.0.0.1:0"
 url = "http://[::1]"
 [upstreams.e]
 url = "http://user:pw@127.0.0.1"
+[upstreams.f]
+url = "http://127.0.0.1:+80"
+[upstreams.g]
+url = "http://127.0.0.1:80#x"
 
 [[routes]]
 name = "empty"
@@ -477,10 +506,12 @@ routes = ["wild", "wild"]
             "c.toml:5:7: upstreams.b.url: \"http://127.0.0.1:70000\" has a port outside 1 to 65535",
             "c.toml:7:7: upstreams.c.url: \"http://127.0.0.1:0\" has a port outside 1 to 65535",
             "c.toml:11:7: upstreams.e.url: \"http://user:pw@127.0.0.1\" has a user or password: an upstream URL is scheme, host and port only",
-            "c.toml:25:8: routes[2].name: \"odd\\nname\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')",
-            "c.toml:16:22: routes[0].respond.body: a 204 response has no body: \"gone\" would never be sent (leave body out)",
-            "c.toml:21:8: routes[1].host: \"*.example.com\": wildcards are not supported; a route matches one host exactly (leave host out for every host)",
-            "c.toml:34:19: limits[0].routes[1]: \"wild\" is listed twice",
+            "c.toml:13:7: upstreams.f.url: \"http://127.0.0.1:+80\" has a port outside 1 to 65535",
+            "c.toml:15:7: upstreams.g.url: \"http://127.0.0.1:80#x\" has a fragment; an upstream URL is scheme, host and port only",
+            "c.toml:29:8: routes[2].name: \"odd\\nname\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')",
+            "c.toml:20:22: routes[0].respond.body: a 204 response has no body: \"gone\" would never be sent (leave body out)",
+            "c.toml:25:8: routes[1].host: \"*.example.com\": wildcards are not supported; a route matches one host exactly (leave host out for every host)",
+            "c.toml:38:19: limits[0].routes[1]: \"wild\" is listed twice",
         ]
     );
 }

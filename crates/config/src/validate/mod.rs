@@ -23,6 +23,8 @@ const MAX_DURATION: Duration = Duration::from_secs(36_500 * 86_400);
 pub(crate) struct Validator<'a> {
     src: Source<'a>,
     errors: Vec<ConfigError>,
+    /// Upstreams declared but refused: routes naming them are not told they do not exist.
+    refused_upstreams: Vec<String>,
 }
 
 impl<'a> Validator<'a> {
@@ -30,6 +32,7 @@ impl<'a> Validator<'a> {
         Self {
             src: Source::new(file, text),
             errors: Vec::new(),
+            refused_upstreams: Vec::new(),
         }
     }
 

@@ -90,10 +90,15 @@ impl Validator<'_> {
             );
         }
         let methods = r.methods.as_ref().map(|ms| {
-            ms.get_ref()
-                .iter()
-                .filter_map(|m| {
+            let all = ms.get_ref();
+            all.iter()
+                .enumerate()
+                .filter_map(|(j, m)| {
                     let v = m.get_ref();
+                    if all[..j].iter().any(|earlier| earlier.get_ref() == v) {
+                        self.err(Some(m.span()), &key("methods"), format!("\"{v}\" is listed twice"));
+                        return None;
+                    }
                     let ok = !v.is_empty() && v.bytes().all(|b| b.is_ascii_uppercase());
                     match http::Method::from_bytes(v.as_bytes()) {
                         Ok(method) if ok => Some(method),
@@ -175,7 +180,7 @@ impl Validator<'_> {
         upstreams: &[Upstream],
     ) -> Option<RouteAction> {
         let found = upstreams.iter().position(|x| &x.name == u.get_ref());
-        if found.is_none() {
+        if found.is_none() && !self.refused_upstreams.contains(u.get_ref()) {
             let known: Vec<&str> = upstreams.iter().map(|x| x.name.as_str()).collect();
             self.err(
                 Some(u.span()),

@@ -325,16 +325,18 @@ impl Validator<'_> {
                 .map_or(Some(DEFAULT_IDLE_CONNECTIONS), |v| {
                     self.integer::<u16>(v, &format!("{key}.idle_connections"), 0, 65_535)
                 });
-            if let Some(url) = url {
-                out.push(Upstream {
-                    name: name.get_ref().clone(),
-                    url,
-                    connect_timeout,
-                    timeout,
-                    idle_connections: idle_connections.unwrap_or(DEFAULT_IDLE_CONNECTIONS),
-                    tunnel_idle_timeout,
-                });
-            }
+            let Some(url) = url else {
+                self.refused_upstreams.push(name.get_ref().clone());
+                continue;
+            };
+            out.push(Upstream {
+                name: name.get_ref().clone(),
+                url,
+                connect_timeout,
+                timeout,
+                idle_connections: idle_connections.unwrap_or(DEFAULT_IDLE_CONNECTIONS),
+                tunnel_idle_timeout,
+            });
         }
         out
     }
@@ -356,9 +358,13 @@ impl Validator<'_> {
             Some(u) if u.scheme_str() != Some("http") => "is not supported: upstreams are reached over plain http://",
             Some(u) if u.host().is_none_or(str::is_empty) => "has no host",
             Some(_) if userinfo => "has a user or password: an upstream URL is scheme, host and port only",
-            Some(_) if port.is_some_and(|p| !matches!(p.parse::<u16>(), Ok(1..))) => {
+            Some(_) if port.is_some_and(|p| {
+                !p.bytes().all(|b| b.is_ascii_digit()) || !matches!(p.parse::<u16>(), Ok(1..))
+            }) =>
+            {
                 "has a port outside 1 to 65535"
             }
+            Some(_) if s.contains('#') => "has a fragment; an upstream URL is scheme, host and port only",
             Some(u) if !matches!(u.path(), "" | "/") || u.query().is_some() => "has a path or query; an upstream URL is scheme, host and port only",
             Some(_) => return uri,
         };
