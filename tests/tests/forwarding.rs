@@ -493,6 +493,13 @@ async fn a_malformed_request_body_is_a_400() {
     let reply = String::from_utf8_lossy(&reply);
     assert!(reply.starts_with("HTTP/1.1 400"), "{reply}");
     assert!(reply.contains("/problems/bad-request"), "{reply}");
+    // The body is broken, so the connection cannot go on, and the answer says so.
+    assert!(
+        reply
+            .to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n"),
+        "{reply}"
+    );
 }
 
 /// An upstream that stops in the middle of its body: after `timeout` without a piece of it,

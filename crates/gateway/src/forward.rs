@@ -153,26 +153,33 @@ impl UpstreamClient {
         *req.uri_mut() = Uri::from(path);
         *req.version_mut() = http::Version::HTTP_11;
         let now = Instant::now();
+        // The client's body broken or cut: its connection cannot go on.
+        let ends = |mut p: Problem| {
+            p.ends_connection = true;
+            p
+        };
         match self.exchange(req, now, now + self.timeout).await {
             Err(Failure::Timeout) => Err(Problem::upstream_timeout()),
-            Err(Failure::ClientStalled) => Err(Problem::body_timeout()),
+            Err(Failure::ClientStalled) => Err(ends(Problem::body_timeout())),
             Ok(res) => Ok(res),
             Err(Failure::Connect(e)) => {
                 tracing::debug!(upstream = %self.authority, error = %e, "cannot connect to the upstream");
                 Err(Problem::upstream_unavailable())
             }
             Err(Failure::Http(e)) if caused_by_timeout(&e) => Err(Problem::upstream_timeout()),
-            Err(Failure::Http(e)) if caused_by::<ClientTooSlow>(&e) => Err(Problem::body_timeout()),
+            Err(Failure::Http(e)) if caused_by::<ClientTooSlow>(&e) => {
+                Err(ends(Problem::body_timeout()))
+            }
             Err(Failure::Http(e)) if caused_by::<BodyTooLarge>(&e) => {
-                Err(Problem::body_too_large(max_body))
+                Err(ends(Problem::body_too_large(max_body)))
             }
             // The client's own body failed (a malformed chunk, fewer bytes than declared): the
             // caller's error, not the upstream's.
             Err(Failure::Http(e)) if caused_by::<ClientBody>(&e) => {
                 tracing::debug!(error = %display_chain(&e), "request body failed");
-                Err(Problem::bad_request(
+                Err(ends(Problem::bad_request(
                     "The request body was malformed or ended before its declared length.",
-                ))
+                )))
             }
             Err(Failure::Http(e)) => {
                 tracing::debug!(error = %display_chain(&e), "upstream request failed");

@@ -261,6 +261,7 @@ pub(crate) async fn handle(
                         set_upgrade(req.headers_mut(), protocol);
                     }
                     log.upstream_start();
+                    let http1 = req.version() != http::Version::HTTP_2;
                     let sent = shared.upstreams[*u]
                         .send(req, shared.max_body_size, shared.min_body_rate)
                         .await;
@@ -300,7 +301,15 @@ pub(crate) async fn handle(
                             let timeout = shared.upstreams[*u].timeout();
                             Response::from_parts(parts, Body::upstream(body, timeout))
                         }
-                        (Err(problem), _) => problem.into_response(&shared.problem_base),
+                        (Err(problem), _) => {
+                            let close = problem.ends_connection && http1;
+                            let mut res = problem.into_response(&shared.problem_base);
+                            if close {
+                                let close = HeaderValue::from_static("close");
+                                res.headers_mut().insert(http::header::CONNECTION, close);
+                            }
+                            res
+                        }
                     }
                 }
             };

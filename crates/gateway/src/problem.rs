@@ -26,6 +26,9 @@ pub(crate) struct Problem {
     pub(crate) retry_after: Option<u64>,
     /// Extension members, in order (`policy`, `quota`, `window`, ...).
     pub(crate) extra: SmallVec<[(&'static str, Member); 3]>,
+    /// The request's body was left unread (or broken): its connection cannot carry another
+    /// request, and an HTTP/1.1 answer says so with `Connection: close`.
+    pub(crate) ends_connection: bool,
 }
 
 /// An extension member's value.
@@ -50,6 +53,7 @@ impl Problem {
             detail: detail.into(),
             retry_after: None,
             extra: SmallVec::new(),
+            ends_connection: false,
         }
     }
 
