@@ -87,6 +87,19 @@ fn run_refuses_an_invalid_config_and_a_bad_upstream_override() {
         err.contains("--upstream nope=http://127.0.0.1:1: \"nope\" is not an upstream"),
         "{err}"
     );
+    // A value that is no URL is refused whole, on one line, not quietly cut.
+    let (code, _, err) = run_cli(&[
+        "run",
+        "--config",
+        SHIPPED,
+        "--upstream",
+        "app=http://127.0.0.1:1\"\nx",
+    ]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("--upstream app=http://127.0.0.1:1\\\"\\nx: a URL holds no quote, backslash or control character"),
+        "{err}"
+    );
 }
 
 #[test]

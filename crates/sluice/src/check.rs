@@ -121,9 +121,11 @@ pub(crate) fn override_upstreams(
     let mut config = config;
     let mut errors = Vec::new();
     for o in overrides {
+        // Printed on one line: control characters escaped.
+        let shown: String = o.chars().flat_map(char::escape_debug).collect();
         let err = |message: String| ConfigError {
             location: None,
-            key: format!("--upstream {o}"),
+            key: format!("--upstream {shown}"),
             message,
         };
         let Some((name, url)) = o.split_once('=') else {
@@ -137,10 +139,13 @@ pub(crate) fn override_upstreams(
             )));
             continue;
         };
-        let probe = format!(
-            "[upstreams.x]\nurl = \"{}\"\n",
-            url.replace(['"', '\\'], "")
-        );
+        if url.chars().any(|c| c == '"' || c == '\\' || c.is_control()) {
+            errors.push(err(
+                "a URL holds no quote, backslash or control character".into()
+            ));
+            continue;
+        }
+        let probe = format!("[upstreams.x]\nurl = \"{url}\"\n");
         match sluice_config::parse(&probe, Path::new("--upstream")) {
             Ok(c) => up.url = c.upstreams[0].url.clone(),
             Err(e) => errors.push(err(e.0[0].message.clone())),
