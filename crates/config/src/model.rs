@@ -203,6 +203,34 @@ pub struct Limit {
     pub block_for: Option<Duration>,
 }
 
+impl Limit {
+    /// Whether the limit applies to the route at `route` (an index into `Config::routes`).
+    pub fn applies_to(&self, route: usize) -> bool {
+        self.routes.as_ref().is_none_or(|rs| rs.contains(&route))
+    }
+}
+
+impl Route {
+    /// Whether the route matches requests with `method`. Servers disagree here, and a request
+    /// is then counted under the more specific route (see the paths): method names are
+    /// compared ignoring ASCII case (RFC 9110 makes them case-sensitive, but some frameworks
+    /// do not), and `GET` also matches `HEAD`, which most frameworks answer with the `GET`
+    /// handler (as nginx's `limit_except GET` allows `HEAD` too).
+    pub fn matches_method(&self, method: &http::Method) -> bool {
+        self.methods
+            .as_deref()
+            .is_none_or(|ms| methods_match(ms.iter().map(http::Method::as_str), method.as_str()))
+    }
+}
+
+/// Whether `method` is one of `methods`, by [`Route::matches_method`]'s rule.
+pub(crate) fn methods_match<'a>(methods: impl IntoIterator<Item = &'a str>, method: &str) -> bool {
+    let head = method.eq_ignore_ascii_case("HEAD");
+    methods
+        .into_iter()
+        .any(|m| m == method || m.eq_ignore_ascii_case(method) || (head && m == "GET"))
+}
+
 /// A part of a limit's key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyPart {

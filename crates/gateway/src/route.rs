@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 
 use http::uri::PathAndQuery;
-use http::{Method, Request, Uri};
+use http::{Request, Uri};
 use sluice_config::path::{normalize, route_key, MalformedPath};
 use sluice_config::Route;
 
@@ -62,7 +62,7 @@ impl Router {
             .iter()
             .find(|(_, r)| {
                 path_matches(&r.path, path)
-                    && method_matches(r.methods.as_deref(), req.method())
+                    && r.matches_method(req.method())
                     && r.host.as_deref().is_none_or(|h| {
                         let host = host.get_or_init(|| request_host(req));
                         host.is_some_and(|x| x.eq_ignore_ascii_case(h))
@@ -84,24 +84,6 @@ fn path_matches(prefix: &str, path: &str) -> bool {
         && (rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'))
 }
 
-/// Whether `method` is one of the route's. Servers disagree here too, and a request is then
-/// counted under the more specific route (see the paths): method names are compared ignoring
-/// ASCII case (RFC 9110 makes them case-sensitive, but some frameworks do not), and `GET`
-/// also matches `HEAD`, which most frameworks answer with the `GET` handler (as nginx's
-/// `limit_except GET` allows `HEAD` too).
-fn method_matches(methods: Option<&[Method]>, method: &Method) -> bool {
-    let Some(ms) = methods else {
-        return true;
-    };
-    if ms.contains(method) {
-        return true;
-    }
-    let m = method.as_str();
-    let head = m.eq_ignore_ascii_case("HEAD");
-    ms.iter()
-        .any(|r| r.as_str().eq_ignore_ascii_case(m) || (head && *r == Method::GET))
-}
-
 /// The host a request is addressed to, without port and without the trailing dot of a fully
 /// qualified name (`api.example.com.` is the same host, and must not miss its route): `Host`
 /// for HTTP/1.1, `:authority` for h2.
@@ -121,6 +103,7 @@ pub(crate) fn request_host<B>(req: &Request<B>) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::Method;
     use sluice_config::{Respond, RouteAction};
     use std::num::NonZeroU32;
 

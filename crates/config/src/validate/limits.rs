@@ -247,7 +247,7 @@ impl Validator<'_> {
     fn costs_fit(&mut self, limits: &[Limit], routes: &[Route], raw_routes: &[RawRoute]) {
         for (ri, route) in routes.iter().enumerate() {
             for limit in limits {
-                let applies = limit.routes.as_ref().is_none_or(|rs| rs.contains(&ri));
+                let applies = limit.applies_to(ri);
                 let capacity = match limit.algorithm {
                     Algorithm::TokenBucket { burst } => burst,
                     Algorithm::FixedWindow | Algorithm::SlidingWindow => limit.quota,

@@ -3,7 +3,7 @@
 use std::num::NonZeroU32;
 
 use super::Validator;
-use crate::model::{Respond, Route, RouteAction, Upstream};
+use crate::model::{methods_match, Respond, Route, RouteAction, Upstream};
 use crate::raw::{RawRespond, RawRoute, S};
 
 impl Validator<'_> {
@@ -26,24 +26,15 @@ impl Validator<'_> {
     fn reachable(&mut self, raw: &[RawRoute]) {
         // The methods a route matches (`None`: all), as the router compares them: ignoring
         // case, and `GET` taking `HEAD`.
-        fn methods(r: &RawRoute) -> Option<Vec<String>> {
-            r.methods.as_ref().map(|ms| {
-                let mut ms: Vec<String> = ms
-                    .get_ref()
-                    .iter()
-                    .map(|m| m.get_ref().to_ascii_uppercase())
-                    .collect();
-                if ms.iter().any(|m| m == "GET") {
-                    ms.push("HEAD".to_owned());
-                }
-                ms
-            })
+        fn names(ms: &S<Vec<S<String>>>) -> impl Iterator<Item = &str> {
+            ms.get_ref().iter().map(|m| m.get_ref().as_str())
         }
-        let covers = |earlier: &RawRoute, later: &RawRoute| match (methods(earlier), methods(later))
+        // Whether every method of `later` is matched by `earlier`, as the router matches them.
+        let covers = |earlier: &RawRoute, later: &RawRoute| match (&earlier.methods, &later.methods)
         {
             (None, _) => true,
             (Some(_), None) => false,
-            (Some(e), Some(l)) => l.iter().all(|m| e.contains(m)),
+            (Some(e), Some(l)) => names(l).all(|m| methods_match(names(e), m)),
         };
         let host = |r: &RawRoute| {
             r.host.as_ref().map(|h| {

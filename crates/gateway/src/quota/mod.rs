@@ -202,7 +202,7 @@ impl Quota {
             .map(|r| {
                 let mut on_route = RouteLimits::default();
                 for (l, info) in config.limits.iter().zip(&limits) {
-                    if !l.routes.as_ref().is_none_or(|rs| rs.contains(&r)) {
+                    if !l.applies_to(r) {
                         continue;
                     }
                     let entry = (id(l), key_of(&hasher, &info.parts, &route_parts[r], None));
@@ -373,12 +373,11 @@ fn largest_cost(config: &Config, l: &config::Limit) -> Option<u32> {
     if l.algorithm == config::Algorithm::Concurrency {
         return None;
     }
-    let applies = |i: usize| l.routes.as_ref().is_none_or(|rs| rs.contains(&i));
     let costs = config
         .routes
         .iter()
         .enumerate()
-        .filter(|&(i, _)| applies(i));
+        .filter(|&(i, _)| l.applies_to(i));
     costs.map(|(_, r)| r.cost.get()).max().filter(|&c| c > 1)
 }
 
