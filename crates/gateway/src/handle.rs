@@ -129,7 +129,8 @@ pub(crate) async fn handle(
     mut busy: Busy,
     mut req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
-    if req.version() == http::Version::HTTP_2 {
+    let http2 = req.version() == http::Version::HTTP_2;
+    if http2 {
         busy.http2();
     }
     // Counted before the gateway adds its own (HTTP/1.1 past it never gets here), with
@@ -141,8 +142,7 @@ pub(crate) async fn handle(
     // hyper holds an HTTP/1.1 head to MAX_HEAD_BYTES only while it has nothing else buffered:
     // on a kept-alive connection a later head up to about twice that gets through. (HTTP/2's
     // header lists are held to it by the h2 layer.)
-    let head_too_large =
-        req.version() != http::Version::HTTP_2 && head_bytes(&req) > MAX_HEAD_BYTES;
+    let head_too_large = !http2 && head_bytes(&req) > MAX_HEAD_BYTES;
     // Room for what the walk adds (X-Request-Id, X-Forwarded-For, X-Forwarded-Proto) at once:
     // hyper sizes the map for the headers it parsed, and each growth rehashes it.
     req.headers_mut().reserve(3);
@@ -261,7 +261,6 @@ pub(crate) async fn handle(
                         set_upgrade(req.headers_mut(), protocol);
                     }
                     log.upstream_start();
-                    let http1 = req.version() != http::Version::HTTP_2;
                     let sent = shared.upstreams[*u]
                         .send(req, shared.max_body_size, shared.min_body_rate)
                         .await;
@@ -302,7 +301,7 @@ pub(crate) async fn handle(
                             Response::from_parts(parts, Body::upstream(body, timeout))
                         }
                         (Err(problem), _) => {
-                            let close = problem.ends_connection && http1;
+                            let close = problem.ends_connection && !http2;
                             let mut res = problem.into_response(&shared.problem_base);
                             if close {
                                 let close = HeaderValue::from_static("close");

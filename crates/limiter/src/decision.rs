@@ -370,11 +370,11 @@ mod tests {
     use std::num::NonZeroU32;
     use std::time::Duration;
 
-    /// The figures as they stand ([`Limiter::figures`]): after an admission of any cost is refunded, they are those from before it, and they
-    /// never say more is left than before, also when a `delay` limit held the request (a
-    /// fixed window that charged a held request into its next window has given up the rest of
-    /// the current one). Checked for every algorithm, from states reached by earlier requests
-    /// spread over two windows.
+    /// The figures as they stand ([`Limiter::figures`]): after an admission of any cost is
+    /// refunded, they are those from before it, and they never say more is left than before,
+    /// also when a `delay` limit held the request (a fixed window that charged a held request
+    /// into its next window has given up the rest of the current one). Checked for every
+    /// algorithm, from states reached by earlier requests spread over two windows.
     #[test]
     fn figures_after_a_refund_are_those_from_before_it() {
         let q = NonZeroU32::new(10).unwrap();

@@ -57,16 +57,15 @@ impl Quota {
         self.limiter
             .decide_with(&layers.enforced, cost, now, |decision| match decision {
                 Decision::Admitted(admission) => {
-                    reports.extend(admission.reports(&self.limiter).map(|r| (r.limit, r)));
                     // A held request is in-flight work: a full gateway cannot hold more.
                     let Some(slot) = slot.or_else(|| capacity.try_acquire()) else {
                         self.limiter.refund(admission);
                         // A 503 tells the caller what it has, nothing having been charged.
-                        reports.clear();
                         let figures = self.limiter.figures(&layers.enforced, now);
                         reports.extend(figures.map(|r| (r.limit, r)));
                         return (Err(Stop::Overloaded), None);
                     };
+                    reports.extend(admission.reports(&self.limiter).map(|r| (r.limit, r)));
                     let wait = admission.wait();
                     let held_back = !wait.is_zero();
                     let (dry_run, dry_refused, dry_admission) =
