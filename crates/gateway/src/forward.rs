@@ -333,44 +333,19 @@ pin_project! {
 }
 
 /// The client stopped sending the request body, or sent it slower than `min_body_rate`.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("the client sent the request body too slowly")]
 struct ClientTooSlow;
 
-impl std::fmt::Display for ClientTooSlow {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the client sent the request body too slowly")
-    }
-}
-
-impl StdError for ClientTooSlow {}
-
 /// A request body went past `max_body_size` while it was forwarded.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("the request body is larger than max_body_size")]
 struct BodyTooLarge;
 
-impl std::fmt::Display for BodyTooLarge {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the request body is larger than max_body_size")
-    }
-}
-
-impl StdError for BodyTooLarge {}
-
 /// The client's request body failed (hyper's error inside): answered 400, not 502.
-#[derive(Debug)]
-struct ClientBody(hyper::Error);
-
-impl std::fmt::Display for ClientBody {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the client's request body failed")
-    }
-}
-
-impl StdError for ClientBody {
-    fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        Some(&self.0)
-    }
-}
+#[derive(Debug, thiserror::Error)]
+#[error("the client's request body failed")]
+struct ClientBody(#[source] hyper::Error);
 
 /// How a request body is coming: when its last piece passed, how much came, whether the
 /// gateway is waiting on the client for more, and for how long it has waited on the client
