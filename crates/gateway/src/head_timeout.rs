@@ -348,20 +348,16 @@ impl<T: AsyncWrite> Counted<T> {
         swap: Option<Swap>,
     ) -> Poll<io::Result<usize>> {
         let mut this = self.project();
-        if this.swap.is_none() {
-            match swap {
-                Some(swap) => *this.swap = Some(swap),
-                None => {
-                    let polled = this.io.poll_write(cx, buf);
-                    if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-                        this.head.note_moved();
-                    }
-                    return polled;
+        let swap = match (this.swap.as_mut(), swap) {
+            (Some(under_way), _) => under_way,
+            (None, Some(new)) => this.swap.insert(new),
+            (None, None) => {
+                let polled = this.io.poll_write(cx, buf);
+                if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+                    this.head.note_moved();
                 }
+                return polled;
             }
-        }
-        let Some(swap) = this.swap.as_mut() else {
-            unreachable!("set above");
         };
         if swap.replaces != buf.len() {
             *this.swap = None;
