@@ -71,8 +71,39 @@ fn serde_error(
 ) -> ConfigError {
     let (mut key, map_key_lost) = key_path(e.path());
     let inner = e.into_inner();
-    let mut message = inner.message().trim_end().to_owned();
+    // TOML's messages run over lines ("invalid escape sequence\nexpected ..."): one line here.
+    let mut message = inner
+        .message()
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ");
     if let Some(span) = inner.span() {
+        // An error inside a string (a bad escape, one never closed) is the string's key's; the
+        // value shown is the string on the error's line, from its opening quote or the line's
+        // start.
+        if let Some((open, closed)) = string_around(text, span.start) {
+            let found = key_at(text, open);
+            if key.is_empty() && !found.is_empty() {
+                key = found;
+            }
+            let before = text.get(..span.start).unwrap_or(text);
+            let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+            let value = value_line(text, if closed { open.max(line_start) } else { open });
+            if !value.is_empty() && !message.contains(value) {
+                message = format!("{value}: {message}");
+            }
+            // TOML points just past a bad escape's letter; the escape starts at its backslash.
+            // One never closed is pointed at where it opens.
+            let mut place = if closed { span.start } else { open };
+            if closed && message.contains("escape") {
+                if let Some(slash) = before[line_start..].rfind('\\') {
+                    place = line_start + slash;
+                }
+            }
+            return error::Source::new(file, text).error(Some(place..place), key, message);
+        }
         // Some errors come from TOML's own reading (a number too large), before serde has a
         // key path: the key is the one written on the value's line.
         // And a table named by a map key (`[upstreams.app]`) is left out of serde's path.
@@ -89,6 +120,69 @@ fn serde_error(
         }
     }
     error::Source::new(file, text).error(inner.span(), key, message)
+}
+
+/// Where the string holding `offset` opens, if `offset` is inside one (or inside one never
+/// closed), and whether it closes: a short scan of the TOML text for comments and the four
+/// kinds of string.
+fn string_around(text: &str, offset: usize) -> Option<(usize, bool)> {
+    let b = text.as_bytes();
+    let mut i = 0;
+    while i < b.len().min(offset) {
+        let q = b[i];
+        if q == b'#' {
+            i = b[i..]
+                .iter()
+                .position(|&c| c == b'\n')
+                .map_or(b.len(), |n| i + n);
+            continue;
+        }
+        if q != b'"' && q != b'\'' {
+            i += 1;
+            continue;
+        }
+        let open = i;
+        let multi = b[i..].starts_with(&[q, q, q]);
+        let quotes = if multi { 3 } else { 1 };
+        i += quotes;
+        loop {
+            if i >= b.len() || (!multi && b[i] == b'\n') {
+                // Never closed: everything after the opening quote is the string's.
+                return (offset >= open).then_some((open, false));
+            }
+            if q == b'"' && b[i] == b'\\' {
+                i += 2;
+                continue;
+            }
+            if b[i..].starts_with(&[q, q, q][..quotes]) {
+                // A multi-line string may end in up to two more quotes of its own.
+                let mut end = i + quotes;
+                while multi && end < b.len() && b[end] == q && end < i + quotes + 2 {
+                    end += 1;
+                }
+                if offset > open && offset < end {
+                    return Some((open, true));
+                }
+                i = end;
+                break;
+            }
+            i += 1;
+        }
+    }
+    None
+}
+
+/// The rest of the line from `offset`, trimmed, at most 80 bytes.
+fn value_line(text: &str, offset: usize) -> &str {
+    let Some(rest) = text.get(offset..) else {
+        return "";
+    };
+    let line = rest.split('\n').next().unwrap_or("").trim();
+    let mut end = line.len().min(80);
+    while !line.is_char_boundary(end) {
+        end -= 1;
+    }
+    &line[..end]
 }
 
 /// The value written at `offset`, up to the end of its token on that line (a quoted string to
@@ -119,17 +213,16 @@ fn key_at(text: &str, offset: usize) -> String {
         return String::new();
     };
     let line_start = before.rfind('\n').map_or(0, |i| i + 1);
-    let line = text[line_start..].split('\n').next().unwrap_or("");
+    let line_end = text[line_start..]
+        .find('\n')
+        .map_or(text.len(), |i| line_start + i);
+    let line = &text[line_start..line_end];
     // A table header's errors are the table's; a value's (or an unknown key's) key is what
-    // stands before the line's `=`, a dotted key whole.
-    if let Some(header) = line.trim().strip_prefix('[') {
-        let name = header.trim_matches(['[', ']']).trim();
-        let plain = !name.is_empty() && !name.contains(['[', ']', '"', '\'', '#']);
-        return if plain {
-            name.to_owned()
-        } else {
-            String::new()
-        };
+    // stands before the line's `=`, a dotted key whole, under the header above it.
+    if line.trim().starts_with('[') {
+        return table_name(line)
+            .map(|t| indexed(&text[..line_end], t))
+            .unwrap_or_default();
     }
     let Some((name, _)) = line.split_once('=') else {
         return String::new();
@@ -138,38 +231,50 @@ fn key_at(text: &str, offset: usize) -> String {
     if name.is_empty() || name.contains(['[', ']', '"', '\'']) {
         return String::new();
     }
-    let header = before[..line_start]
+    let above = &before[..line_start];
+    match above.lines().rev().find(|l| l.trim().starts_with('[')) {
+        Some(header) => match table_name(header) {
+            Some(t) => format!("{}.{name}", indexed(above, t)),
+            None => String::new(),
+        },
+        None => name.to_owned(),
+    }
+}
+
+/// The table a header line names (`[a.b]` or `[[a]]`, a comment after it allowed), if it is
+/// written plainly (no quoted parts).
+fn table_name(header: &str) -> Option<&str> {
+    let header = header.split('#').next().unwrap_or("").trim();
+    let name = header.trim_start_matches('[').trim_end_matches(']').trim();
+    let plain = !name.is_empty() && !name.contains(['[', ']', '"', '\'']);
+    plain.then_some(name)
+}
+
+/// `table` with the index of each array of tables it runs through (`routes.respond` ->
+/// `routes[1].respond`), counting the `[[...]]` headers in `text` (which ends with the header
+/// that opened `table`).
+fn indexed(text: &str, table: &str) -> String {
+    let arrays: Vec<&str> = text
         .lines()
-        .rev()
-        .map(str::trim)
-        .find(|l| l.starts_with('['));
-    let table = match header {
-        Some(h) if h.starts_with("[[") => {
-            let t = h
-                .trim_start_matches('[')
-                .split(']')
-                .next()
-                .unwrap_or("")
-                .trim();
-            let marker = format!("[[{t}]]");
-            let index = before[..line_start]
-                .lines()
-                .filter(|l| l.trim().replace(' ', "") == marker)
-                .count()
-                .saturating_sub(1);
-            format!("{t}[{index}].")
+        .filter(|l| l.trim_start().starts_with("[["))
+        .filter_map(table_name)
+        .collect();
+    let mut out = String::new();
+    let mut path = String::new();
+    for part in table.split('.').map(str::trim) {
+        if !path.is_empty() {
+            path.push('.');
+            out.push('.');
         }
-        Some(h) => format!(
-            "{}.",
-            h.trim_start_matches('[')
-                .split(']')
-                .next()
-                .unwrap_or("")
-                .trim()
-        ),
-        None => String::new(),
-    };
-    format!("{table}{name}")
+        path.push_str(part);
+        out.push_str(part);
+        let same = |a: &&&str| a.split('.').map(str::trim).eq(path.split('.'));
+        let count = arrays.iter().filter(same).count();
+        if count > 0 {
+            out.push_str(&format!("[{}]", count - 1));
+        }
+    }
+    out
 }
 
 /// `limits[2].window`, leaving out the private fields serde's `Spanned` wrapper uses; and

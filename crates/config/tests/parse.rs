@@ -530,3 +530,43 @@ fn a_file_that_is_not_utf8_is_refused_at_the_first_bad_byte() {
         )
     );
 }
+
+/// An error inside a string (a bad escape, a string never closed) names the string's key, with
+/// the index of the array of tables it sits in, and its message is one line.
+#[test]
+fn errors_inside_strings_name_the_strings_key() {
+    let head = "[[routes]]\nname = \"x\"\npath = \"/x\"\n[[routes]]\nname = \"y\"\npath = \"/y\"\n[routes.respond]\nstatus = 200\n";
+    let e = errors(&format!("{head}body = \"wor\\qld\"\n"));
+    assert_eq!(e.len(), 1);
+    assert!(
+        e[0].starts_with(
+            "c.toml:9:12: routes[1].respond.body: \"wor\\qld\": invalid escape sequence; expected "
+        ),
+        "{e:?}"
+    );
+    let e = errors(&format!("{head}body = \"\"\"\nhello\nwor\\qld\"\"\"\n"));
+    assert!(
+        e[0].starts_with("c.toml:11:4: routes[1].respond.body: wor\\qld\"\"\": invalid escape sequence; expected "),
+        "{e:?}"
+    );
+    let e = errors(&format!("{head}body = \"\"\"\nabc\n"));
+    assert!(
+        e[0].starts_with("c.toml:9:8: routes[1].respond.body: \"\"\": invalid multiline"),
+        "{e:?}"
+    );
+    // A `#` or a quote inside a string does not confuse the scan.
+    let e = errors(&format!("{head}content_type = 'a\"#b'\nbody = \"x\\q\"\n"));
+    assert!(
+        e[0].contains(": routes[1].respond.body: \"x\\q\": invalid escape"),
+        "{e:?}"
+    );
+}
+
+/// Every prefix of a file full of strings, comments and tables is answered without a panic.
+#[test]
+fn every_cut_of_a_file_is_answered_without_a_panic() {
+    let text = "# a 'comment' with \"quotes\"\n[gateway]\nlisten = \"127.0.0.1:1\" # x\n[[routes]]\nname = 'r#1'\npath = \"/\\u00e9\"\n[routes.respond]\nbody = \"\"\"\nline \"one\"\n\\\n  two\"\"\"\"\ncontent_type = '''a\nb'''\n[[limits]]\nname = \"l\"\n";
+    for cut in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
+        let _ = parse(&text[..cut], Path::new("c.toml"));
+    }
+}
