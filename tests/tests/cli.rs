@@ -97,7 +97,14 @@ fn run_refuses_an_invalid_config_and_a_bad_upstream_override() {
     ]);
     assert_eq!(code, 2);
     assert!(
-        err.contains("--upstream app=http://127.0.0.1:1\\\"\\nx: a URL holds no quote, backslash or control character"),
+        err.contains("--upstream app=http://127.0.0.1:1\"\\nx: a URL holds no quote, backslash or control character"),
+        "{err}"
+    );
+    // A name that is not an upstream is shown as the file's errors show values: on one line.
+    let (code, _, err) = run_cli(&["run", "--config", SHIPPED, "--upstream", "a\nb=x"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("--upstream a\\nb=x: \"a\\nb\" is not an upstream"),
         "{err}"
     );
 }

@@ -97,7 +97,7 @@ impl<'a> Source<'a> {
 /// `message` as one printable line: control characters (a value's newline, NUL) escaped, so
 /// that a value cannot forge a line of its own, and a very long one (a 1 MB value) cut in the
 /// middle.
-fn printable(message: String) -> String {
+pub fn printable(message: String) -> String {
     const MOST: usize = 600;
     // Control characters, and the invisible ones that reorder or hide text (bidirectional
     // overrides and isolates, zero-width marks).

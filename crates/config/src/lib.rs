@@ -21,7 +21,7 @@ use std::path::Path;
 
 pub use cidr::{mask_v4, mask_v6, Cidr};
 pub use duration::format_duration;
-pub use error::{ConfigError, ConfigErrors, Location};
+pub use error::{printable, ConfigError, ConfigErrors, Location};
 pub use model::*;
 pub use size::format_size;
 

@@ -3,6 +3,7 @@
 use std::fmt::Write;
 use std::path::Path;
 
+use sluice_config::printable;
 use sluice_config::{
     format_duration, format_size, Algorithm, Config, ConfigError, ConfigErrors, KeyPart, Mode,
     RouteAction, Store,
@@ -121,12 +122,11 @@ pub(crate) fn override_upstreams(
     let mut config = config;
     let mut errors = Vec::new();
     for o in overrides {
-        // Printed on one line: control characters escaped.
-        let shown: String = o.chars().flat_map(char::escape_debug).collect();
+        // Printed as the file's errors are: one line, control characters escaped.
         let err = |message: String| ConfigError {
             location: None,
-            key: format!("--upstream {shown}"),
-            message,
+            key: printable(format!("--upstream {o}")),
+            message: printable(message),
         };
         let Some((name, url)) = o.split_once('=') else {
             errors.push(err("write NAME=URL, e.g. app=http://127.0.0.1:8000".into()));
