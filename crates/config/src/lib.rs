@@ -11,6 +11,7 @@
 mod cidr;
 mod duration;
 mod error;
+mod host;
 mod model;
 pub mod path;
 mod raw;
@@ -22,6 +23,7 @@ use std::path::Path;
 pub use cidr::{mask_v4, mask_v6, Cidr};
 pub use duration::format_duration;
 pub use error::{printable, ConfigError, ConfigErrors, Location};
+pub use host::redact_url;
 pub use model::*;
 pub use size::format_size;
 

@@ -570,3 +570,26 @@ fn every_cut_of_a_file_is_answered_without_a_panic() {
         let _ = parse(&text[..cut], Path::new("c.toml"));
     }
 }
+
+/// An upstream host a resolver would read as another address than the one written (octal,
+/// one number, hex) or no address at all is refused, as `trusted_proxies` refuses `010.0.0.0/8`.
+#[test]
+fn upstream_hosts_are_names_or_plain_addresses() {
+    for host in [
+        "0177.0.0.1",
+        "2130706433",
+        "0x7f.0.0.1",
+        "999.0.0.1",
+        "a..b",
+    ] {
+        let e = errors(&format!("[upstreams.a]\nurl = \"http://{host}:3900\"\n"));
+        assert_eq!(
+            e,
+            [format!("c.toml:2:7: upstreams.a.url: \"http://{host}:3900\" has a host that is neither a name (letters, digits, '-' and '.'), a dotted IPv4 address nor a bracketed IPv6 one")]
+        );
+    }
+    for host in ["127.0.0.1", "[::1]", "app.internal", "app"] {
+        let text = format!("[upstreams.a]\nurl = \"http://{host}:3900\"\n");
+        assert!(parse(&text, Path::new("c.toml")).is_ok(), "{host}");
+    }
+}

@@ -106,6 +106,23 @@ fn url_without_host_or_with_a_bad_port_or_path_is_refused() {
             "redis://h:6379/cache",
             "has a path that is not a database number",
         ),
+        (
+            "redis://h:+6379",
+            "has a port that is not between 1 and 65535",
+        ),
+        ("redis://h:", "has a port that is not between 1 and 65535"),
+        (
+            "redis://h?db=3",
+            "has a query or fragment, which sluice does not read",
+        ),
+        ("redis://h:6379?db=3", "has a query or fragment"),
+        ("redis://h#x", "has a query or fragment"),
+        ("redis://exa mple:1", "has a host that is neither a name"),
+        (
+            "redis://0177.0.0.1:6379",
+            "has a host that is neither a name",
+        ),
+        ("redis://[::1:6379", "has no host"),
     ] {
         let e = errors(&format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n"));
         assert_eq!(e.len(), 1, "{e:?}");
@@ -162,5 +179,14 @@ fn tls_urls_are_refused_until_tls_is_built_in() {
     assert!(
         e.contains("store.url: \"rediss://cache:6380\" needs TLS to Redis"),
         "{e}"
+    );
+}
+
+#[test]
+fn a_password_is_not_repeated_in_an_error() {
+    let e = errors("[store]\nkind = \"redis\"\nurl = \"redis://u:hunter2@h:0\"\n");
+    assert_eq!(
+        e,
+        vec!["c.toml:3:7: store.url: \"redis://u:***@h:0\" has a port that is not between 1 and 65535"]
     );
 }

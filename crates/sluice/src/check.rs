@@ -3,11 +3,11 @@
 use std::fmt::Write;
 use std::path::Path;
 
-use sluice_config::printable;
 use sluice_config::{
     format_duration, format_size, Algorithm, Config, ConfigError, ConfigErrors, KeyPart, Mode,
     RouteAction, Store,
 };
+use sluice_config::{printable, redact_url, OnError};
 
 /// A summary of the routes and limits `config` defines.
 pub(crate) fn describe(file: &Path, config: &Config) -> String {
@@ -29,10 +29,14 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
         Store::Memory => writeln!(out, "store: memory (this instance counts alone)"),
         Store::Redis(r) => writeln!(
             out,
-            "store: redis {} (timeout {}, on_error {:?}, instances {}, secret from ${})",
-            r.url,
+            "store: redis {} (timeout {}, on_error {}, instances {}, secret from ${})",
+            redact_url(&r.url),
             format_duration(r.timeout),
-            r.on_error,
+            match r.on_error {
+                OnError::Allow => "allow",
+                OnError::Deny => "deny",
+                OnError::Local => "local",
+            },
             r.instances,
             r.hash_secret_env
         ),

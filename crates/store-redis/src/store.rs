@@ -122,7 +122,13 @@ impl std::fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
+    /// Whether the client reads `url` (no connection is made).
+    pub fn check_url(url: &str) -> Result<(), StoreError> {
+        redis::Client::open(url).map(drop).map_err(StoreError::from)
+    }
+
     /// Connects to `url` (`redis://host:port/db`) and loads the script (`SCRIPT LOAD`).
+
     pub async fn connect(url: &str, options: StoreOptions) -> Result<Self, StoreError> {
         let client = redis::Client::open(url)?;
         let config = ConnectionManagerConfig::new()

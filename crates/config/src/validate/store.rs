@@ -4,6 +4,7 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use super::Validator;
+use crate::host::{host_ok, redact_url};
 use crate::model::{OnError, RedisStore, Store};
 use crate::raw::{RawStore, S};
 
@@ -107,32 +108,67 @@ impl Validator<'_> {
     }
 
     /// `redis://`, an optional `user:password@`, a host, an optional port and an optional
-    /// database number. `rediss://` (TLS) is refused until sluice is built with TLS.
+    /// database number; nothing else (no query, no fragment), so that what is accepted here is
+    /// what the Redis client reads, whole. `rediss://` (TLS) is refused until sluice is built
+    /// with TLS.
     fn redis_url(&mut self, v: &S<String>) -> bool {
         let s = v.get_ref();
         let problem = match s.split_once("://") {
             Some(("rediss", _)) => Some("needs TLS to Redis, which this build of sluice does not have yet: use redis:// on a private network or through a TLS tunnel"),
-            Some(("redis", rest)) => {
-                let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-                let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-                let (host, port) = split_port(host_port);
-                if host.is_empty() || host.contains(|c: char| c.is_whitespace() || c == '/') {
-                    Some("has no host")
-                } else if port.is_some_and(|p| p.parse::<u16>().map_or(true, |p| p == 0)) {
-                    Some("has a port that is not between 1 and 65535")
-                } else if !path.is_empty() && path.parse::<u32>().is_err() {
-                    Some("has a path that is not a database number (write e.g. \"redis://host:6379/0\")")
-                } else {
-                    None
-                }
-            }
+            Some(("redis", rest)) => redis_url_problem(rest),
             _ => Some("is not a Redis URL (write \"redis://host:port\")"),
         };
         if let Some(problem) = problem {
-            self.err(Some(v.span()), "store.url", format!("\"{s}\" {problem}"));
+            let shown = redact_url(s);
+            self.err(
+                Some(v.span()),
+                "store.url",
+                format!("\"{shown}\" {problem}"),
+            );
         }
         problem.is_none()
     }
+}
+
+/// What is wrong with a Redis URL after `redis://`, if anything.
+fn redis_url_problem(rest: &str) -> Option<&'static str> {
+    if rest.contains(['?', '#']) {
+        return Some("has a query or fragment, which sluice does not read (write the database as a path: \"redis://host:6379/3\")");
+    }
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let (userinfo, host_port) = match authority.rsplit_once('@') {
+        Some((u, h)) => (Some(u), h),
+        None => (None, authority),
+    };
+    if userinfo.is_some_and(|u| u.chars().any(|c| c.is_whitespace() || c.is_control())) {
+        return Some(
+            "has a space or control character in its user or password (percent-encode it)",
+        );
+    }
+    let (host, port) = split_port(host_port);
+    let written = if host_port.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    };
+    if host.is_empty() {
+        Some("has no host")
+    } else if !host_ok(&written) {
+        Some("has a host that is neither a name (letters, digits, '-' and '.'), a dotted IPv4 address nor a bracketed IPv6 one")
+    } else if port.is_some_and(|p| !port_ok(p)) {
+        Some("has a port that is not between 1 and 65535")
+    } else if !path.is_empty() && !(path.len() <= 9 && path.bytes().all(|b| b.is_ascii_digit())) {
+        Some("has a path that is not a database number (write e.g. \"redis://host:6379/0\")")
+    } else {
+        None
+    }
+}
+
+/// A port as written in a URL: 1 to 5 ASCII digits, 1 to 65535.
+fn port_ok(p: &str) -> bool {
+    (1..=5).contains(&p.len())
+        && p.bytes().all(|b| b.is_ascii_digit())
+        && p.parse::<u16>().is_ok_and(|p| p != 0)
 }
 
 /// `host:port` -> (`host`, `Some(port)`); `[::1]:6379` keeps the brackets out of the port.

@@ -48,6 +48,8 @@ impl Remote {
             .iter()
             .map(|l| RemoteLimit::new(l).map_err(|e| format!("store: {e}")))
             .collect::<Result<Vec<_>, _>>()?;
+        // A URL the client cannot read is a mistake to stop on, not an outage to wait out.
+        RedisStore::check_url(&cfg.url).map_err(|e| format!("store.url: {e}"))?;
         let options = StoreOptions {
             timeout: cfg.timeout,
             ..StoreOptions::default()
@@ -58,7 +60,7 @@ impl Remote {
                 let _ = store.set(s);
             }
             Err(e) => {
-                tracing::warn!(url = %cfg.url, error = %e, on_error = ?cfg.on_error, "Redis is unreachable at start-up; starting anyway and following on_error until it answers");
+                tracing::warn!(url = %config::redact_url(&cfg.url), error = %e, on_error = ?cfg.on_error, "Redis is unreachable at start-up; starting anyway and following on_error until it answers");
                 tokio::spawn(reconnect(store.clone(), cfg.url.clone(), options));
             }
         }
@@ -229,7 +231,7 @@ async fn reconnect(cell: Arc<OnceLock<RedisStore>>, url: String, options: StoreO
     loop {
         tokio::time::sleep(COOL_DOWN).await;
         if let Ok(store) = RedisStore::connect(&url, options).await {
-            tracing::info!(url = %url, "Redis answers; shared limits are enforced again");
+            tracing::info!(url = %config::redact_url(&url), "Redis answers; shared limits are enforced again");
             let _ = cell.set(store);
             return;
         }
@@ -309,5 +311,47 @@ impl Drop for Withdraw {
                 }
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::RedisStore;
+
+    /// What the configuration accepts as a Redis URL, the Redis client reads: a URL cannot pass
+    /// `sluice check` and then leave `sluice run` on its fallback for good.
+    #[test]
+    fn every_url_the_configuration_accepts_the_client_reads() {
+        let urls = [
+            "redis://127.0.0.1:6379",
+            "redis://127.0.0.1:6379/3",
+            "redis://h",
+            "redis://h/0",
+            "redis://:secret@10.0.0.5:6380/2",
+            "redis://user:pw@[::1]:6379",
+            "redis://user:p%40ss@h:1",
+            "redis://127.0.0.1:+6379",
+            "redis://127.0.0.1?db=3",
+            "redis://127.0.0.1:6379?db=3",
+            "redis://127.0.0.1#x",
+            "redis://127.0.0.1:06379",
+            "redis://h/03",
+            "redis://exa mple:1",
+            "redis://h:",
+            "redis://[::1",
+            "redis://0177.0.0.1",
+            "redis://h/99999999999",
+        ];
+        let mut accepted = 0;
+        for url in urls {
+            let text = format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n");
+            if sluice_config::parse(&text, Path::new("c.toml")).is_ok() {
+                accepted += 1;
+                assert!(RedisStore::check_url(url).is_ok(), "{url}");
+            }
+        }
+        assert!(accepted >= 7, "only {accepted} accepted");
     }
 }

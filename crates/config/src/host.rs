@@ -1,0 +1,97 @@
+//! Host names in URLs (what a resolver will read as the name written, and nothing else), and
+//! URLs shown without their password.
+
+use std::net::{Ipv4Addr, Ipv6Addr};
+
+/// Whether `host` (as a URL holds it: a bracketed IPv6 address, or no brackets) is an IPv6
+/// address in brackets, a dotted IPv4 address (four decimal parts, no leading zeros), or a DNS
+/// name: labels of letters, digits, `-` and `_`, 1 to 63 bytes each and at most 253 in all, an
+/// optional trailing dot, and a last label that does not start with a digit. So `0177.0.0.1`,
+/// `2130706433` and `0x7f.1`, which resolvers read as IPv4 in octal, as one number or in hex,
+/// and `999.0.0.1`, are refused rather than reach an address nobody wrote.
+pub(crate) fn host_ok(host: &str) -> bool {
+    if let Some(inner) = host.strip_prefix('[') {
+        return inner
+            .strip_suffix(']')
+            .is_some_and(|a| a.parse::<Ipv6Addr>().is_ok());
+    }
+    if host.parse::<Ipv4Addr>().is_ok() {
+        return true;
+    }
+    let name = host.strip_suffix('.').unwrap_or(host);
+    let label_ok = |l: &str| {
+        (1..=63).contains(&l.len())
+            && l.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    };
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(label_ok)
+        && !name
+            .rsplit('.')
+            .next()
+            .is_some_and(|last| last.starts_with(|c: char| c.is_ascii_digit()))
+}
+
+/// `url` with the password of its user information replaced by `***`, for logs and messages.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.to_owned();
+    };
+    match rest[..at].split_once(':') {
+        Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[at..]),
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{host_ok, redact_url};
+
+    #[test]
+    fn names_and_plain_addresses_pass_numbers_a_resolver_would_reread_do_not() {
+        for good in [
+            "127.0.0.1",
+            "localhost",
+            "redis.internal",
+            "api-1.example.com.",
+            "my_service",
+            "[::1]",
+            "[2001:db8::1]",
+            "10.0.0.5",
+        ] {
+            assert!(host_ok(good), "{good}");
+        }
+        for bad in [
+            "",
+            "0177.0.0.1",
+            "2130706433",
+            "0x7f.0.0.1",
+            "0x7f.1",
+            "999.0.0.1",
+            "127.1",
+            "a..b",
+            "exa mple",
+            "[::1",
+            "[not-v6]",
+            "::1",
+            ".",
+            &"a".repeat(64),
+        ] {
+            assert!(!host_ok(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn passwords_are_hidden_and_nothing_else_changes() {
+        assert_eq!(redact_url("redis://u:pw@h:1/2"), "redis://u:***@h:1/2");
+        assert_eq!(redact_url("redis://:p@w@h"), "redis://:***@h");
+        assert_eq!(redact_url("redis://user@h"), "redis://user@h");
+        assert_eq!(redact_url("redis://h:6379"), "redis://h:6379");
+        assert_eq!(redact_url("not a url"), "not a url");
+    }
+}
