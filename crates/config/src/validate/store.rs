@@ -157,7 +157,7 @@ fn redis_url_problem(rest: &str) -> Option<&'static str> {
         Some("has a host that is neither a name (letters, digits, '-' and '.'), a dotted IPv4 address nor a bracketed IPv6 one")
     } else if port.is_some_and(|p| !port_ok(p)) {
         Some("has a port that is not between 1 and 65535")
-    } else if !path.is_empty() && !(path.len() <= 9 && path.bytes().all(|b| b.is_ascii_digit())) {
+    } else if !(path.is_empty() || path.len() <= 9 && path.bytes().all(|b| b.is_ascii_digit())) {
         Some("has a path that is not a database number (write e.g. \"redis://host:6379/0\")")
     } else {
         None
