@@ -128,7 +128,6 @@ impl RedisStore {
     }
 
     /// Connects to `url` (`redis://host:port/db`) and loads the script (`SCRIPT LOAD`).
-
     pub async fn connect(url: &str, options: StoreOptions) -> Result<Self, StoreError> {
         let client = redis::Client::open(url)?;
         let config = ConnectionManagerConfig::new()
