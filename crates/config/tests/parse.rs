@@ -593,3 +593,18 @@ fn upstream_hosts_are_names_or_plain_addresses() {
         assert!(parse(&text, Path::new("c.toml")).is_ok(), "{host}");
     }
 }
+
+/// `RateLimit-Policy` tells windows in whole seconds; a window it cannot tell is refused.
+#[test]
+fn windows_are_whole_seconds() {
+    for window in ["500ms", "1500ms", "999ms"] {
+        let text =
+            format!("[[limits]]\nname = \"l\"\nby = \"ip\"\nquota = 10\nwindow = \"{window}\"\n");
+        assert_eq!(
+            errors(&text),
+            [format!("c.toml:5:10: limits[0].window: \"{window}\" is not a whole number of seconds: the RateLimit fields tell callers windows in seconds (write e.g. \"1s\" with the quota to match)")]
+        );
+    }
+    let text = "[[limits]]\nname = \"l\"\nby = \"ip\"\nquota = 10\nwindow = \"2000ms\"\n";
+    assert!(parse(text, Path::new("c.toml")).is_ok());
+}

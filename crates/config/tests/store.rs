@@ -190,3 +190,19 @@ fn a_password_is_not_repeated_in_an_error() {
         vec!["c.toml:3:7: store.url: \"redis://u:***@h:0\" has a port that is not between 1 and 65535"]
     );
 }
+
+#[test]
+fn a_limit_too_large_for_the_redis_script_is_refused_where_it_is_written() {
+    let limit = "[[limits]]\nname = \"l\"\nby = \"ip\"\nalgorithm = \"sliding_window\"\nquota = 1000000\nwindow = \"1d\"\n";
+    assert!(
+        parse(limit, Path::new("c.toml")).is_ok(),
+        "memory counts it"
+    );
+    let e = errors(&format!(
+        "{limit}[store]\nkind = \"redis\"\nurl = \"redis://h\"\n"
+    ));
+    assert_eq!(
+        e,
+        vec!["c.toml:6:10: limits[0].window: \"1d\" with a quota of 1000000 (sliding_window) is more than the Redis store counts exactly (its script counts microseconds in Lua numbers): shorten the window or lower the quota"]
+    );
+}

@@ -45,6 +45,9 @@ impl<'a> Validator<'a> {
         let routes = self.routes(&raw.routes, &upstreams, gateway.merge_slashes);
         let limits = self.limits(&raw.limits, &raw.routes, &routes);
         let store = self.store(&raw.store);
+        if matches!(store, crate::model::Store::Redis(_)) && limits.len() == raw.limits.len() {
+            self.redis_exact(&limits, &raw.limits);
+        }
         if self.errors.is_empty() {
             Ok(Config {
                 gateway,

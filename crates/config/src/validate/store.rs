@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use super::Validator;
 use crate::host::{host_ok, redact_url};
-use crate::model::{OnError, RedisStore, Store};
-use crate::raw::{RawStore, S};
+use crate::model::{Algorithm, Limit, OnError, RedisStore, Store};
+use crate::raw::{RawLimit, RawStore, S};
 
 /// `timeout` when not written.
 pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
@@ -128,6 +128,48 @@ impl Validator<'_> {
         }
         problem.is_none()
     }
+}
+
+impl Validator<'_> {
+    /// Limits the Redis store cannot decide exactly: its script counts in microseconds in Lua
+    /// numbers (doubles, exact up to 2^53, and the script keeps a factor of two in hand). The
+    /// same products as `sluice_store_redis::RemoteLimit::new` checks when `sluice run` starts,
+    /// so that `sluice check` refuses what `run` would (a test in the gateway holds the two
+    /// together).
+    pub(super) fn redis_exact(&mut self, limits: &[Limit], raw: &[RawLimit]) {
+        const EXACT: u128 = 1 << 52;
+        for (i, (l, r)) in limits.iter().zip(raw).enumerate() {
+            let Some(window) = l.window else { continue };
+            let window_us = window.as_micros();
+            let quota = u128::from(l.quota.get());
+            let too_large = match l.algorithm {
+                Algorithm::TokenBucket { burst } => {
+                    window_us / gcd(window_us, quota) * u128::from(burst.get()) * 2 > EXACT
+                }
+                Algorithm::SlidingWindow => quota * window_us * 3 > EXACT,
+                Algorithm::FixedWindow | Algorithm::Concurrency => false,
+            };
+            if too_large {
+                let written = r
+                    .window
+                    .as_ref()
+                    .map_or(String::new(), |w| w.get_ref().clone());
+                let msg = format!("\"{written}\" with a quota of {quota} ({}) is more than the Redis store counts exactly (its script counts microseconds in Lua numbers): shorten the window or lower the quota", l.algorithm.name());
+                self.err(
+                    r.window.as_ref().map(S::span),
+                    &format!("limits[{i}].window"),
+                    msg,
+                );
+            }
+        }
+    }
+}
+
+fn gcd(mut a: u128, mut b: u128) -> u128 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a.max(1)
 }
 
 /// What is wrong with a Redis URL after `redis://`, if anything.

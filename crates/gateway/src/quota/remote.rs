@@ -318,7 +318,7 @@ impl Drop for Withdraw {
 mod tests {
     use std::path::Path;
 
-    use super::RedisStore;
+    use super::{RedisStore, RemoteLimit};
 
     /// What the configuration accepts as a Redis URL, the Redis client reads: a URL cannot pass
     /// `sluice check` and then leave `sluice run` on its fallback for good.
@@ -353,5 +353,42 @@ mod tests {
             }
         }
         assert!(accepted >= 7, "only {accepted} accepted");
+    }
+
+    /// A limit the configuration accepts with a Redis store, the store takes at start-up; and
+    /// the configuration does refuse some (the grid reaches past what the script holds).
+    #[test]
+    fn every_limit_the_configuration_accepts_for_redis_the_store_takes() {
+        let (mut accepted, mut refused) = (0, 0);
+        for algorithm in ["token_bucket", "fixed_window", "sliding_window"] {
+            for quota in [1_u64, 7, 1000, 1_000_000, 4_294_967_295] {
+                for window in ["1s", "59s", "1h", "1d", "365d", "36500d"] {
+                    for burst in ["", "burst = 3\n", "burst = 4294967295\n"] {
+                        if !burst.is_empty() && algorithm != "token_bucket" {
+                            continue;
+                        }
+                        let text = format!("[store]\nkind = \"redis\"\nurl = \"redis://h\"\n[[limits]]\nname = \"l\"\nby = \"ip\"\nalgorithm = \"{algorithm}\"\nquota = {quota}\nwindow = \"{window}\"\n{burst}");
+                        match sluice_config::parse(&text, Path::new("c.toml")) {
+                            Ok(c) => {
+                                accepted += 1;
+                                let limit = super::super::compile(&c.limits[0], 1, 1);
+                                assert!(RemoteLimit::new(&limit).is_ok(), "{text}");
+                            }
+                            Err(e) => {
+                                refused += 1;
+                                assert!(
+                                    e.to_string().contains("Redis store counts exactly"),
+                                    "{e}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(
+            accepted > 20 && refused > 5,
+            "{accepted} accepted, {refused} refused"
+        );
     }
 }
