@@ -608,3 +608,42 @@ fn windows_are_whole_seconds() {
     let text = "[[limits]]\nname = \"l\"\nby = \"ip\"\nquota = 10\nwindow = \"2000ms\"\n";
     assert!(parse(text, Path::new("c.toml")).is_ok());
 }
+
+/// Listeners that could not both be bound are refused by `check`, not found by `run`.
+#[test]
+fn admin_and_gateway_listeners_that_would_clash_are_refused() {
+    for (gateway, admin, what) in [
+        ("127.0.0.1:9000", "127.0.0.1:9000", "is also"),
+        ("0.0.0.0:9000", "127.0.0.1:9000", "shares its port with"),
+        ("127.0.0.1:9000", "[::]:9000", "shares its port with"),
+        (
+            "127.0.0.1:9000",
+            "[::ffff:127.0.0.1]:9000",
+            "shares its port with",
+        ),
+    ] {
+        let text = format!("[gateway]\nlisten = \"{gateway}\"\n[admin]\nlisten = \"{admin}\"\n");
+        let e = errors(&text);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(
+            e[0].starts_with(&format!("c.toml:4:10: admin.listen: admin.listen \""))
+                && e[0].contains(what),
+            "{e:?}"
+        );
+    }
+    // Not written, the admin's default is pointed at through gateway.listen.
+    let e = errors("[gateway]\nlisten = \"0.0.0.0:9901\"\n");
+    assert!(e[0].starts_with("c.toml:2:10: gateway.listen: admin.listen \"127.0.0.1:9901\" shares its port with gateway.listen \"0.0.0.0:9901\""), "{e:?}");
+    for (gateway, admin) in [
+        ("0.0.0.0:9000", "[::1]:9000"),
+        ("127.0.0.1:9000", "127.0.0.2:9000"),
+        ("127.0.0.1:0", "127.0.0.1:0"),
+        ("0.0.0.0:9000", "0.0.0.0:9001"),
+    ] {
+        let text = format!("[gateway]\nlisten = \"{gateway}\"\n[admin]\nlisten = \"{admin}\"\n");
+        assert!(
+            parse(&text, Path::new("c.toml")).is_ok(),
+            "{gateway} {admin}"
+        );
+    }
+}

@@ -38,7 +38,8 @@ impl<'a> Validator<'a> {
 
     pub(crate) fn config(mut self, raw: &RawConfig) -> Result<Config, Vec<ConfigError>> {
         let gateway = self.gateway(&raw.gateway);
-        let admin = self.admin(&raw.admin, &gateway);
+        let gateway_span = raw.gateway.listen.as_ref().map(S::span);
+        let admin = self.admin(&raw.admin, &gateway, gateway_span);
         let identity = self.identity(&raw.identity);
         let responses = self.responses(&raw.responses);
         let upstreams = self.upstreams(&raw.upstreams);

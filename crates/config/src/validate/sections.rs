@@ -1,8 +1,9 @@
 //! `[gateway]`, `[admin]`, `[identity]`, `[responses]` and `[upstreams.*]`.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroUsize;
+use std::ops::Range;
 use std::time::Duration;
 
 use super::Validator;
@@ -179,11 +180,25 @@ impl Validator<'_> {
         }
     }
 
-    pub(super) fn admin(&mut self, raw: &RawAdmin, gateway: &Gateway) -> Admin {
+    /// `gateway_span`: where `gateway.listen` is written, to point at when `admin.listen` is not.
+    pub(super) fn admin(
+        &mut self,
+        raw: &RawAdmin,
+        gateway: &Gateway,
+        gateway_span: Option<Range<usize>>,
+    ) -> Admin {
         let listen = self.socket_addr(&raw.listen, "admin.listen", DEFAULT_ADMIN_LISTEN);
-        if listen == gateway.listen && listen.port() != 0 {
-            let span = raw.listen.as_ref().map(|l| l.span());
-            self.err(span, "admin.listen", format!("\"{listen}\" is also gateway.listen: the admin endpoints need their own address"));
+        if overlap(listen, gateway.listen) {
+            let (span, key) = match &raw.listen {
+                Some(l) => (Some(l.span()), "admin.listen"),
+                None => (gateway_span, "gateway.listen"),
+            };
+            let what = if listen == gateway.listen {
+                "is also"
+            } else {
+                "shares its port with"
+            };
+            self.err(span, key, format!("admin.listen \"{listen}\" {what} gateway.listen \"{}\": the two could not both be bound (the admin endpoints need their own port, or another address that is not a wildcard's)", gateway.listen));
         }
         Admin { listen }
     }
@@ -372,6 +387,18 @@ impl Validator<'_> {
         self.err(Some(v.span()), key, format!("\"{s}\" {problem}"));
         None
     }
+}
+
+/// Whether sockets bound to `a` and `b` would clash: the same port (not 0, which picks a free
+/// one) and the same address, or a wildcard that covers the other (`0.0.0.0` covers IPv4,
+/// `[::]` both families, as Linux binds it by default). IPv4-mapped IPv6 addresses are IPv4.
+fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
+    if a.port() != b.port() || a.port() == 0 {
+        return false;
+    }
+    let (x, y) = (a.ip().to_canonical(), b.ip().to_canonical());
+    let covers = |w: IpAddr, o: IpAddr| w.is_unspecified() && (w.is_ipv6() || o.is_ipv4());
+    x == y || covers(x, y) || covers(y, x)
 }
 
 /// An HTTP field name: a non-empty RFC 9110 token.
