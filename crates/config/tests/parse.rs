@@ -626,8 +626,7 @@ fn admin_and_gateway_listeners_that_would_clash_are_refused() {
         let e = errors(&text);
         assert_eq!(e.len(), 1, "{e:?}");
         assert!(
-            e[0].starts_with(&format!("c.toml:4:10: admin.listen: admin.listen \""))
-                && e[0].contains(what),
+            e[0].starts_with("c.toml:4:10: admin.listen: admin.listen \"") && e[0].contains(what),
             "{e:?}"
         );
     }
