@@ -36,8 +36,7 @@ pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
             message,
         }])
     };
-    let bytes = std::fs::read(path)
-        .map_err(|e| whole_file(format!("cannot read {}: {e}", path.display())))?;
+    let bytes = read_bounded(path).map_err(whole_file)?;
     let text = match String::from_utf8(bytes) {
         Ok(text) => text,
         Err(e) => {
@@ -56,6 +55,39 @@ pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
         }
     };
     parse(&text, path)
+}
+
+/// The largest configuration file read: far beyond any real one (the shipped file is 4 KiB),
+/// and small enough that a wrong path (`/dev/zero`, a log file) is refused at once.
+const MAX_FILE: u64 = 16 << 20;
+
+/// The file's bytes, if it is a regular file (or a link to one) of at most [`MAX_FILE`]: a
+/// directory, a pipe or a device is refused before it is read, so a wrong path can neither
+/// hang the start nor fill the memory.
+fn read_bounded(path: &Path) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let cannot = |e: std::io::Error| format!("cannot read {}: {e}", path.display());
+    let meta = std::fs::metadata(path).map_err(cannot)?;
+    if !meta.is_file() {
+        let kind = if meta.is_dir() {
+            "a directory"
+        } else {
+            "not a regular file (a pipe, a socket or a device)"
+        };
+        return Err(format!("cannot read {}: it is {kind}", path.display()));
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_FILE + 1).read_to_end(&mut bytes))
+        .map_err(cannot)?;
+    if bytes.len() as u64 > MAX_FILE {
+        return Err(format!(
+            "cannot read {}: it is larger than {} MiB, which no configuration needs",
+            path.display(),
+            MAX_FILE >> 20
+        ));
+    }
+    Ok(bytes)
 }
 
 /// Validates configuration `text`; `file` is the name errors are reported under.

@@ -531,6 +531,29 @@ fn a_file_that_is_not_utf8_is_refused_at_the_first_bad_byte() {
     );
 }
 
+/// A path that is no configuration file (a directory, a device, a fifo, a huge file) is refused
+/// before it is read whole: no hang, no memory filled.
+#[test]
+fn only_regular_files_of_sane_size_are_read() {
+    let err = |p: &Path| sluice_config::load(p).unwrap_err().to_string();
+    let dir = std::env::temp_dir();
+    assert_eq!(
+        err(&dir),
+        format!("cannot read {}: it is a directory", dir.display())
+    );
+    assert!(err(Path::new("/dev/zero"))
+        .ends_with("it is not a regular file (a pipe, a socket or a device)"));
+    let big = dir.join(format!("sluice-big-{}.toml", std::process::id()));
+    let file = std::fs::File::create(&big).unwrap();
+    file.set_len(17 << 20).unwrap(); // sparse: no 17 MiB written
+    let e = err(&big);
+    std::fs::remove_file(&big).unwrap();
+    assert!(
+        e.ends_with("it is larger than 16 MiB, which no configuration needs"),
+        "{e}"
+    );
+}
+
 /// An error inside a string (a bad escape, a string never closed) names the string's key, with
 /// the index of the array of tables it sits in, and its message is one line.
 #[test]
