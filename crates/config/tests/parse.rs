@@ -167,6 +167,23 @@ fn a_route_shadowed_by_an_earlier_one_but_for_case_is_refused() {
             "c.toml:32:8: routes[5].path: \"/v1/search\" is routes[4]'s path (paths match regardless of case), with the same host and every method of this route: this route could never match",
         ]
     );
+    // A route with no host matches every host: a later one of the same path with a host is
+    // never reached; written first, it is.
+    let dead = [
+        route("any", "/x", ""),
+        route("one", "/X", "host = \"a.example\"\n"),
+    ]
+    .concat();
+    assert_eq!(
+        errors(&dead),
+        ["c.toml:8:8: routes[1].path: \"/X\" is routes[0]'s path (paths match regardless of case), with no host (so every host, this route's too) and every method of this route: this route could never match (among routes of the same path the first written is matched: write the one with a host first)"]
+    );
+    let live = [
+        route("one", "/X", "host = \"a.example\"\n"),
+        route("any", "/x", ""),
+    ]
+    .concat();
+    assert!(parse(&live, Path::new("c.toml")).is_ok());
 }
 
 #[test]

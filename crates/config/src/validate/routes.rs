@@ -22,7 +22,8 @@ impl Validator<'_> {
     }
 
     /// Paths are matched regardless of case: a route with the path of an earlier one but for
-    /// case, the same host, and no method the earlier one does not match, could never match.
+    /// case, the same host (or the earlier one has none: every host), and no method the earlier
+    /// one does not match, could never match.
     fn reachable(&mut self, raw: &[RawRoute]) {
         // The methods a route matches (`None`: all), as the router compares them: ignoring
         // case, and `GET` taking `HEAD`.
@@ -49,14 +50,19 @@ impl Validator<'_> {
                     .get_ref()
                     .eq_ignore_ascii_case(later.path.get_ref())
                     && covers(earlier, later)
-                    && host(earlier) == host(later)
+                    && (earlier.host.is_none() || host(earlier) == host(later))
             });
             if let Some(i) = shadowed {
+                let (hosts, hint) = if raw[i].host.is_none() && later.host.is_some() {
+                    ("with no host (so every host, this route's too)", " (among routes of the same path the first written is matched: write the one with a host first)")
+                } else {
+                    ("with the same host", "")
+                };
                 self.err(
                     Some(later.path.span()),
                     &format!("routes[{j}].path"),
                     format!(
-                        "\"{}\" is routes[{i}]'s path (paths match regardless of case), with the same host and every method of this route: this route could never match",
+                        "\"{}\" is routes[{i}]'s path (paths match regardless of case), {hosts} and every method of this route: this route could never match{hint}",
                         later.path.get_ref()
                     ),
                 );
