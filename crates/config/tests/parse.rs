@@ -686,3 +686,15 @@ fn admin_and_gateway_listeners_that_would_clash_are_refused() {
         );
     }
 }
+
+/// `health_path` is answered by sluice before routing: a route of that very path is refused.
+#[test]
+fn a_route_on_the_health_path_is_refused() {
+    let text = "[gateway]\nhealth_path = \"/status\"\n[[routes]]\nname = \"s\"\npath = \"/status\"\nrespond = { status = 200 }\n";
+    assert_eq!(
+        errors(text),
+        ["c.toml:5:8: routes[0].path: \"/status\" is gateway.health_path, which sluice answers itself: this route would never see a request for it (choose another health_path, or leave it out)"]
+    );
+    let text = "[gateway]\nhealth_path = \"/status\"\n[[routes]]\nname = \"s\"\npath = \"/status/x\"\nrespond = { status = 200 }\n";
+    assert!(parse(text, Path::new("c.toml")).is_ok());
+}

@@ -25,6 +25,12 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
         "listen {} (admin {}), max_in_flight {}, max_connections {connections}, request bodies {body}",
         g.listen, config.admin.listen, g.max_in_flight
     );
+    if let Some(health) = &g.health_path {
+        let _ = writeln!(
+            out,
+            "health_path {health} (answered by sluice, outside every limit)"
+        );
+    }
     let _ = match &config.store {
         Store::Memory => writeln!(out, "store: memory (this instance counts alone)"),
         Store::Redis(r) => writeln!(
