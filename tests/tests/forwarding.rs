@@ -801,6 +801,51 @@ async fn http2_prior_knowledge_is_served() {
     assert_eq!(body["version"], "HTTP/1.1");
 }
 
+/// HTTP/2 has no `Transfer-Encoding`: a body sent without `content-length` is the common case
+/// (a streamed upload), and goes to the HTTP/1.1 upstream chunked, whole.
+#[tokio::test]
+async fn an_http2_body_of_no_declared_length_is_forwarded_whole() {
+    use http_body_util::BodyExt;
+    use hyper::body::Frame;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+    /// `0` pieces of 1000 bytes, of no declared length (the default size hint).
+    struct Pieces(usize);
+    impl hyper::body::Body for Pieces {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            if self.0 == 0 {
+                return Poll::Ready(None);
+            }
+            self.0 -= 1;
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'x'; 1000])))))
+        }
+    }
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let stream = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    for pieces in [0_usize, 1, 3] {
+        let req = Request::post("http://h2.example.com/api/echo")
+            .body(Pieces(pieces))
+            .unwrap();
+        let res = sender.send_request(req).await.unwrap();
+        assert_eq!(res.status(), 200, "{pieces} pieces");
+        let body: serde_json::Value =
+            serde_json::from_slice(&res.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(body["body_bytes"], pieces * 1000, "{body}");
+    }
+}
+
 #[tokio::test]
 async fn every_request_gets_one_access_log_line() {
     let up = MockUpstream::start().await;

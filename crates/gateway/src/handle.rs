@@ -186,8 +186,12 @@ pub(crate) async fn handle(
                 break 'walk Problem::body_too_large(shared.max_body_size)
                     .into_response(&shared.problem_base);
             }
-            // Only a body of no declared length can be chunked.
-            if size.exact().is_none() && unsupported_coding(req.headers()) {
+            // Only an HTTP/1 body of no declared length can be chunked (HTTP/2 has no transfer
+            // codings: its bodies of no declared length go upstream chunked).
+            if size.exact().is_none()
+                && req.version() != http::Version::HTTP_2
+                && unsupported_coding(req.headers())
+            {
                 break 'walk Problem::unsupported_coding().into_response(&shared.problem_base);
             }
 
