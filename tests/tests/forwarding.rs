@@ -1141,3 +1141,73 @@ async fn a_get_with_a_chunked_body_is_forwarded_with_it() {
         assert!(reply.contains("\"body_bytes\":5"), "{method}: {reply}");
     }
 }
+
+/// An upstream on loopback that answers every request on every connection with `response`,
+/// as written, then closes.
+async fn raw_upstream(response: &'static [u8]) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(n @ 1..) => head.extend_from_slice(&buf[..n]),
+                        _ => return,
+                    }
+                }
+                let _ = s.write_all(response).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    addr
+}
+
+/// What the upstream frames ambiguously or with codings the gateway cannot pass on is a bad
+/// gateway, not a silently cut or mislabelled body (RFC 9112 section 6.3; nginx answers 502
+/// too); and the client is answered in the gateway's own HTTP version, whatever the upstream's
+/// (RFC 9110 section 6.2).
+#[tokio::test]
+async fn upstream_framing_the_gateway_cannot_pass_on_is_a_502() {
+    let cases: [(&'static [u8], u16, &str); 4] = [
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            502,
+            "",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            502,
+            "",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            200,
+            "hello",
+        ),
+        (b"HTTP/1.0 200 OK\r\n\r\nhello", 200, "hello"),
+    ];
+    for (response, status, body) in cases {
+        let up = raw_upstream(response).await;
+        let gw = Sluice::start(&config(&format!("http://{up}"), "5s"));
+        let reply = raw_exchange(
+            gw.main,
+            b"GET /api/x HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n",
+        )
+        .await;
+        let shown = String::from_utf8_lossy(response);
+        assert!(
+            reply.starts_with(&format!("HTTP/1.1 {status} ")),
+            "{shown}\n->\n{reply}"
+        );
+        if status == 200 {
+            let (_, rest) = reply.split_once("\r\n\r\n").unwrap();
+            let whole = rest.contains(body) && !reply.contains("content-length: 3");
+            assert!(whole, "{shown}\n->\n{reply}");
+        }
+    }
+}

@@ -296,8 +296,26 @@ pub(crate) async fn handle(
                             tracing::debug!("the upstream switched protocols unasked");
                             Problem::upstream_unavailable().into_response(&shared.problem_base)
                         }
+                        // Ambiguous framing (RFC 9112 section 6.3), or a coding the gateway
+                        // would drop with the hop-by-hop header: refused as nginx does. The
+                        // unread body closes the upstream connection.
+                        (Ok(res), _)
+                            if res.headers().contains_key(http::header::TRANSFER_ENCODING)
+                                && (res.headers().contains_key(http::header::CONTENT_LENGTH)
+                                    || unsupported_coding(res.headers())) =>
+                        {
+                            tracing::debug!(headers = ?res.headers(), "the upstream's response framing cannot be passed on");
+                            Problem::upstream_bad_response().into_response(&shared.problem_base)
+                        }
                         (Ok(res), _) => {
                             let (mut parts, body) = res.into_parts();
+                            // The gateway's own HTTP version, not the upstream's (RFC 9110
+                            // section 6.2).
+                            parts.version = if http2 {
+                                http::Version::HTTP_2
+                            } else {
+                                http::Version::HTTP_11
+                            };
                             strip_hop_by_hop(&mut parts.headers, &[]);
                             // RateLimit-Policy, RateLimit, X-Request-Id: one growth at most.
                             parts.headers.reserve(3);

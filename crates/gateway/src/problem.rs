@@ -119,6 +119,16 @@ impl Problem {
         )
     }
 
+    /// 502: the upstream's response is framed in a way the gateway cannot pass on faithfully.
+    pub(crate) fn upstream_bad_response() -> Self {
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream-bad-response",
+            "The upstream service sent a response the gateway cannot pass on",
+            "The response declared both Content-Length and Transfer-Encoding, or a transfer coding other than chunked.",
+        )
+    }
+
     pub(crate) fn upstream_unavailable() -> Self {
         Self::new(StatusCode::BAD_GATEWAY, "upstream-unavailable", "The upstream service could not be reached", "The connection to the upstream service was refused, reset or closed before it answered.")
     }
