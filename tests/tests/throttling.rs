@@ -668,7 +668,7 @@ async fn oversized_api_key_is_a_400_not_a_skipped_limit(store: TestStore) {
         Duration::ZERO,
     )
     .await;
-    let long = "k".repeat(257);
+    let long = "k".repeat(16 * 1024 + 1);
     let r = call(gw.main, "/v1/items", &long).await;
     assert_eq!(r.status, 400);
     assert_eq!(
