@@ -732,8 +732,8 @@ impl Peer {
     }
 }
 
-/// Rewrites request headers for the upstream: hop-by-hop stripped, the peer appended to
-/// `X-Forwarded-For`, `X-Forwarded-Proto` set (kept only from a trusted proxy), `Host` kept
+/// Rewrites request headers for the upstream: hop-by-hop stripped, the peer appended to a
+/// trusted proxy's `X-Forwarded-For` (anyone else's is replaced by the peer), `X-Forwarded-Proto` set (kept only from a trusted proxy), `Host` kept
 /// (taken from `:authority` for HTTP/2, and `upstream`'s own for a request that names no host:
 /// HTTP/1.0, or HTTP/2 without `:authority`), and HTTP/2's `cookie` fields joined into one
 /// line (RFC 9113 section 8.2.3: many HTTP/1.1 servers read only the first).
@@ -755,9 +755,12 @@ pub(crate) fn prepare_request<B>(
     }
     let headers = req.headers_mut();
     // As bytes: a value that is not text (a client's stray byte a proxy passed on) is carried
-    // on, not dropped with the chain it is part of.
+    // on, not dropped with the chain it is part of. Only a trusted proxy's chain goes on: from
+    // anyone else it is the caller's own word, which the gateway did not count by, and an
+    // upstream reading its leftmost entry would take it for the client.
     let mut xff: Vec<u8> = Vec::new();
-    for v in headers.get_all(&X_FORWARDED_FOR) {
+    let chain = headers.get_all(&X_FORWARDED_FOR);
+    for v in chain.iter().filter(|_| peer.trusted) {
         let v = v.as_bytes().trim_ascii();
         if !v.is_empty() {
             xff.extend_from_slice(v);
@@ -787,8 +790,15 @@ pub(crate) fn prepare_request<B>(
             headers.insert(X_FORWARDED_HOST.clone(), routed);
         }
         headers.remove(http::header::FORWARDED);
+        // `X-Real-IP` (nginx's, read by many frameworks) from the caller itself: the address
+        // is the peer's.
+        if headers.contains_key(&X_REAL_IP) {
+            headers.insert(X_REAL_IP.clone(), peer.forwarded.clone());
+        }
     }
 }
+
+static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
 
 /// HTTP/2 may split `cookie` into several fields; HTTP/1.1 has one line, joined by `; `.
 fn join_cookies(headers: &mut HeaderMap) {
@@ -1107,7 +1117,7 @@ mod tests {
             .header("x-forwarded-for", HeaderValue::from_bytes(b"\xff").unwrap())
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &[]);
+        prepare_request(&mut req, &peer("192.0.2.1", true), &upstream(), &[]);
         let cookies: Vec<_> = req.headers().get_all(COOKIE).iter().collect();
         assert_eq!(cookies, ["a=1; b=2"]);
         assert_eq!(
@@ -1315,23 +1325,36 @@ mod tests {
 
     #[test]
     fn forwarded_for_gets_the_peer_appended_and_proto_is_set() {
-        let mut req = Request::builder()
-            .uri("/")
-            .header("x-forwarded-for", "203.0.113.9")
-            .header("x-forwarded-for", "198.51.100.2")
-            .header("x-forwarded-proto", "https")
-            .body(())
-            .unwrap();
+        let claimed = || {
+            Request::builder()
+                .uri("/")
+                .header("x-forwarded-for", "203.0.113.9")
+                .header("x-forwarded-for", "198.51.100.2")
+                .header("x-forwarded-proto", "https")
+                .header("x-real-ip", "203.0.113.9")
+                .body(())
+                .unwrap()
+        };
+        // A trusted proxy's chain goes on, the peer appended.
+        let mut req = claimed();
+        prepare_request(&mut req, &peer("::ffff:192.0.2.1", true), &upstream(), &[]);
+        let h = req.headers();
+        assert_eq!(h["x-forwarded-for"], "203.0.113.9, 198.51.100.2, 192.0.2.1");
+        assert_eq!(h["x-forwarded-proto"], "https");
+        assert_eq!(h["x-real-ip"], "203.0.113.9");
+        // Anyone else's claims are replaced by what the gateway saw.
+        let mut req = claimed();
         prepare_request(&mut req, &peer("::ffff:192.0.2.1", false), &upstream(), &[]);
+        let h = req.headers();
+        assert_eq!(h["x-forwarded-for"], "192.0.2.1");
         assert_eq!(
-            req.headers()["x-forwarded-for"],
-            "203.0.113.9, 198.51.100.2, 192.0.2.1"
-        );
-        assert_eq!(
-            req.headers()["x-forwarded-proto"],
-            "http",
+            h["x-forwarded-proto"], "http",
             "untrusted peer cannot claim https"
         );
+        assert_eq!(h["x-real-ip"], "192.0.2.1");
+        let mut req = Request::builder().uri("/").body(()).unwrap();
+        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &[]);
+        assert!(!req.headers().contains_key("x-real-ip"), "not added");
     }
 
     #[test]
