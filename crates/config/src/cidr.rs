@@ -71,7 +71,7 @@ impl FromStr for Cidr {
             Some((a, p)) => (a, Some(p)),
             None => (s, None),
         };
-        let addr: IpAddr = addr.parse().map_err(|_| bad())?;
+        let mut addr: IpAddr = addr.parse().map_err(|_| bad())?;
         let max = if addr.is_ipv4() { 32 } else { 128 };
         let prefix = match prefix {
             Some(p) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
@@ -80,6 +80,15 @@ impl FromStr for Cidr {
             Some(_) => return Err(bad()),
             None => max,
         };
+        // Peers are compared as IPv4 when they are IPv4-mapped (`::ffff:a.b.c.d`), so such a
+        // network is the IPv4 one it maps: written as IPv6 it would never match.
+        let mut prefix = prefix;
+        if let IpAddr::V6(a) = addr {
+            if let (Some(v4), 96..) = (a.to_ipv4_mapped(), prefix) {
+                addr = IpAddr::V4(v4);
+                prefix -= 96;
+            }
+        }
         let net = match addr {
             IpAddr::V4(a) => IpAddr::V4(mask_v4(u32::from(a), prefix).into()),
             IpAddr::V6(a) => IpAddr::V6(mask_v6(u128::from(a), prefix).into()),
@@ -91,6 +100,47 @@ impl FromStr for Cidr {
         }
         Ok(Cidr { addr, prefix })
     }
+}
+
+/// Whether `nets` together hold every address of IPv4, or every address of IPv6: trusting
+/// them is trusting everyone of that family, however it is split (`0.0.0.0/1` and
+/// `128.0.0.0/1`).
+pub(crate) fn cover_a_family(nets: &[Cidr]) -> bool {
+    let covered = |v6: bool| {
+        let bits: u32 = if v6 { 128 } else { 32 };
+        let mut ranges: Vec<(u128, u128)> = nets
+            .iter()
+            .filter(|n| n.addr.is_ipv6() == v6)
+            .map(|n| {
+                let start = match n.addr {
+                    IpAddr::V4(a) => u128::from(u32::from(a)),
+                    IpAddr::V6(a) => u128::from(a),
+                };
+                let host_bits = bits - u32::from(n.prefix);
+                let span = if host_bits == 128 {
+                    u128::MAX
+                } else {
+                    (1u128 << host_bits) - 1
+                };
+                (start, start + span)
+            })
+            .collect();
+        ranges.sort_unstable();
+        let last = if v6 { u128::MAX } else { u128::from(u32::MAX) };
+        // The first address not yet covered, walking the sorted ranges.
+        let mut next = 0u128;
+        for (start, end) in ranges {
+            if start > next {
+                return false;
+            }
+            if end >= last {
+                return true;
+            }
+            next = next.max(end + 1);
+        }
+        false
+    };
+    covered(false) || covered(true)
 }
 
 impl fmt::Display for Cidr {
@@ -142,5 +192,33 @@ mod tests {
             assert!(bad.parse::<Cidr>().is_err(), "{bad}");
         }
         assert!("0.0.0.0/0".parse::<Cidr>().unwrap().is_everything());
+    }
+
+    #[test]
+    fn ipv4_mapped_networks_are_the_ipv4_ones() {
+        let net: Cidr = "::ffff:127.0.0.1".parse().unwrap();
+        assert_eq!(net.to_string(), "127.0.0.1/32");
+        let net: Cidr = "::ffff:10.0.0.0/104".parse().unwrap();
+        assert_eq!(net.to_string(), "10.0.0.0/8");
+        assert!(net.contains(ip("10.1.1.1")));
+    }
+
+    #[test]
+    fn networks_that_together_hold_a_family_are_found() {
+        let nets =
+            |list: &[&str]| -> Vec<Cidr> { list.iter().map(|s| s.parse().unwrap()).collect() };
+        assert!(cover_a_family(&nets(&["0.0.0.0/1", "128.0.0.0/1"])));
+        assert!(cover_a_family(&nets(&[
+            "128.0.0.0/1",
+            "10.0.0.0/8",
+            "0.0.0.0/1"
+        ])));
+        assert!(cover_a_family(&nets(&["::/1", "8000::/1"])));
+        assert!(cover_a_family(&nets(&["0.0.0.0/0"])));
+        assert!(cover_a_family(&nets(&["::/0"])));
+        assert!(!cover_a_family(&nets(&["0.0.0.0/1", "128.0.0.0/2"])));
+        assert!(!cover_a_family(&nets(&["0.0.0.0/1", "::/1", "8000::/2"])));
+        assert!(!cover_a_family(&nets(&["10.0.0.0/8", "127.0.0.1"])));
+        assert!(!cover_a_family(&[]));
     }
 }

@@ -314,6 +314,22 @@ fn trusting_everyone_needs_an_explicit_yes() {
         "ipv6_prefix = 64\nallow_trust_all = true",
     );
     assert!(parse(&allowed, Path::new("c.toml")).is_ok());
+    // Split in halves, it is still everyone.
+    let text = shipped_with(
+        "\"127.0.0.1/32\", \"10.0.0.0/8\"",
+        "\"0.0.0.0/1\", \"128.0.0.0/1\"",
+    );
+    let e = errors(&text);
+    assert!(
+        e[0].contains("identity.trusted_proxies: these networks together hold every address of IPv4 or of IPv6"),
+        "{}",
+        e[0]
+    );
+    let allowed = text.replace(
+        "ipv6_prefix = 64",
+        "ipv6_prefix = 64\nallow_trust_all = true",
+    );
+    assert!(parse(&allowed, Path::new("c.toml")).is_ok());
 }
 
 #[test]

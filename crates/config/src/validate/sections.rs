@@ -7,6 +7,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use super::Validator;
+use crate::cidr::cover_a_family;
 use crate::model::{
     Admin, ClientIpHeader, Gateway, Identity, KeySource, MinBodyRate, Responses, RetryRange,
     Upstream,
@@ -229,6 +230,11 @@ impl Validator<'_> {
                 Ok(c) => trusted_proxies.push(c),
                 Err(msg) => self.err(Some(s.span()), &key, msg),
             }
+        }
+        let whole = trusted_proxies.iter().any(Cidr::is_everything);
+        if !whole && raw.allow_trust_all != Some(true) && cover_a_family(&trusted_proxies) {
+            let last = raw.trusted_proxies.iter().flatten().last().map(S::span);
+            self.err(last, "identity.trusted_proxies", "these networks together hold every address of IPv4 or of IPv6: that trusts every peer of that family, which lets any caller choose its own client IP; set identity.allow_trust_all = true if that is really meant");
         }
         let ipv6_prefix = match &raw.ipv6_prefix {
             None => 64,
