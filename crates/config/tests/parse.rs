@@ -714,3 +714,20 @@ fn a_route_on_the_health_path_is_refused() {
     let text = "[gateway]\nhealth_path = \"/status\"\n[[routes]]\nname = \"s\"\npath = \"/status/x\"\nrespond = { status = 200 }\n";
     assert!(parse(text, Path::new("c.toml")).is_ok());
 }
+
+/// Upstream names follow the rule route and limit names do: they are printed by `check` and
+/// in logs, where a control character would forge output.
+#[test]
+fn upstream_names_are_usable_names() {
+    let e = errors("[upstreams.\"x\\u001b[31m\\nfake\"]\nurl = \"http://127.0.0.1:1\"\n");
+    assert_eq!(
+        e,
+        ["c.toml:1:12: upstreams.x\\u{1b}[31m\\nfake: \"x\\u{1b}[31m\\nfake\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')"]
+    );
+    let e = errors("[upstreams.\"\"]\nurl = \"http://127.0.0.1:1\"\n[[routes]]\nname = \"r\"\npath = \"/\"\nupstream = \"\"\n");
+    assert_eq!(
+        e.len(),
+        1,
+        "a route naming it is not told it is missing: {e:?}"
+    );
+}

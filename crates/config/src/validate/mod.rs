@@ -170,14 +170,27 @@ impl<'a> Validator<'a> {
                 );
             }
             seen.push(n);
-            let safe = |c: char| c.is_ascii_alphanumeric() || "-_.".contains(c);
-            if n.is_empty() || n.len() > 64 || !n.chars().all(safe) {
-                // Names travel in response headers (RateLimit-Policy), logs and store keys.
-                let msg = format!(
-                    "\"{n}\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')"
+            if !usable_name(n) {
+                self.err(
+                    Some(name.span()),
+                    &format!("{section}[{i}].name"),
+                    unusable_name(n),
                 );
-                self.err(Some(name.span()), &format!("{section}[{i}].name"), msg);
             }
         }
     }
 }
+
+/// Whether `n` can name a route, limit or upstream: names travel in response headers
+/// (RateLimit-Policy), logs, `sluice check`'s output and store keys.
+pub(crate) fn usable_name(n: &str) -> bool {
+    let safe = |c: char| c.is_ascii_alphanumeric() || "-_.".contains(c);
+    !n.is_empty() && n.len() <= 64 && n.chars().all(safe)
+}
+
+/// Why `n` is refused as a name.
+pub(crate) fn unusable_name(n: &str) -> String {
+    format!("\"{n}\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')")
+}
+
+impl Validator<'_> {}

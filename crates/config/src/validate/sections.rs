@@ -324,6 +324,15 @@ impl Validator<'_> {
         let mut out = Vec::with_capacity(raw.len());
         for (name, u) in raw {
             let key = format!("upstreams.{}", name.get_ref());
+            if !super::usable_name(name.get_ref()) {
+                self.err(
+                    Some(name.span()),
+                    &key,
+                    super::unusable_name(name.get_ref()),
+                );
+                self.refused_upstreams.push(name.get_ref().clone());
+                continue;
+            }
             let url = self.upstream_url(&u.url, &format!("{key}.url"));
             let connect_timeout = self.duration(
                 &u.connect_timeout,
