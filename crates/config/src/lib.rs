@@ -106,13 +106,15 @@ fn serde_error(
     let (mut key, map_key_lost) = key_path(e.path());
     let inner = e.into_inner();
     // TOML's messages run over lines ("invalid escape sequence\nexpected ..."): one line here.
-    let mut message = inner
+    let message = inner
         .message()
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty())
         .collect::<Vec<_>>()
         .join("; ");
+    let message = plain_types(&message);
+    let mut message = message;
     if let Some(span) = inner.span() {
         // An error inside a string (a bad escape, one never closed) is the string's key's; the
         // value shown is the string on the error's line, from its opening quote or the line's
@@ -154,6 +156,31 @@ fn serde_error(
         }
     }
     error::Source::new(file, text).error(inner.span(), key, message)
+}
+
+/// serde's words for sluice's own types (`struct RawGateway`, `untagged enum OneOrMany`,
+/// `i64`) in the words of the file: a table, a string or list of strings, an integer.
+fn plain_types(message: &str) -> String {
+    let mut out = message.replace(
+        "data did not match any variant of untagged enum OneOrMany",
+        "expected a string or a list of strings",
+    );
+    for (rust, toml) in [
+        ("expected i64", "expected an integer"),
+        ("expected u64", "expected an integer"),
+    ] {
+        out = out.replace(rust, toml);
+    }
+    while let Some(at) = out.find("expected struct Raw") {
+        let end = out[at..]
+            .find(|c: char| !c.is_ascii_alphanumeric() && c != ' ')
+            .map_or(out.len(), |i| at + i);
+        let name_end = out[at + "expected struct ".len()..end]
+            .find(' ')
+            .map_or(end, |i| at + "expected struct ".len() + i);
+        out.replace_range(at..name_end, "expected a table");
+    }
+    out
 }
 
 /// Where the string holding `offset` opens, if `offset` is inside one (or inside one never
@@ -228,6 +255,21 @@ fn value_at(text: &str, offset: usize) -> &str {
     let line = rest.split('\n').next().unwrap_or("");
     let end = if let Some(quoted) = line.strip_prefix('"') {
         quoted.find('"').map_or(line.len(), |i| i + 2)
+    } else if line.starts_with(['{', '[']) {
+        // An inline table or array, whole: to its closing bracket on this line.
+        let mut depth = 0usize;
+        let mut quoted = false;
+        line.char_indices()
+            .find(|&(_, c)| {
+                match c {
+                    '"' => quoted = !quoted,
+                    '{' | '[' if !quoted => depth += 1,
+                    '}' | ']' if !quoted => depth = depth.saturating_sub(1),
+                    _ => {}
+                }
+                depth == 0
+            })
+            .map_or(line.len(), |(i, _)| i + 1)
     } else {
         line.find(|c: char| c.is_whitespace() || ",#]}".contains(c))
             .unwrap_or(line.len())

@@ -457,8 +457,26 @@ fn every_error_names_its_key_and_a_printable_value() {
     let text = "[[routes]]\nname = \"a\"\npath = \"/\"\nupstream = \"u\"\n[[routes]]\nname = \"b\"\ncost = 1e99\n";
     assert_eq!(
         errors(text),
-        ["c.toml:7:8: routes[1].cost: 1e99: invalid type: floating point `1000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000.0`, expected i64"]
+        ["c.toml:7:8: routes[1].cost: 1e99: invalid type: floating point `1000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000.0`, expected an integer"]
     );
+    // serde's names for sluice's own types are put in the file's words, and an inline table
+    // is shown whole.
+    for (text, expected) in [
+        (
+            "gateway = 1\n",
+            "c.toml:1:11: gateway: invalid type: integer `1`, expected a table",
+        ),
+        (
+            "[[limits]]\nname = \"l\"\nby = 1\nquota = 1\n",
+            "c.toml:3:6: limits[0].by: 1: expected a string or a list of strings",
+        ),
+        (
+            "[gateway]\noverload_retry_after = {min=\"2s\"}\n",
+            "c.toml:2:24: gateway.overload_retry_after: {min=\"2s\"}: missing field `max`",
+        ),
+    ] {
+        assert_eq!(errors(text), [expected]);
+    }
     let got: Vec<Vec<String>> = [
         "upstreams.app.url = \"http://127.0.0.1:1\"\nupstreams.app.bogus = 1\n",
         "[upstreams.app]\ntimeout = \"1s\"\n",
