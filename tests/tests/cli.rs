@@ -100,6 +100,28 @@ fn run_refuses_an_invalid_config_and_a_bad_upstream_override() {
         err.contains("--upstream app=http://127.0.0.1:1\"\\nx: a URL holds no quote, backslash or control character"),
         "{err}"
     );
+    // An upstream given twice is a question, not a silent last-one-wins; `check` takes the
+    // overrides `run` does.
+    let (code, _, err) = run_cli(&[
+        "check",
+        "--config",
+        SHIPPED,
+        "--upstream",
+        "app=http://127.0.0.1:1",
+        "--upstream",
+        "app=http://127.0.0.1:2",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("\"app\" is given twice"), "{err}");
+    let (code, out, _) = run_cli(&[
+        "check",
+        "--config",
+        SHIPPED,
+        "--upstream",
+        "app=http://127.0.0.1:7",
+    ]);
+    assert_eq!(code, 0);
+    assert!(out.contains("-> app (http://127.0.0.1:7/)"), "{out}");
     // A name that is not an upstream is shown as the file's errors show values: on one line.
     let (code, _, err) = run_cli(&["run", "--config", SHIPPED, "--upstream", "a\nb=x"]);
     assert_eq!(code, 2);
@@ -135,9 +157,10 @@ fn demo_tells_the_seed_story_on_real_sockets() {
 #[test]
 fn check_describes_a_redis_store() {
     let text = std::fs::read_to_string(SHIPPED).unwrap()
-        + "\n[store]\nkind = \"redis\"\nurl = \"redis://10.0.0.5:6379\"\ntimeout = \"25ms\"\non_error = \"local\"\ninstances = 3\n";
+        + "\n[store]\nkind = \"redis\"\nurl = \"redis://user:hunter2@10.0.0.5:6379\"\ntimeout = \"25ms\"\non_error = \"local\"\ninstances = 3\n";
     let file = TempFile::new("toml", &text);
     let (code, out, err) = run_cli(&["check", "--config", file.0.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("store: redis redis://10.0.0.5:6379 (timeout 25ms, on_error Local, instances 3, secret from $SLUICE_HASH_SECRET)"), "{out}");
+    // The password is not printed; the fallback is written as in the file.
+    assert!(out.contains("store: redis redis://user:***@10.0.0.5:6379 (timeout 25ms, on_error local, instances 3, secret from $SLUICE_HASH_SECRET)"), "{out}");
 }

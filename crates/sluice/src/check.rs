@@ -142,6 +142,16 @@ pub(crate) fn override_upstreams(
             errors.push(err("write NAME=URL, e.g. app=http://127.0.0.1:8000".into()));
             continue;
         };
+        if overrides
+            .iter()
+            .take_while(|earlier| !std::ptr::eq(*earlier, o))
+            .any(|earlier| earlier.split_once('=').is_some_and(|(n, _)| n == name))
+        {
+            errors.push(err(format!(
+                "\"{name}\" is given twice: which one was meant?"
+            )));
+            continue;
+        }
         let Some(up) = config.upstreams.iter_mut().find(|u| u.name == name) else {
             errors.push(err(format!(
                 "\"{name}\" is not an upstream in {}",

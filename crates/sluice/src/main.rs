@@ -54,6 +54,9 @@ enum Command {
         /// The TOML configuration file.
         #[arg(long, short)]
         config: PathBuf,
+        /// As for `run`: check the configuration `run` would use with these overrides.
+        #[arg(long, value_name = "NAME=URL")]
+        upstream: Vec<String>,
     },
 }
 
@@ -77,7 +80,9 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Check { config } => match sluice_config::load(&config) {
+        Command::Check { config, upstream } => match sluice_config::load(&config)
+            .and_then(|c| check::override_upstreams(c, &config, &upstream))
+        {
             Ok(c) => {
                 print!("{}", check::describe(&config, &c));
                 ExitCode::SUCCESS
