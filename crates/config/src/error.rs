@@ -59,18 +59,30 @@ impl fmt::Display for ConfigErrors {
 pub(crate) struct Source<'a> {
     file: &'a Path,
     text: &'a str,
+    /// Where each line after the first starts, found once when the first error is placed: a
+    /// file with thousands of errors is not walked once per error.
+    line_starts: std::cell::OnceCell<Vec<usize>>,
 }
 
 impl<'a> Source<'a> {
     pub(crate) fn new(file: &'a Path, text: &'a str) -> Self {
-        Self { file, text }
+        Self {
+            file,
+            text,
+            line_starts: std::cell::OnceCell::new(),
+        }
     }
 
     pub(crate) fn locate(&self, offset: usize) -> Location {
         let offset = offset.min(self.text.len());
         let before = &self.text[..floor_char_boundary(self.text, offset)];
-        let line = before.matches('\n').count() + 1;
-        let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+        let starts = self
+            .line_starts
+            .get_or_init(|| self.text.match_indices('\n').map(|(i, _)| i + 1).collect());
+        // How many lines after the first start at or before the offset.
+        let done = starts.partition_point(|&s| s <= before.len());
+        let line = done + 1;
+        let line_start = if done == 0 { 0 } else { starts[done - 1] };
         let column = before[line_start..].chars().count() + 1;
         Location {
             file: self.file.to_path_buf(),

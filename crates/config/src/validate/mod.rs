@@ -159,17 +159,16 @@ impl<'a> Validator<'a> {
         section: &str,
         names: impl Iterator<Item = &'n S<String>>,
     ) {
-        let mut seen: Vec<&str> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         for (i, name) in names.enumerate() {
             let n = name.get_ref().as_str();
-            if seen.contains(&n) {
+            if !seen.insert(n) {
                 self.err(
                     Some(name.span()),
                     &format!("{section}[{i}].name"),
                     format!("\"{n}\" is already the name of another entry in [[{section}]]"),
                 );
             }
-            seen.push(n);
             if !usable_name(n) {
                 self.err(
                     Some(name.span()),

@@ -43,14 +43,20 @@ impl Validator<'_> {
                 h.strip_suffix('.').unwrap_or(h).to_ascii_lowercase()
             })
         };
+        // Routes by path as matched (ignoring case), in file order: only those can shadow
+        // each other, and a file of many routes is not compared pair by pair.
+        let mut by_path: std::collections::HashMap<String, Vec<usize>> = Default::default();
+        for (j, r) in raw.iter().enumerate() {
+            by_path
+                .entry(r.path.get_ref().to_ascii_lowercase())
+                .or_default()
+                .push(j);
+        }
         for (j, later) in raw.iter().enumerate() {
-            let shadowed = raw[..j].iter().position(|earlier| {
-                earlier
-                    .path
-                    .get_ref()
-                    .eq_ignore_ascii_case(later.path.get_ref())
-                    && covers(earlier, later)
-                    && (earlier.host.is_none() || host(earlier) == host(later))
+            let same_path = &by_path[&later.path.get_ref().to_ascii_lowercase()];
+            let shadowed = same_path.iter().copied().take_while(|&i| i < j).find(|&i| {
+                let earlier = &raw[i];
+                covers(earlier, later) && (earlier.host.is_none() || host(earlier) == host(later))
             });
             if let Some(i) = shadowed {
                 let (hosts, hint) = if raw[i].host.is_none() && later.host.is_some() {
