@@ -176,8 +176,14 @@ impl Drop for Sluice {
 
 /// Runs `sluice <args>` to completion: (exit code, stdout, stderr).
 pub fn run_cli(args: &[&str]) -> (i32, String, String) {
+    run_cli_with(args, &[])
+}
+
+/// [`run_cli`] with environment variables set.
+pub fn run_cli_with(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
     let out = Command::new(binary())
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .expect("run sluice");
     (

@@ -1,6 +1,6 @@
 //! `sluice check` on good and bad files, with the exact text a user sees.
 
-use sluice_tests::process::{run_cli, TempFile};
+use sluice_tests::process::{run_cli, run_cli_with, TempFile};
 
 const SHIPPED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/sluice.toml");
 
@@ -163,4 +163,25 @@ fn check_describes_a_redis_store() {
     assert_eq!(code, 0, "{err}");
     // The password is not printed; the fallback is written as in the file.
     assert!(out.contains("store: redis redis://user:***@10.0.0.5:6379 (timeout 25ms, on_error local, instances 3, secret from $SLUICE_HASH_SECRET)"), "{out}");
+}
+
+#[test]
+fn a_log_filter_that_does_not_parse_stops_the_start() {
+    // The gateway's port is taken: were the filter ignored, the start would still end (with
+    // the bind error, 1) instead of serving.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let text = format!(
+        "[gateway]\nlisten = \"{}\"\n[admin]\nlisten = \"127.0.0.1:0\"\n",
+        taken.local_addr().unwrap()
+    );
+    let file = TempFile::new("toml", &text);
+    let (code, _, err) = run_cli_with(
+        &["run", "--config", file.0.to_str().unwrap()],
+        &[("SLUICE_LOG", "access=loud")],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("SLUICE_LOG=\"access=loud\" is not a log filter"),
+        "{err}"
+    );
 }

@@ -94,7 +94,10 @@ fn main() -> ExitCode {
             upstream,
             threads,
         } => {
-            logging::init(cli.log_format);
+            if let Err(e) = logging::init(cli.log_format) {
+                eprintln!("sluice: {e}");
+                return ExitCode::from(2);
+            }
             let loaded = match sluice_config::load(&config)
                 .and_then(|c| check::override_upstreams(c, &config, &upstream))
             {
