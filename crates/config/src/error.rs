@@ -83,7 +83,14 @@ impl<'a> Source<'a> {
         let done = starts.partition_point(|&s| s <= before.len());
         let line = done + 1;
         let line_start = if done == 0 { 0 } else { starts[done - 1] };
-        let column = before[line_start..].chars().count() + 1;
+        // A byte-order mark is no column an editor shows.
+        let line_text = &before[line_start..];
+        let column = line_text
+            .strip_prefix('\u{FEFF}')
+            .unwrap_or(line_text)
+            .chars()
+            .count()
+            + 1;
         Location {
             file: self.file.to_path_buf(),
             line,
@@ -162,6 +169,13 @@ mod tests {
         let long = printable(format!("\"{}\" is too long", "x".repeat(5000)));
         assert!(long.len() < 700 && long.contains(" [...] "), "{long}");
         assert!(long.ends_with("\" is too long"));
+    }
+
+    #[test]
+    fn a_byte_order_mark_takes_no_column() {
+        let text = "\u{FEFF}x = 1\n";
+        let src = Source::new(Path::new("f.toml"), text);
+        assert_eq!(src.locate(text.find('x').unwrap()).column, 1);
     }
 
     #[test]
