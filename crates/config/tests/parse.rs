@@ -749,3 +749,39 @@ fn upstream_names_are_usable_names() {
         "a route naming it is not told it is missing: {e:?}"
     );
 }
+
+/// Values that would be silently unused, repeated or odd are refused where they are written.
+#[test]
+fn repeated_unused_or_odd_values_are_refused() {
+    let cases = [
+        (
+            "[[routes]]\nname = \"r\"\npath = \"/\"\nrespond = { status = 205, body = \"x\" }\n",
+            "routes[0].respond.body: a 205 response has no body",
+        ),
+        (
+            "[responses]\nproblem_base = \"urn:x\\u0000\"\n",
+            "responses.problem_base: \"urn:x\\u{0}\" is not an absolute URI",
+        ),
+        (
+            "[identity]\napi_key = [\"bearer\", \"header:x-api-key\", \"bearer\"]\n",
+            "identity.api_key[2]: \"bearer\" is listed twice",
+        ),
+        (
+            "[identity]\ntrusted_proxies = [\"10.0.0.0/8\", \"::ffff:10.0.0.0/104\"]\n",
+            "identity.trusted_proxies[1]: \"::ffff:10.0.0.0/104\" is listed twice (as 10.0.0.0/8)",
+        ),
+        (
+            "[store]\nkind = \"redis\"\nurl = \"redis://h\"\non_error = \"allow\"\ninstances = 3\n",
+            "store.instances: 3 is not used: only on_error = \"local\" divides the quota among instances",
+        ),
+        (
+            "[[routes]]\nname = \"r\"\npath = \"/\"\nhost = \"a..b\"\nrespond = { status = 200 }\n",
+            "routes[0].host: \"a..b\" is not a host name",
+        ),
+    ];
+    for (text, expected) in cases {
+        let e = errors(text);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(e[0].contains(expected), "{text}: {e:?}");
+    }
+}

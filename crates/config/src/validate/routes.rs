@@ -121,7 +121,10 @@ impl Validator<'_> {
                     &key("host"),
                     format!("\"{v}\": wildcards are not supported; a route matches one host exactly (leave host out for every host)"),
                 );
-            } else if v.is_empty() || v.parse::<http::uri::Authority>().is_err() || v.contains(['@', '/'])
+            } else if v.is_empty()
+                || v.parse::<http::uri::Authority>().is_err()
+                || v.contains(['@', '/'])
+                || (!v.contains(':') && !crate::host::host_ok(v))
             {
                 self.err(
                     Some(h.span()),
@@ -214,9 +217,14 @@ impl Validator<'_> {
                 ),
             );
         }
-        // 204 and 304 responses have no body (RFC 9110 sections 15.3.5, 15.4.5): it would not
-        // be sent.
-        if let Some(s @ (http::StatusCode::NO_CONTENT | http::StatusCode::NOT_MODIFIED)) = status {
+        // 204, 205 and 304 responses have no body (RFC 9110 sections 15.3.5, 15.3.6, 15.4.5):
+        // it would not be sent, or must not be.
+        if let Some(
+            s @ (http::StatusCode::NO_CONTENT
+            | http::StatusCode::RESET_CONTENT
+            | http::StatusCode::NOT_MODIFIED),
+        ) = status
+        {
             if !raw.body.is_empty() {
                 self.err(
                     Some(raw.status.span()),

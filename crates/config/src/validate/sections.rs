@@ -211,17 +211,34 @@ impl Validator<'_> {
                 self.err(Some(list.span()), "identity.api_key", "an empty list finds no key, so every limit by \"api_key\" would count nobody; leave the key out for the default [\"header:x-api-key\", \"bearer\"]");
                 Vec::new()
             }
-            Some(list) => list
-                .get_ref()
-                .iter()
-                .enumerate()
-                .filter_map(|(i, s)| self.key_source(s, &format!("identity.api_key[{i}]")))
-                .collect(),
+            Some(list) => {
+                let mut sources: Vec<KeySource> = Vec::new();
+                for (i, s) in list.get_ref().iter().enumerate() {
+                    let key = format!("identity.api_key[{i}]");
+                    match self.key_source(s, &key) {
+                        Some(k) if sources.contains(&k) => {
+                            let msg = format!("\"{}\" is listed twice", s.get_ref());
+                            self.err(Some(s.span()), &key, msg);
+                        }
+                        Some(k) => sources.push(k),
+                        None => {}
+                    }
+                }
+                sources
+            }
         };
         let mut trusted_proxies = Vec::new();
         for (i, s) in raw.trusted_proxies.iter().flatten().enumerate() {
             let key = format!("identity.trusted_proxies[{i}]");
-            match s.get_ref().parse::<Cidr>() {
+            let parsed = s.get_ref().parse::<Cidr>();
+            if let Ok(c) = &parsed {
+                if trusted_proxies.contains(c) {
+                    let msg = format!("\"{}\" is listed twice (as {c})", s.get_ref());
+                    self.err(Some(s.span()), &key, msg);
+                    continue;
+                }
+            }
+            match parsed {
                 Ok(c) if c.is_everything() && raw.allow_trust_all != Some(true) => self.err(
                     Some(s.span()),
                     &key,
@@ -308,7 +325,10 @@ impl Validator<'_> {
                             .chars()
                             .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
                 });
-                if !scheme_ok || s.chars().any(|c| c.is_whitespace() || c == '"') {
+                if !scheme_ok
+                    || s.chars()
+                        .any(|c| c.is_whitespace() || c.is_control() || c == '"')
+                {
                     self.err(Some(v.span()), "responses.problem_base", format!("\"{s}\" is not an absolute URI (write e.g. \"https://api.example.com/problems/\")"));
                 }
                 s.clone()

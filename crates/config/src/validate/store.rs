@@ -87,6 +87,14 @@ impl Validator<'_> {
         };
         let instances = match &raw.instances {
             None => Some(NonZeroU32::MIN),
+            Some(v) if on_error != OnError::Local => {
+                let msg = format!(
+                    "{} is not used: only on_error = \"local\" divides the quota among instances",
+                    v.get_ref()
+                );
+                self.err(Some(v.span()), "store.instances", msg);
+                None
+            }
             Some(v) => self.positive_u32(v, "store.instances"),
         };
         let hash_secret_env = match &raw.hash_secret_env {
