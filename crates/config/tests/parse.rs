@@ -721,15 +721,12 @@ fn admin_and_gateway_listeners_that_would_clash_are_refused() {
     }
 }
 
-/// `health_path` is answered by sluice before routing: a route of that very path is refused.
+/// `health_path` is answered by sluice before routing; a route may still hold it (the
+/// catch-all `/` with `health_path = "/"`, as load balancers probe by default): the route gets
+/// every other path under it.
 #[test]
-fn a_route_on_the_health_path_is_refused() {
-    let text = "[gateway]\nhealth_path = \"/status\"\n[[routes]]\nname = \"s\"\npath = \"/status\"\nrespond = { status = 200 }\n";
-    assert_eq!(
-        errors(text),
-        ["c.toml:5:8: routes[0].path: \"/status\" is gateway.health_path, which sluice answers itself: this route would never see a request for it (choose another health_path, or leave it out)"]
-    );
-    let text = "[gateway]\nhealth_path = \"/status\"\n[[routes]]\nname = \"s\"\npath = \"/status/x\"\nrespond = { status = 200 }\n";
+fn a_route_may_hold_the_health_path() {
+    let text = "[gateway]\nhealth_path = \"/\"\n[[routes]]\nname = \"all\"\npath = \"/\"\nrespond = { status = 200 }\n";
     assert!(parse(text, Path::new("c.toml")).is_ok());
 }
 

@@ -44,14 +44,6 @@ impl<'a> Validator<'a> {
         let responses = self.responses(&raw.responses);
         let upstreams = self.upstreams(&raw.upstreams);
         let routes = self.routes(&raw.routes, &upstreams, gateway.merge_slashes);
-        if let Some(health) = &gateway.health_path {
-            for (i, r) in raw.routes.iter().enumerate() {
-                if r.path.get_ref() == health {
-                    let msg = format!("\"{health}\" is gateway.health_path, which sluice answers itself: this route would never see a request for it (choose another health_path, or leave it out)");
-                    self.err(Some(r.path.span()), &format!("routes[{i}].path"), msg);
-                }
-            }
-        }
         let limits = self.limits(&raw.limits, &raw.routes, &routes);
         let store = self.store(&raw.store);
         if matches!(store, crate::model::Store::Redis(_)) && limits.len() == raw.limits.len() {
