@@ -6,9 +6,10 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 /// Whether `host` (as a URL holds it: a bracketed IPv6 address, or no brackets) is an IPv6
 /// address in brackets, a dotted IPv4 address (four decimal parts, no leading zeros), or a DNS
 /// name: labels of letters, digits, `-` and `_`, 1 to 63 bytes each and at most 253 in all, an
-/// optional trailing dot, and a last label that does not start with a digit. So `0177.0.0.1`,
-/// `2130706433` and `0x7f.1`, which resolvers read as IPv4 in octal, as one number or in hex,
-/// and `999.0.0.1`, are refused rather than reach an address nobody wrote.
+/// optional trailing dot, and a last label that is not a number (all digits, or `0x` and hex
+/// digits). So `0177.0.0.1`, `2130706433`, `0x7f` and `0x7f.1`, which resolvers read as IPv4 in
+/// octal, as one number or in hex, and `999.0.0.1`, are refused rather than reach an address
+/// nobody wrote; a Docker container's short id (`3f4e5a6b7c8d`) is a name.
 pub(crate) fn host_ok(host: &str) -> bool {
     if let Some(inner) = host.strip_prefix('[') {
         return inner
@@ -24,22 +25,27 @@ pub(crate) fn host_ok(host: &str) -> bool {
             && l.bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
     };
+    // What a resolver reads as a number (`inet_aton`: decimal, octal, `0x` hex parts).
+    let numeric = |l: &str| {
+        l.bytes().all(|b| b.is_ascii_digit())
+            || l.strip_prefix("0x")
+                .or_else(|| l.strip_prefix("0X"))
+                .is_some_and(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))
+    };
     !name.is_empty()
         && name.len() <= 253
         && name.split('.').all(label_ok)
-        && !name
-            .rsplit('.')
-            .next()
-            .is_some_and(|last| last.starts_with(|c: char| c.is_ascii_digit()))
+        && !name.rsplit('.').next().is_some_and(numeric)
 }
 
-/// `url` with the password of its user information replaced by `***`, for logs and messages.
+/// `url` with the password of its user information replaced by `***`, for logs and messages:
+/// everything between the first `:` after `://` and the last `@` is hidden, so a password that
+/// holds `/`, `?`, `#` or `@` unencoded is hidden whole too.
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
+    let Some(at) = rest.rfind('@') else {
         return url.to_owned();
     };
     match rest[..at].split_once(':') {
@@ -63,6 +69,8 @@ mod tests {
             "[::1]",
             "[2001:db8::1]",
             "10.0.0.5",
+            "3f4e5a6b7c8d",
+            "1password.internal",
         ] {
             assert!(host_ok(good), "{good}");
         }
@@ -72,6 +80,8 @@ mod tests {
             "2130706433",
             "0x7f.0.0.1",
             "0x7f.1",
+            "0x7f",
+            "0XFF",
             "999.0.0.1",
             "127.1",
             "a..b",
@@ -93,5 +103,18 @@ mod tests {
         assert_eq!(redact_url("redis://user@h"), "redis://user@h");
         assert_eq!(redact_url("redis://h:6379"), "redis://h:6379");
         assert_eq!(redact_url("not a url"), "not a url");
+        for written in [
+            "redis://u:pa#ss@h",
+            "redis://u:pa?ss@h",
+            "redis://u:pa/ss@h/3",
+        ] {
+            let shown = redact_url(written);
+            assert!(
+                shown.starts_with("redis://u:***@h") && !shown.contains("ss@"),
+                "{shown}"
+            );
+        }
+        // In a message's quotes too.
+        assert_eq!(redact_url("\"redis://u:p\\q@h\""), "\"redis://u:***@h\"");
     }
 }

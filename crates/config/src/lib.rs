@@ -127,6 +127,8 @@ fn serde_error(
             let before = text.get(..span.start).unwrap_or(text);
             let line_start = before.rfind('\n').map_or(0, |i| i + 1);
             let value = value_line(text, if closed { open.max(line_start) } else { open });
+            // A Redis URL's password is not repeated, wherever its string breaks.
+            let value = &redact_url(value);
             if !value.is_empty() && !message.contains(value) {
                 message = format!("{value}: {message}");
             }

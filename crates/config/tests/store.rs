@@ -189,6 +189,26 @@ fn a_password_is_not_repeated_in_an_error() {
         e,
         vec!["c.toml:3:7: store.url: \"redis://u:***@h:0\" has a port that is not between 1 and 65535"]
     );
+    // Not when it holds what a URL cannot, nor when its string breaks TOML.
+    for url in [
+        "redis://u:pa#ss@h",
+        "redis://u:pa?ss@h",
+        "redis://u:pa/ss@h",
+        "redis://u:pa\\qss@h",
+    ] {
+        let e = errors(&format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n"));
+        assert!(
+            e[0].contains("redis://u:***@h") && !e[0].contains("ss@"),
+            "{e:?}"
+        );
+    }
+    let e = errors("[store]\nkind = \"redis\"\nurl = \"redis://u:pa/ss@h\"\n");
+    assert!(
+        e[0].ends_with(
+            "has '/', '?' or '#' in its user or password (percent-encode them: %2F, %3F, %23)"
+        ),
+        "{e:?}"
+    );
 }
 
 #[test]

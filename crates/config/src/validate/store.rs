@@ -182,6 +182,16 @@ fn gcd(mut a: u128, mut b: u128) -> u128 {
 
 /// What is wrong with a Redis URL after `redis://`, if anything.
 fn redis_url_problem(rest: &str) -> Option<&'static str> {
+    // A `/`, `?` or `#` before the last `@` is part of an unencoded password, which the
+    // client would cut there.
+    if rest
+        .rfind('@')
+        .is_some_and(|at| rest[..at].contains(['/', '?', '#']))
+    {
+        return Some(
+            "has '/', '?' or '#' in its user or password (percent-encode them: %2F, %3F, %23)",
+        );
+    }
     if rest.contains(['?', '#']) {
         return Some("has a query or fragment, which sluice does not read (write the database as a path: \"redis://host:6379/3\")");
     }
