@@ -61,24 +61,33 @@ pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
 /// and small enough that a wrong path (`/dev/zero`, a log file) is refused at once.
 const MAX_FILE: u64 = 16 << 20;
 
-/// The file's bytes, if it is a regular file (or a link to one) of at most [`MAX_FILE`]: a
-/// directory, a pipe or a device is refused before it is read, so a wrong path can neither
-/// hang the start nor fill the memory.
+/// The file's bytes, if it is a regular file or a pipe (`sluice check -c <(envsubst < t)`) of
+/// at most [`MAX_FILE`]: a directory or a device (`/dev/zero`) is refused before it is read, so
+/// a wrong path can neither fill the memory nor read for ever. The type is that of the file
+/// opened, not of the path looked at before.
 fn read_bounded(path: &Path) -> Result<Vec<u8>, String> {
     use std::io::Read;
+    #[cfg(unix)]
+    use std::os::unix::fs::FileTypeExt;
     let cannot = |e: std::io::Error| format!("cannot read {}: {e}", path.display());
-    let meta = std::fs::metadata(path).map_err(cannot)?;
-    if !meta.is_file() {
-        let kind = if meta.is_dir() {
-            "a directory"
-        } else {
-            "not a regular file (a pipe, a socket or a device)"
-        };
-        return Err(format!("cannot read {}: it is {kind}", path.display()));
+    let file = std::fs::File::open(path).map_err(cannot)?;
+    let kind = file.metadata().map_err(cannot)?.file_type();
+    #[cfg(unix)]
+    let pipe = kind.is_fifo();
+    #[cfg(not(unix))]
+    let pipe = false;
+    if kind.is_dir() {
+        return Err(format!("cannot read {}: it is a directory", path.display()));
+    }
+    if !kind.is_file() && !pipe {
+        return Err(format!(
+            "cannot read {}: it is not a regular file or a pipe (a device or a socket)",
+            path.display()
+        ));
     }
     let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_FILE + 1).read_to_end(&mut bytes))
+    file.take(MAX_FILE + 1)
+        .read_to_end(&mut bytes)
         .map_err(cannot)?;
     if bytes.len() as u64 > MAX_FILE {
         return Err(format!(
@@ -152,7 +161,14 @@ fn serde_error(
             key = found;
         }
         let value = value_at(text, span.start);
-        let header = value.starts_with('[');
+        // A table header is no value: the error is the table's.
+        let line_start = text[..span.start.min(text.len())]
+            .rfind('\n')
+            .map_or(0, |i| i + 1);
+        let header = text
+            .get(line_start..span.start)
+            .is_some_and(|before| before.trim().is_empty())
+            && value.starts_with('[');
         if !value.is_empty() && !header && !message.contains(value) {
             message = format!("{value}: {message}");
         }
@@ -258,16 +274,22 @@ fn value_at(text: &str, offset: usize) -> &str {
     let end = if let Some(quoted) = line.strip_prefix('"') {
         quoted.find('"').map_or(line.len(), |i| i + 2)
     } else if line.starts_with(['{', '[']) {
-        // An inline table or array, whole: to its closing bracket on this line.
+        // An inline table or array, whole: to its closing bracket on this line (brackets in
+        // its strings, basic or literal, escaped quotes included, do not count).
         let mut depth = 0usize;
-        let mut quoted = false;
+        let mut quote: Option<char> = None;
+        let mut escaped = false;
         line.char_indices()
             .find(|&(_, c)| {
-                match c {
-                    '"' => quoted = !quoted,
-                    '{' | '[' if !quoted => depth += 1,
-                    '}' | ']' if !quoted => depth = depth.saturating_sub(1),
-                    _ => {}
+                match (quote, c) {
+                    (Some('"'), _) if escaped => escaped = false,
+                    (Some('"'), '\\') => escaped = true,
+                    (Some(q), c) if c == q => quote = None,
+                    (Some(_), _) => {}
+                    (None, '"' | '\'') => quote = Some(c),
+                    (None, '{' | '[') => depth += 1,
+                    (None, '}' | ']') => depth = depth.saturating_sub(1),
+                    (None, _) => {}
                 }
                 depth == 0
             })

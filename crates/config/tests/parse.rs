@@ -474,6 +474,14 @@ fn every_error_names_its_key_and_a_printable_value() {
             "[gateway]\noverload_retry_after = {min=\"2s\"}\n",
             "c.toml:2:24: gateway.overload_retry_after: {min=\"2s\"}: missing field `max`",
         ),
+        (
+            "[gateway]\nlisten = [\"a\", 1]\n",
+            "c.toml:2:10: gateway.listen: [\"a\", 1]: invalid type: sequence, expected a string",
+        ),
+        (
+            "[gateway]\noverload_retry_after = {min = \"\\\"}\"} # '}'\n",
+            "c.toml:2:24: gateway.overload_retry_after: {min = \"\\\"}\"}: missing field `max`",
+        ),
     ] {
         assert_eq!(errors(text), [expected]);
     }
@@ -582,8 +590,8 @@ fn a_file_that_is_not_utf8_is_refused_at_the_first_bad_byte() {
     );
 }
 
-/// A path that is no configuration file (a directory, a device, a fifo, a huge file) is refused
-/// before it is read whole: no hang, no memory filled.
+/// A path that is no configuration file (a directory, a device, a huge file) is refused before
+/// it is read whole: no memory filled, no endless read; a pipe is read.
 #[test]
 fn only_regular_files_of_sane_size_are_read() {
     let err = |p: &Path| sluice_config::load(p).unwrap_err().to_string();
@@ -593,7 +601,19 @@ fn only_regular_files_of_sane_size_are_read() {
         format!("cannot read {}: it is a directory", dir.display())
     );
     assert!(err(Path::new("/dev/zero"))
-        .ends_with("it is not a regular file (a pipe, a socket or a device)"));
+        .ends_with("it is not a regular file or a pipe (a device or a socket)"));
+    // A pipe is read (a templated file handed over by `<(envsubst < t)`).
+    let fifo = dir.join(format!("sluice-fifo-{}.toml", std::process::id()));
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    assert!(made.is_ok_and(|s| s.success()), "mkfifo");
+    let writer = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::write(fifo, "[gateway]\nmax_in_flight = 7\n"))
+    };
+    let config = sluice_config::load(&fifo);
+    writer.join().unwrap().unwrap();
+    std::fs::remove_file(&fifo).unwrap();
+    assert_eq!(config.unwrap().gateway.max_in_flight.get(), 7);
     let big = dir.join(format!("sluice-big-{}.toml", std::process::id()));
     let file = std::fs::File::create(&big).unwrap();
     file.set_len(17 << 20).unwrap(); // sparse: no 17 MiB written

@@ -1,5 +1,6 @@
 //! `[[limits]]`, and the checks that join limits to routes.
 
+use std::collections::{HashMap, HashSet};
 use std::num::NonZeroU32;
 
 use super::routes::list_or_none;
@@ -16,10 +17,17 @@ impl Validator<'_> {
         routes: &[Route],
     ) -> Vec<Limit> {
         self.unique_names("limits", raw.iter().map(|l| &l.name));
+        // Route names to indices, once: a limit may list thousands.
+        let route_index: HashMap<&str, usize> = raw_routes
+            .iter()
+            .enumerate()
+            .rev()
+            .map(|(i, r)| (r.name.get_ref().as_str(), i))
+            .collect();
         let limits: Vec<Limit> = raw
             .iter()
             .enumerate()
-            .filter_map(|(i, l)| self.limit(i, l, raw_routes))
+            .filter_map(|(i, l)| self.limit(i, l, raw_routes, &route_index))
             .collect();
         // Only when every route and limit is valid do indices line up; otherwise the errors
         // already reported are what the user must fix first.
@@ -29,7 +37,13 @@ impl Validator<'_> {
         limits
     }
 
-    fn limit(&mut self, i: usize, l: &RawLimit, raw_routes: &[RawRoute]) -> Option<Limit> {
+    fn limit(
+        &mut self,
+        i: usize,
+        l: &RawLimit,
+        raw_routes: &[RawRoute],
+        route_index: &HashMap<&str, usize>,
+    ) -> Option<Limit> {
         let key = |field: &str| format!("limits[{i}].{field}");
         let by = self.key_parts(&l.by, &key("by"));
         let quota = self.positive_u32(&l.quota, &key("quota"));
@@ -66,12 +80,14 @@ impl Validator<'_> {
             );
         }
         let routes = l.routes.as_ref().map(|names| {
-            let names = names.get_ref();
+            let mut seen = HashSet::new();
+            let mut known: Option<String> = None;
             names
+                .get_ref()
                 .iter()
                 .enumerate()
                 .filter_map(|(j, n)| {
-                    if names[..j].iter().any(|m| m.get_ref() == n.get_ref()) {
+                    if !seen.insert(n.get_ref().as_str()) {
                         self.err(
                             Some(n.span()),
                             &format!("limits[{i}].routes[{j}]"),
@@ -79,22 +95,19 @@ impl Validator<'_> {
                         );
                         return None;
                     }
-                    let found = raw_routes
-                        .iter()
-                        .position(|r| r.name.get_ref() == n.get_ref());
+                    let found = route_index.get(n.get_ref().as_str()).copied();
                     if found.is_none() {
-                        let known: Vec<&str> = raw_routes
-                            .iter()
-                            .map(|r| r.name.get_ref().as_str())
-                            .collect();
+                        let known = known.get_or_insert_with(|| {
+                            let names: Vec<&str> = raw_routes
+                                .iter()
+                                .map(|r| r.name.get_ref().as_str())
+                                .collect();
+                            list_or_none(&names)
+                        });
                         self.err(
                             Some(n.span()),
                             &format!("limits[{i}].routes[{j}]"),
-                            format!(
-                                "\"{}\" is not a route (known: {})",
-                                n.get_ref(),
-                                list_or_none(&known)
-                            ),
+                            format!("\"{}\" is not a route (known: {known})", n.get_ref()),
                         );
                     }
                     found

@@ -257,14 +257,20 @@ impl Validator<'_> {
     }
 }
 
+/// The names quoted, the first ten of them; "none" for none.
 pub(super) fn list_or_none(names: &[&str]) -> String {
+    const SHOWN: usize = 10;
     if names.is_empty() {
-        "none".to_owned()
-    } else {
-        names
-            .iter()
-            .map(|n| format!("\"{n}\""))
-            .collect::<Vec<_>>()
-            .join(", ")
+        return "none".to_owned();
     }
+    let mut out = names
+        .iter()
+        .take(SHOWN)
+        .map(|n| format!("\"{n}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > SHOWN {
+        out.push_str(&format!(" and {} more", names.len() - SHOWN));
+    }
+    out
 }

@@ -162,7 +162,10 @@ impl Validator<'_> {
                     .window
                     .as_ref()
                     .map_or(String::new(), |w| w.get_ref().clone());
-                let msg = format!("\"{written}\" with a quota of {quota} ({}) is more than the Redis store counts exactly (its script counts microseconds in Lua numbers): shorten the window or lower the quota", l.algorithm.name());
+                let msg = match l.algorithm {
+                    Algorithm::TokenBucket { burst } => format!("\"{written}\" with a quota of {quota} and a burst of {burst} (token_bucket: window / quota, reduced, times burst) is more than the Redis store counts exactly (its script counts microseconds in Lua numbers): shorten the window, or lower the burst"),
+                    _ => format!("\"{written}\" with a quota of {quota} ({}) is more than the Redis store counts exactly (its script counts microseconds in Lua numbers): shorten the window or lower the quota", l.algorithm.name()),
+                };
                 self.err(
                     r.window.as_ref().map(S::span),
                     &format!("limits[{i}].window"),
