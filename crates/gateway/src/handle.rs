@@ -188,10 +188,7 @@ pub(crate) async fn handle(
             }
             // Only an HTTP/1 body of no declared length can be chunked (HTTP/2 has no transfer
             // codings: its bodies of no declared length go upstream chunked).
-            if size.exact().is_none()
-                && req.version() != http::Version::HTTP_2
-                && unsupported_coding(req.headers())
-            {
+            if size.exact().is_none() && !http2 && unsupported_coding(req.headers()) {
                 break 'walk Problem::unsupported_coding().into_response(&shared.problem_base);
             }
 
