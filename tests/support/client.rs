@@ -114,6 +114,24 @@ pub async fn send_and_leave(addr: SocketAddr, path: &str, key: &str, after: Dura
 }
 
 /// `GET path` with the given extra headers.
+/// An HTTP/2 (prior knowledge) connection to `addr`, driven in the background.
+pub async fn h2_sender<B>(addr: SocketAddr) -> hyper::client::conn::http2::SendRequest<B>
+where
+    B: Body + Send + Unpin + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    sender
+}
+
 pub async fn get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Reply {
     let mut b = Request::get(path).header("host", addr.to_string());
     for (k, v) in headers {

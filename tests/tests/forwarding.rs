@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use http::Request;
 use http_body_util::Full;
-use sluice_tests::client::{get_until_end, send_counting, send_until_end, Trickle};
+use sluice_tests::client::{get_until_end, h2_sender, send_counting, send_until_end, Trickle};
 use sluice_tests::upstream::Repeat;
 use sluice_tests::{closed_port, get, send, MockUpstream, Sluice};
 use std::time::Duration;
@@ -779,15 +779,9 @@ async fn respond_routes_answer_without_an_upstream() {
 
 #[tokio::test]
 async fn http2_prior_knowledge_is_served() {
-    use hyper_util::rt::{TokioExecutor, TokioIo};
     let up = MockUpstream::start().await;
     let gw = Sluice::start(&config(&up.url(), "5s"));
-    let stream = tokio::net::TcpStream::connect(gw.main).await.unwrap();
-    let (mut sender, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
-            .await
-            .unwrap();
-    tokio::spawn(conn);
+    let mut sender = h2_sender(gw.main).await;
     let req = Request::get("http://h2.example.com/api/echo")
         .body(Full::<Bytes>::default())
         .unwrap();
@@ -809,7 +803,6 @@ async fn http2_prior_knowledge_is_served() {
 async fn an_http2_body_of_no_declared_length_is_forwarded_whole() {
     use http_body_util::BodyExt;
     use hyper::body::Frame;
-    use hyper_util::rt::{TokioExecutor, TokioIo};
     use std::pin::Pin;
     use std::task::{Context, Poll};
     /// `0` pieces of 1000 bytes, of no declared length (the default size hint).
@@ -830,12 +823,7 @@ async fn an_http2_body_of_no_declared_length_is_forwarded_whole() {
     }
     let up = MockUpstream::start().await;
     let gw = Sluice::start(&config(&up.url(), "5s"));
-    let stream = tokio::net::TcpStream::connect(gw.main).await.unwrap();
-    let (mut sender, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
-            .await
-            .unwrap();
-    tokio::spawn(conn);
+    let mut sender = h2_sender(gw.main).await;
     for pieces in [0_usize, 1, 3] {
         let req = Request::post("http://h2.example.com/api/echo")
             .body(Pieces(pieces))
