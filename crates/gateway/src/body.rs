@@ -14,12 +14,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
-use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
 use crate::access_log::AccessLog;
 use crate::capacity::InFlight;
+use crate::forward::Upstreamed;
 use crate::head_timeout::Busy;
 use crate::quota::Held;
 
@@ -56,7 +56,7 @@ pin_project! {
         Full { data: Option<Bytes> },
         Upstream {
             #[pin]
-            body: Incoming,
+            body: Upstreamed,
             // The longest wait for the next piece of the body.
             timeout: Duration,
             // Made the first time the body is not ready (most bodies never wait: no timer to
@@ -72,7 +72,7 @@ pin_project! {
 #[derive(Debug)]
 pub enum BodyError {
     /// The upstream's body failed (connection reset, malformed chunk).
-    Upstream(hyper::Error),
+    Upstream(Box<dyn std::error::Error + Send + Sync>),
     /// No piece of the upstream's body came within the upstream's `timeout`.
     Stalled(Duration),
 }
@@ -89,7 +89,7 @@ impl std::fmt::Display for BodyError {
 impl std::error::Error for BodyError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            BodyError::Upstream(e) => Some(e),
+            BodyError::Upstream(e) => Some(&**e),
             BodyError::Stalled(_) => None,
         }
     }
@@ -106,7 +106,13 @@ impl Body {
     }
 
     /// The upstream's `body`, failed when no piece of it arrives within `timeout`.
-    pub(crate) fn upstream(body: Incoming, timeout: Duration) -> Self {
+    pub(crate) fn upstream(body: Upstreamed, timeout: Duration) -> Self {
+        if let Upstreamed::Whole(data) = body {
+            return Self {
+                kind: Kind::Full { data },
+                extras: None,
+            };
+        }
         Self {
             kind: Kind::Upstream {
                 body,
@@ -254,7 +260,7 @@ mod tests {
 
     /// A real upstream body of `len` bytes, sent in one write (so hyper's reads, and the pieces
     /// it yields, grow to hundreds of KiB).
-    async fn upstream_body(len: usize) -> Incoming {
+    async fn upstream_body(len: usize) -> hyper::body::Incoming {
         let (ours, mut theirs) = tokio::io::duplex(4 << 20);
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(ours))
             .await
@@ -302,11 +308,17 @@ mod tests {
     #[tokio::test]
     async fn an_upstream_body_goes_to_http2_in_pieces_of_at_most_16_kib_and_whole_to_http1() {
         const LEN: usize = 2 << 20;
-        let mut h2 = Body::upstream(upstream_body(LEN).await, Duration::from_secs(10));
+        let mut h2 = Body::upstream(
+            Upstreamed::Hyper(upstream_body(LEN).await),
+            Duration::from_secs(10),
+        );
         h2.keep_busy(busy(true));
         assert_eq!(http_body::Body::size_hint(&h2).exact(), Some(LEN as u64));
         assert_eq!(pieces(h2, LEN).await, (PIECE, LEN));
-        let mut h1 = Body::upstream(upstream_body(LEN).await, Duration::from_secs(10));
+        let mut h1 = Body::upstream(
+            Upstreamed::Hyper(upstream_body(LEN).await),
+            Duration::from_secs(10),
+        );
         h1.keep_busy(busy(false));
         let (largest, total) = pieces(h1, LEN).await;
         assert!(largest > PIECE, "HTTP/1.1 gets hyper's pieces as they are");

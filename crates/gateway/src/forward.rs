@@ -18,7 +18,7 @@ use tokio::time::{Instant, Sleep};
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONNECTION, COOKIE, HOST, UPGRADE};
 use http::uri::{Authority, PathAndQuery};
-use http::{HeaderMap, Request, Response, StatusCode, Uri};
+use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
@@ -27,6 +27,7 @@ use pin_project_lite::pin_project;
 use sluice_config::{MinBodyRate, Upstream};
 use tokio::net::TcpStream;
 
+use crate::h1_client::{self, Answer};
 use crate::problem::Problem;
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -47,7 +48,7 @@ thread_local! {
     /// Which pool this thread uses: a connection's I/O runs on the runtime that opened it, so
     /// each serving thread keeps its own connections and a request never waits on another
     /// thread's runtime (nor on one that is shutting down).
-    static POOL: Cell<usize> = const { Cell::new(0) };
+    pub(crate) static POOL: Cell<usize> = const { Cell::new(0) };
 }
 
 /// Makes the calling thread use pool `n` (the serving thread's number).
@@ -69,6 +70,9 @@ pub(crate) struct UpstreamClient {
     timeout: Duration,
     connect_timeout: Duration,
     idle: Box<[Mutex<Pool<Kept>>]>,
+    /// Kept connections of the gateway's own client, for requests without a body or an
+    /// upgrade (`h1_client.rs`).
+    plain: Arc<h1_client::Pools>,
     /// Connections each pool keeps for reuse (`idle_connections`); more are closed once
     /// their exchange ends.
     keep: usize,
@@ -106,6 +110,7 @@ impl UpstreamClient {
             timeout: u.timeout,
             connect_timeout: u.connect_timeout,
             idle: (0..POOLS).map(|_| Mutex::new(Pool::default())).collect(),
+            plain: h1_client::Pools::new(POOLS, usize::from(u.idle_connections)),
             keep: usize::from(u.idle_connections),
             tunnel_idle_timeout: u.tunnel_idle_timeout,
         }
@@ -134,7 +139,21 @@ impl UpstreamClient {
         req: Request<Incoming>,
         max_body: u64,
         min_rate: Option<MinBodyRate>,
-    ) -> Result<Response<Incoming>, Problem> {
+    ) -> Result<Response<Upstreamed>, Problem> {
+        if http_body::Body::is_end_stream(req.body())
+            && !req.headers().contains_key(UPGRADE)
+            && req.method() != Method::CONNECT
+        {
+            let (mut parts, _) = req.into_parts();
+            parts.uri = Uri::from(
+                parts
+                    .uri
+                    .path_and_query()
+                    .cloned()
+                    .unwrap_or_else(|| PathAndQuery::from_static("/")),
+            );
+            return self.send_plain(parts).await;
+        }
         let mut req = req.map(|body| Upload::new(body, max_body, min_rate, self.timeout));
         // A body of no declared length goes chunked. hyper's client would send a GET's, HEAD's
         // or CONNECT's as no body at all unless told (the client's chunked framing was taken
@@ -161,7 +180,7 @@ impl UpstreamClient {
         match self.exchange(req, now, now + self.timeout).await {
             Err(Failure::Timeout) => Err(Problem::upstream_timeout()),
             Err(Failure::ClientStalled) => Err(ends(Problem::body_timeout())),
-            Ok(res) => Ok(res),
+            Ok(res) => Ok(res.map(Upstreamed::Hyper)),
             Err(Failure::Connect(e)) => {
                 tracing::debug!(upstream = %self.authority, error = %e, "cannot connect to the upstream");
                 Err(Problem::upstream_unavailable())
@@ -184,6 +203,54 @@ impl UpstreamClient {
             Err(Failure::Http(e)) => {
                 tracing::debug!(error = %display_chain(&e), "upstream request failed");
                 Err(Problem::upstream_unavailable())
+            }
+        }
+    }
+
+    /// Sends a request without a body or an upgrade through the gateway's own client
+    /// (`h1_client.rs`), and waits for the response head within `timeout`.
+    async fn send_plain(
+        &self,
+        parts: http::request::Parts,
+    ) -> Result<Response<Upstreamed>, Problem> {
+        let now = Instant::now();
+        let deadline = now + self.timeout;
+        // A kept connection the upstream closed as the request went out: a request that
+        // may be repeated (RFC 9110 section 9.2.2) goes out again on another connection.
+        let mut retries = if parts.method.is_idempotent() { 3 } else { 0 };
+        loop {
+            let (plain, pooled) = match self.plain.checkout(now) {
+                Some(plain) => (plain, true),
+                None => match Box::pin(self.open(deadline)).await {
+                    Ok(stream) => (h1_client::Plain::new(stream, deadline), false),
+                    Err(Failure::Timeout) => return Err(Problem::upstream_timeout()),
+                    Err(Failure::Connect(e)) => {
+                        tracing::debug!(upstream = %self.authority, error = %e, "cannot connect to the upstream");
+                        return Err(Problem::upstream_unavailable());
+                    }
+                    Err(_) => return Err(Problem::upstream_unavailable()),
+                },
+            };
+            match h1_client::exchange(plain, &parts, &self.plain, deadline).await {
+                Ok(Answer::Whole(res, plain)) => {
+                    if let Some(plain) = plain {
+                        self.plain.checkin(plain, now);
+                    }
+                    return Ok(res.map(Upstreamed::Whole));
+                }
+                Ok(Answer::Streaming(res, body)) => {
+                    return Ok(res.map(|()| Upstreamed::Plain(body)))
+                }
+                Err(h1_client::Error::Unanswered(_)) if pooled && retries > 0 => retries -= 1,
+                Err(h1_client::Error::Timeout) => return Err(Problem::upstream_timeout()),
+                Err(e @ h1_client::Error::Framing(_)) => {
+                    tracing::debug!(upstream = %self.authority, error = %e, "the upstream's response framing cannot be passed on");
+                    return Err(Problem::upstream_bad_response());
+                }
+                Err(e) => {
+                    tracing::debug!(upstream = %self.authority, error = %e, "upstream request failed");
+                    return Err(Problem::upstream_unavailable());
+                }
             }
         }
     }
@@ -274,13 +341,14 @@ impl UpstreamClient {
     /// many. Dropping a connection's sender ends its task on the thread that owns it.
     pub(crate) fn close_idle(&self, now: Instant) -> usize {
         let pools = self.idle.iter();
-        pools
+        let hyper: usize = pools
             .map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).close_idle(now))
-            .sum()
+            .sum();
+        hyper + self.plain.close_idle(now)
     }
 
-    /// A new connection, within `connect_timeout` and before `deadline`.
-    async fn connect(&self, deadline: Instant) -> Result<Kept, Failure> {
+    /// A TCP connection to the upstream, within `connect_timeout` and before `deadline`.
+    async fn open(&self, deadline: Instant) -> Result<TcpStream, Failure> {
         let addr = (
             self.authority.host(),
             self.authority.port_u16().unwrap_or(80),
@@ -292,6 +360,12 @@ impl UpstreamClient {
             Ok(Ok(stream)) => stream,
         };
         let _ = stream.set_nodelay(true);
+        Ok(stream)
+    }
+
+    /// A new connection for hyper's client, within `connect_timeout` and before `deadline`.
+    async fn connect(&self, deadline: Instant) -> Result<Kept, Failure> {
+        let stream = self.open(deadline).await?;
         let handshake = http1::Builder::new().handshake(TokioIo::new(stream));
         let (sender, conn) = match tokio::time::timeout_at(deadline, handshake).await {
             Err(_elapsed) => return Err(Failure::Timeout),
@@ -304,6 +378,53 @@ impl UpstreamClient {
         });
         let timer = Box::pin(tokio::time::sleep_until(deadline));
         Ok(Kept { sender, timer })
+    }
+}
+
+/// An upstream's response body: hyper's, or the gateway's own client's (whole, or still to
+/// be read from its connection).
+#[derive(Debug)]
+pub(crate) enum Upstreamed {
+    Hyper(Incoming),
+    Whole(Option<Bytes>),
+    Plain(Box<h1_client::Streaming>),
+}
+
+impl http_body::Body for Upstreamed {
+    type Data = Bytes;
+    type Error = Box<dyn StdError + Send + Sync>;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.get_mut() {
+            Upstreamed::Hyper(body) => Pin::new(body)
+                .poll_frame(cx)
+                .map(|f| f.map(|f| f.map_err(Into::into))),
+            Upstreamed::Whole(data) => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            Upstreamed::Plain(body) => body
+                .poll_frame(cx)
+                .map(|f| f.map(|f| f.map_err(Into::into))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Upstreamed::Hyper(body) => body.is_end_stream(),
+            Upstreamed::Whole(data) => data.is_none(),
+            Upstreamed::Plain(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Upstreamed::Hyper(body) => body.size_hint(),
+            Upstreamed::Whole(data) => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            Upstreamed::Plain(body) => body.size_hint(),
+        }
     }
 }
 
@@ -965,7 +1086,7 @@ static HOST_CHARS: [u8; 256] = {
 
 /// What a checkout found a pooled connection to be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Readiness {
+pub(crate) enum Readiness {
     Ready,
     /// Its response body is still streaming.
     Busy,
@@ -974,7 +1095,7 @@ enum Readiness {
 
 /// One thread's kept connections, oldest first, each with when it was last checked in.
 #[derive(Debug)]
-struct Pool<C> {
+pub(crate) struct Pool<C> {
     kept: VecDeque<(C, Instant)>,
 }
 
@@ -989,7 +1110,7 @@ impl<C> Default for Pool<C> {
 impl<C> Pool<C> {
     /// The first ready connection within [`CHECKOUT_TRIES`] looks: closed and stale ones are
     /// dropped, busy ones go to the back.
-    fn checkout(&mut self, now: Instant, state: impl Fn(&C) -> Readiness) -> Option<C> {
+    pub(crate) fn checkout(&mut self, now: Instant, state: impl Fn(&C) -> Readiness) -> Option<C> {
         for _ in 0..CHECKOUT_TRIES {
             let (conn, since) = self.kept.pop_front()?;
             if now.saturating_duration_since(since) >= IDLE_TIMEOUT {
@@ -1005,14 +1126,14 @@ impl<C> Pool<C> {
     }
 
     /// Keeps `conn` for later requests if fewer than `keep` are kept; else drops it.
-    fn checkin(&mut self, conn: C, now: Instant, keep: usize) {
+    pub(crate) fn checkin(&mut self, conn: C, now: Instant, keep: usize) {
         if self.kept.len() < keep {
             self.kept.push_back((conn, now));
         }
     }
 
     /// Drops the connections unused for [`IDLE_TIMEOUT`]; returns how many.
-    fn close_idle(&mut self, now: Instant) -> usize {
+    pub(crate) fn close_idle(&mut self, now: Instant) -> usize {
         let before = self.kept.len();
         self.kept
             .retain(|(_, since)| now.saturating_duration_since(*since) < IDLE_TIMEOUT);

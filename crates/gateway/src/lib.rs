@@ -17,6 +17,7 @@ mod advertise;
 mod body;
 mod capacity;
 mod forward;
+mod h1_client;
 mod handle;
 mod head_error;
 mod head_timeout;

@@ -1,0 +1,859 @@
+//! The gateway's own HTTP/1.1 client, for the common exchange: a request without a body and
+//! without an upgrade (a `GET`, `HEAD`, `DELETE`, a bodiless `POST`...).
+//!
+//! Why not hyper's client for these: callgrind put hyper's HTTP/1 client at about a third of
+//! a forwarded request's user-space instructions (docs/benchmarks.md, stop 18): a channel
+//! crossing and a task poll each way between the request's task and the connection's, the
+//! request head encoded through hyper's generic encoder, the response head parsed into a fresh
+//! 8 KiB read buffer after every message. Here the request's own task writes the head and reads
+//! the answer on the connection it checked out, and a response whose body has already arrived
+//! whole (most API answers) returns the connection to the pool before the response leaves.
+//! Requests with a body or an upgrade still go through hyper (`forward.rs`), whose streaming
+//! of uploads, early answers and protocol switches this client does not repeat.
+//!
+//! What it checks of the upstream's answer, as hyper's client does or stricter: one status
+//! line `HTTP/1.x` and at most [`MAX_HEADERS`] fields in at most [`MAX_HEAD`] bytes; a body
+//! framed by `Transfer-Encoding: chunked` alone or by one `Content-Length` (equal repeats
+//! allowed), not both, else the answer is refused as `upstream-bad-response`; interim `1xx`
+//! answers skipped; no body after `HEAD`, `204` or `304`; a body of neither framing read until
+//! the upstream closes. A connection goes back to the pool only when its answer ended exactly
+//! where the next would begin, the upstream speaks HTTP/1.1 and did not say `close`.
+
+use std::io;
+use std::mem::MaybeUninit;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue};
+use http::{HeaderMap, Method, Response, StatusCode, Version};
+use http_body::{Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::time::{Instant, Sleep};
+
+use crate::forward::{Pool, Readiness, POOL};
+
+/// Header fields in a response head at most (hyper's client: 100).
+const MAX_HEADERS: usize = 100;
+/// The largest response head (hyper's client: 8 KiB + 100 x 4 KiB).
+const MAX_HEAD: usize = 8192 + 4096 * MAX_HEADERS;
+/// A connection's read buffer to start with; it grows towards [`MAX_HEAD`] only for a head
+/// that does not fit.
+const READ_BUF: usize = 8192;
+/// The largest read of a body straight into its own piece, when nothing is buffered.
+const BODY_READ: usize = 64 * 1024;
+/// The longest chunk-size line (with its extensions), and the longest trailer section.
+const MAX_CHUNK_LINE: usize = 4096;
+const MAX_TRAILERS: usize = 64 * 1024;
+
+/// An upstream connection and its buffers.
+#[derive(Debug)]
+pub(crate) struct Conn {
+    io: TcpStream,
+    /// Bytes `start..end` arrived and are not used yet; the rest is room.
+    rbuf: Vec<u8>,
+    start: usize,
+    end: usize,
+    /// The request head being written (kept for its allocation).
+    wbuf: Vec<u8>,
+}
+
+/// A kept connection with its response timer, re-armed by each request (as `forward::Kept`).
+#[derive(Debug)]
+pub(crate) struct Plain {
+    conn: Conn,
+    pub(crate) timer: Pin<Box<Sleep>>,
+}
+
+/// Every serving thread's pool of idle plain connections to one upstream, shared with the
+/// response bodies that hand their connection back when they end.
+#[derive(Debug)]
+pub(crate) struct Pools {
+    pools: Box<[Mutex<Pool<Plain>>]>,
+    keep: usize,
+}
+
+impl Pools {
+    pub(crate) fn new(n: usize, keep: usize) -> Arc<Self> {
+        Arc::new(Pools {
+            pools: (0..n).map(|_| Mutex::new(Pool::default())).collect(),
+            keep,
+        })
+    }
+
+    fn pool(&self) -> &Mutex<Pool<Plain>> {
+        &self.pools[POOL.with(std::cell::Cell::get)]
+    }
+
+    /// An idle connection of this thread's pool that the upstream has not closed.
+    pub(crate) fn checkout(&self, now: Instant) -> Option<Plain> {
+        let mut pool = self.pool().lock().unwrap_or_else(|e| e.into_inner());
+        pool.checkout(now, |p| p.conn.readiness())
+    }
+
+    pub(crate) fn checkin(&self, plain: Plain, now: Instant) {
+        let mut pool = self.pool().lock().unwrap_or_else(|e| e.into_inner());
+        pool.checkin(plain, now, self.keep);
+    }
+
+    pub(crate) fn close_idle(&self, now: Instant) -> usize {
+        let pools = self.pools.iter();
+        pools
+            .map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).close_idle(now))
+            .sum()
+    }
+}
+
+/// Why an exchange failed.
+#[derive(Debug)]
+pub(crate) enum Error {
+    /// No answer's head by the deadline.
+    Timeout,
+    /// The connection failed or closed before any byte of an answer came: the request may
+    /// not have reached the upstream (a kept connection the upstream closed meanwhile).
+    Unanswered(io::Error),
+    /// The connection failed or closed in the middle of the answer's head.
+    Io(io::Error),
+    /// The head is not HTTP/1.x, or too large.
+    Malformed(&'static str),
+    /// The head frames its body ambiguously or with a coding other than chunked.
+    Framing(&'static str),
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::Timeout => f.write_str("no response head in time"),
+            Error::Unanswered(e) => write!(f, "closed before answering: {e}"),
+            Error::Io(e) => write!(f, "failed during the response head: {e}"),
+            Error::Malformed(what) => write!(f, "malformed response head: {what}"),
+            Error::Framing(what) => write!(f, "response framing: {what}"),
+        }
+    }
+}
+
+/// How a response body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    Empty,
+    Length(u64),
+    Chunked(Chunk),
+    /// Until the upstream closes the connection.
+    Close,
+}
+
+/// Where a chunked body's decoding stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chunk {
+    /// Expecting a chunk-size line.
+    Size,
+    /// This many bytes of chunk data left.
+    Data(u64),
+    /// Expecting the CRLF after a chunk's data.
+    DataEnd,
+    /// After the last chunk: trailer lines (dropped, as hyper's HTTP/1.1 server side would
+    /// drop them too), this many bytes of them so far, until an empty line.
+    Trailers(usize),
+}
+
+/// A parsed response head, with what the connection needs to know of it.
+struct Head {
+    status: StatusCode,
+    version: Version,
+    headers: HeaderMap,
+    framing: Framing,
+    /// HTTP/1.1 without `Connection: close`.
+    keep_alive: bool,
+}
+
+impl Conn {
+    fn new(io: TcpStream) -> Self {
+        Conn {
+            io,
+            rbuf: vec![0; READ_BUF],
+            start: 0,
+            end: 0,
+            wbuf: Vec::new(),
+        }
+    }
+
+    fn buffered(&self) -> &[u8] {
+        &self.rbuf[self.start..self.end]
+    }
+
+    /// Whether an idle connection can carry a request: the upstream has neither closed it nor
+    /// sent anything unasked. Costs no system call unless the socket became readable.
+    fn readiness(&self) -> Readiness {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        match self.io.poll_read_ready(&mut cx) {
+            Poll::Pending => Readiness::Ready,
+            Poll::Ready(Err(_)) => Readiness::Closed,
+            Poll::Ready(Ok(())) => match self.io.try_read(&mut [0u8; 1]) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Readiness::Ready,
+                _ => Readiness::Closed,
+            },
+        }
+    }
+
+    /// Reads more into the buffer (grown up to `max` bytes if full); `Ok(0)` at the end of the
+    /// stream, an error if the buffer cannot grow.
+    fn poll_fill(&mut self, cx: &mut Context<'_>, max: usize) -> Poll<io::Result<usize>> {
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        } else if self.end == self.rbuf.len() && self.start > 0 {
+            self.rbuf.copy_within(self.start..self.end, 0);
+            (self.start, self.end) = (0, self.end - self.start);
+        }
+        if self.end == self.rbuf.len() {
+            if self.rbuf.len() >= max {
+                return Poll::Ready(Err(io::Error::other("response head too large")));
+            }
+            self.rbuf.resize((self.rbuf.len() * 2).min(max), 0);
+        }
+        let mut room = ReadBuf::new(&mut self.rbuf[self.end..]);
+        std::task::ready!(Pin::new(&mut self.io).poll_read(cx, &mut room))?;
+        let n = room.filled().len();
+        self.end += n;
+        Poll::Ready(Ok(n))
+    }
+
+    async fn fill(&mut self, max: usize) -> io::Result<usize> {
+        std::future::poll_fn(|cx| self.poll_fill(cx, max)).await
+    }
+
+    /// Writes the head in `wbuf` and reads the answer's head (after any interim answers).
+    async fn roundtrip(&mut self, head_only: bool) -> Result<Head, Error> {
+        self.io
+            .write_all(&self.wbuf)
+            .await
+            .map_err(Error::Unanswered)?;
+        let mut answered = false;
+        loop {
+            let head = loop {
+                if let Some((len, head)) = parse_head(self.buffered(), head_only)? {
+                    self.start += len;
+                    break head;
+                }
+                answered |= self.start != self.end;
+                if self.end - self.start >= MAX_HEAD {
+                    return Err(Error::Malformed("larger than 408 KiB"));
+                }
+                match self.fill(MAX_HEAD).await {
+                    Ok(0) if answered => {
+                        return Err(Error::Io(io::ErrorKind::UnexpectedEof.into()))
+                    }
+                    Ok(0) => return Err(Error::Unanswered(io::ErrorKind::UnexpectedEof.into())),
+                    Ok(_) => {}
+                    Err(e) if answered => return Err(Error::Io(e)),
+                    Err(e) => return Err(Error::Unanswered(e)),
+                }
+            };
+            answered = true;
+            // 100 Continue, 102, 103 Early Hints: not passed on (as hyper's client).
+            if head.status.is_informational() && head.status != StatusCode::SWITCHING_PROTOCOLS {
+                continue;
+            }
+            return Ok(head);
+        }
+    }
+}
+
+/// Writes `parts`' request line and fields, as hyper's client writes a request without a body
+/// (names as the map holds them, in lower case; each value on its own line).
+fn encode(dst: &mut Vec<u8>, parts: &http::request::Parts) {
+    dst.clear();
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    dst.extend_from_slice(parts.method.as_str().as_bytes());
+    dst.push(b' ');
+    dst.extend_from_slice(path.as_bytes());
+    dst.extend_from_slice(b" HTTP/1.1\r\n");
+    for (name, value) in &parts.headers {
+        dst.extend_from_slice(name.as_str().as_bytes());
+        dst.extend_from_slice(b": ");
+        dst.extend_from_slice(value.as_bytes());
+        dst.extend_from_slice(b"\r\n");
+    }
+    dst.extend_from_slice(b"\r\n");
+}
+
+/// Parses a response head at the start of `buf`: `None` until it is whole.
+fn parse_head(buf: &[u8], head_only: bool) -> Result<Option<(usize, Head)>, Error> {
+    let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut res = httparse::Response::new(&mut []);
+    let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut res,
+        buf,
+        &mut fields,
+    ) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(Error::Malformed("more than 100 header fields"))
+        }
+        Err(_) => return Err(Error::Malformed("not an HTTP/1.x response head")),
+    };
+    let status = res
+        .code
+        .and_then(|c| StatusCode::from_u16(c).ok())
+        .ok_or(Error::Malformed("status code"))?;
+    let version = match res.version {
+        Some(1) => Version::HTTP_11,
+        _ => Version::HTTP_10,
+    };
+    // One copy of the head, which the field values share.
+    let bytes = Bytes::copy_from_slice(&buf[..len]);
+    let base = buf.as_ptr() as usize;
+    let mut headers = HeaderMap::with_capacity(res.headers.len() + 3);
+    let (mut length, mut chunked, mut coded, mut close) = (None::<u64>, false, false, false);
+    for field in res.headers.iter() {
+        let name = HeaderName::from_bytes(field.name.as_bytes())
+            .map_err(|_| Error::Malformed("header field name"))?;
+        let at = field.value.as_ptr() as usize - base;
+        let value = HeaderValue::from_maybe_shared(bytes.slice(at..at + field.value.len()))
+            .map_err(|_| Error::Malformed("header field value"))?;
+        if name == http::header::CONTENT_LENGTH {
+            for n in value.as_bytes().split(|&b| b == b',') {
+                let n = parse_length(n.trim_ascii()).ok_or(Error::Framing("Content-Length"))?;
+                if length.is_some_and(|l| l != n) {
+                    return Err(Error::Framing("Content-Length values differ"));
+                }
+                length = Some(n);
+            }
+        } else if name == http::header::TRANSFER_ENCODING {
+            // Only `chunked`, alone and last: anything else the gateway could not pass on
+            // (the field is hop-by-hop), nor tell where the body ends.
+            for coding in value.as_bytes().split(|&b| b == b',') {
+                let coding = coding.trim_ascii();
+                if coding.is_empty() {
+                    continue;
+                }
+                if chunked || !coding.eq_ignore_ascii_case(b"chunked") {
+                    coded = true;
+                }
+                chunked = true;
+            }
+        } else if name == http::header::CONNECTION {
+            close |= value
+                .as_bytes()
+                .split(|&b| b == b',')
+                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
+        }
+        headers.append(name, value);
+    }
+    if coded || (chunked && (length.is_some() || version == Version::HTTP_10)) {
+        return Err(Error::Framing(
+            "Transfer-Encoding other than chunked alone, or with Content-Length",
+        ));
+    }
+    let bodiless = head_only
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
+    let framing = match (bodiless, chunked, length) {
+        (true, _, _) => Framing::Empty,
+        (false, true, _) => Framing::Chunked(Chunk::Size),
+        (false, false, Some(n)) => Framing::Length(n),
+        (false, false, None) => Framing::Close,
+    };
+    let keep_alive = version == Version::HTTP_11 && !close && framing != Framing::Close;
+    Ok(Some((
+        len,
+        Head {
+            status,
+            version,
+            headers,
+            framing,
+            keep_alive,
+        },
+    )))
+}
+
+/// A `Content-Length` value: decimal digits only, no sign, no overflow.
+fn parse_length(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() || digits.len() > 19 {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |n, &d| {
+        d.is_ascii_digit().then(|| n * 10 + u64::from(d - b'0'))
+    })
+}
+
+/// A chunk-size line at the start of `buf`: 1 to 16 hex digits, optional extensions (no
+/// control characters but tab), CRLF. `Ok(None)` until the line is whole.
+fn parse_chunk_size(buf: &[u8]) -> Result<Option<(usize, u64)>, &'static str> {
+    let Some(lf) = buf.iter().position(|&b| b == b'\n') else {
+        return if buf.len() > MAX_CHUNK_LINE {
+            Err("chunk-size line too long")
+        } else {
+            Ok(None)
+        };
+    };
+    if lf > MAX_CHUNK_LINE || lf == 0 || buf[lf - 1] != b'\r' {
+        return Err("chunk-size line");
+    }
+    let line = &buf[..lf - 1];
+    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    if digits == 0 || digits > 16 {
+        return Err("chunk size");
+    }
+    let rest = &line[digits..];
+    let ext_ok = rest.iter().all(|&b| b == b'\t' || (b >= b' ' && b != 0x7f))
+        && (rest.is_empty() || rest.trim_ascii_start().first() == Some(&b';'));
+    if !ext_ok {
+        return Err("chunk extension");
+    }
+    let size = line[..digits].iter().fold(0u64, |n, &d| {
+        let v = (d as char).to_digit(16).unwrap_or(0);
+        (n << 4) | u64::from(v)
+    });
+    Ok(Some((lf + 1, size)))
+}
+
+/// What a finished exchange hands the caller.
+pub(crate) enum Answer {
+    /// The head, and the whole body already read: the connection is free.
+    Whole(Response<Option<Bytes>>, Option<Plain>),
+    /// The head; the body is still to be read from the connection.
+    Streaming(Response<()>, Box<Streaming>),
+}
+
+impl Plain {
+    /// A new connection, its timer set to `deadline` (re-armed by each exchange).
+    pub(crate) fn new(io: TcpStream, deadline: Instant) -> Self {
+        Plain {
+            conn: Conn::new(io),
+            timer: Box::pin(tokio::time::sleep_until(deadline)),
+        }
+    }
+}
+
+/// Sends the bodiless request `parts` on `plain` and reads the answer's head by `deadline`,
+/// and its body too if it has already arrived; `pools` takes the connection back when a
+/// streamed body ends.
+pub(crate) async fn exchange(
+    mut plain: Plain,
+    parts: &http::request::Parts,
+    pools: &Arc<Pools>,
+    deadline: Instant,
+) -> Result<Answer, Error> {
+    encode(&mut plain.conn.wbuf, parts);
+    plain.timer.as_mut().reset(deadline);
+    let head_only = parts.method == Method::HEAD;
+    let head = {
+        let Plain { conn, timer } = &mut plain;
+        tokio::select! {
+            biased;
+            head = conn.roundtrip(head_only) => head?,
+            () = timer.as_mut() => return Err(Error::Timeout),
+        }
+    };
+    let mut res = Response::new(());
+    *res.status_mut() = head.status;
+    *res.version_mut() = head.version;
+    *res.headers_mut() = head.headers;
+    if head.status == StatusCode::SWITCHING_PROTOCOLS {
+        // Not asked for: the connection is the upstream's other protocol now.
+        return Ok(Answer::Whole(res.map(|()| None), None));
+    }
+    let mut body = Streaming {
+        plain: Some(plain),
+        framing: head.framing,
+        keep_alive: head.keep_alive,
+        pools: Arc::clone(pools),
+    };
+    match body.take_whole() {
+        Ok(Some((data, plain))) => Ok(Answer::Whole(res.map(|()| data), plain)),
+        Ok(None) => Ok(Answer::Streaming(res, Box::new(body))),
+        Err(what) => Err(Error::Framing(what)),
+    }
+}
+
+/// A whole body (`None` if empty) and the connection it came on, if it can be kept.
+type Whole = (Option<Bytes>, Option<Plain>);
+
+/// A response body read from its connection as the client takes it.
+#[derive(Debug)]
+pub(crate) struct Streaming {
+    /// `None` once the body ended (the connection went back to the pool or was closed).
+    plain: Option<Plain>,
+    framing: Framing,
+    keep_alive: bool,
+    pools: Arc<Pools>,
+}
+
+impl Streaming {
+    /// The whole body, if it is already in the buffer (decoded if chunked), with the
+    /// connection if it can be kept.
+    fn take_whole(&mut self) -> Result<Option<Whole>, &'static str> {
+        let Some(plain) = self.plain.as_mut() else {
+            return Ok(None);
+        };
+        let conn = &mut plain.conn;
+        let data = match self.framing {
+            Framing::Empty => None,
+            Framing::Length(n) if (conn.end - conn.start) as u64 >= n => {
+                let n = n as usize;
+                let data = Bytes::copy_from_slice(&conn.rbuf[conn.start..conn.start + n]);
+                conn.start += n;
+                (n > 0).then_some(data)
+            }
+            Framing::Chunked(Chunk::Size) => {
+                // Decode on a copy of the state: if the last chunk has not arrived, the
+                // buffer is left as it was and the body streams.
+                let (mut at, mut data) = (conn.start, Vec::new());
+                loop {
+                    let Some((len, size)) = parse_chunk_size(&conn.rbuf[at..conn.end])? else {
+                        return Ok(None);
+                    };
+                    at += len;
+                    if size == 0 {
+                        let Some(len) = trailers_end(&conn.rbuf[at..conn.end], 0)? else {
+                            return Ok(None);
+                        };
+                        at += len;
+                        break;
+                    }
+                    let size = usize::try_from(size).unwrap_or(usize::MAX);
+                    if conn.end - at < size.saturating_add(2) {
+                        return Ok(None);
+                    }
+                    data.extend_from_slice(&conn.rbuf[at..at + size]);
+                    if &conn.rbuf[at + size..at + size + 2] != b"\r\n" {
+                        return Err("chunk data not followed by CRLF");
+                    }
+                    at += size + 2;
+                }
+                conn.start = at;
+                (!data.is_empty()).then(|| Bytes::from(data))
+            }
+            _ => return Ok(None),
+        };
+        self.framing = Framing::Length(0);
+        Ok(Some((data, self.release())))
+    }
+
+    /// The body has ended: the connection, if it can carry another request (kept alive, and
+    /// nothing unasked after the answer).
+    fn release(&mut self) -> Option<Plain> {
+        let plain = self.plain.take()?;
+        (self.keep_alive && plain.conn.start == plain.conn.end).then_some(plain)
+    }
+
+    fn finish(&mut self) {
+        if let Some(plain) = self.release() {
+            self.pools.checkin(plain, Instant::now());
+        }
+    }
+
+    pub(crate) fn is_end_stream(&self) -> bool {
+        self.plain.is_none() || self.framing == Framing::Length(0)
+    }
+
+    pub(crate) fn size_hint(&self) -> SizeHint {
+        match self.framing {
+            Framing::Length(n) => SizeHint::with_exact(n),
+            Framing::Empty => SizeHint::with_exact(0),
+            _ if self.plain.is_none() => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+
+    /// The next piece of the body.
+    pub(crate) fn poll_frame(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        let bad = |what: &'static str| io::Error::new(io::ErrorKind::InvalidData, what);
+        loop {
+            let Some(plain) = self.plain.as_mut() else {
+                return Poll::Ready(None);
+            };
+            let conn = &mut plain.conn;
+            let buffered = (conn.end - conn.start) as u64;
+            match &mut self.framing {
+                Framing::Empty | Framing::Length(0) => {
+                    self.finish();
+                    return Poll::Ready(None);
+                }
+                Framing::Length(n) | Framing::Chunked(Chunk::Data(n)) if buffered > 0 => {
+                    let take = buffered.min(*n) as usize;
+                    let data = Bytes::copy_from_slice(&conn.rbuf[conn.start..conn.start + take]);
+                    conn.start += take;
+                    *n -= take as u64;
+                    if let Framing::Chunked(c) = &mut self.framing {
+                        if *c == Chunk::Data(0) {
+                            *c = Chunk::DataEnd;
+                        }
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Framing::Length(n) | Framing::Chunked(Chunk::Data(n)) => {
+                    // Nothing buffered: read straight into the piece.
+                    let mut piece = vec![0; (*n).min(BODY_READ as u64) as usize];
+                    let mut room = ReadBuf::new(&mut piece);
+                    match Pin::new(&mut conn.io).poll_read(cx, &mut room) {
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e))),
+                        Poll::Ready(Ok(())) => {}
+                    }
+                    let got = room.filled().len();
+                    if got == 0 {
+                        self.plain = None;
+                        return Poll::Ready(Some(Err(io::ErrorKind::UnexpectedEof.into())));
+                    }
+                    piece.truncate(got);
+                    *n -= got as u64;
+                    if let Framing::Chunked(c) = &mut self.framing {
+                        if *c == Chunk::Data(0) {
+                            *c = Chunk::DataEnd;
+                        }
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(piece)))));
+                }
+                Framing::Close if buffered > 0 => {
+                    let data = Bytes::copy_from_slice(conn.buffered());
+                    conn.start = conn.end;
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Framing::Chunked(Chunk::Size) => match parse_chunk_size(conn.buffered()) {
+                    Err(what) => return self.fail(bad(what)),
+                    Ok(Some((len, size))) => {
+                        conn.start += len;
+                        self.framing = Framing::Chunked(if size == 0 {
+                            Chunk::Trailers(0)
+                        } else {
+                            Chunk::Data(size)
+                        });
+                        continue;
+                    }
+                    Ok(None) => {}
+                },
+                Framing::Chunked(Chunk::DataEnd) if buffered >= 2 => {
+                    if conn.buffered()[..2] != *b"\r\n" {
+                        return self.fail(bad("chunk data not followed by CRLF"));
+                    }
+                    conn.start += 2;
+                    self.framing = Framing::Chunked(Chunk::Size);
+                    continue;
+                }
+                Framing::Chunked(Chunk::Trailers(seen)) => {
+                    match trailers_end(conn.buffered(), *seen) {
+                        Err(what) => return self.fail(bad(what)),
+                        Ok(Some(len)) => {
+                            conn.start += len;
+                            self.framing = Framing::Length(0);
+                            continue;
+                        }
+                        // Whole lines seen so far are dropped, so that the buffer need
+                        // not hold the whole section.
+                        Ok(None) => {
+                            let lines = conn
+                                .buffered()
+                                .iter()
+                                .rposition(|&b| b == b'\n')
+                                .map_or(0, |i| i + 1);
+                            conn.start += lines;
+                            *seen += lines;
+                        }
+                    }
+                }
+                Framing::Chunked(Chunk::DataEnd) | Framing::Close => {}
+            }
+            // More bytes needed.
+            let close = self.framing == Framing::Close;
+            let plain = self.plain.as_mut().expect("checked above");
+            match plain.conn.poll_fill(cx, READ_BUF.max(MAX_CHUNK_LINE * 2)) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(0)) if close => {
+                    self.plain = None;
+                    return Poll::Ready(None);
+                }
+                Poll::Ready(Ok(0)) => {
+                    return self.fail(io::ErrorKind::UnexpectedEof.into());
+                }
+                Poll::Ready(Ok(_)) => {}
+                Poll::Ready(Err(e)) => return self.fail(e),
+            }
+        }
+    }
+
+    fn fail(&mut self, e: io::Error) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        self.plain = None;
+        Poll::Ready(Some(Err(e)))
+    }
+}
+
+/// Where a trailer section ends in `buf` (just past its empty line), `seen` bytes of it having
+/// been dropped already: `None` until it does.
+fn trailers_end(buf: &[u8], seen: usize) -> Result<Option<usize>, &'static str> {
+    let mut at = 0;
+    while let Some(lf) = buf[at..].iter().position(|&b| b == b'\n') {
+        let line = &buf[at..at + lf];
+        at += lf + 1;
+        match line {
+            b"\r" => return Ok(Some(at)),
+            [.., b'\r'] => {}
+            _ => return Err("trailer line not ended by CRLF"),
+        }
+        if seen + at > MAX_TRAILERS {
+            return Err("trailer section too long");
+        }
+    }
+    if seen + buf.len() > MAX_TRAILERS {
+        return Err("trailer section too long");
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(text: &str) -> Result<Option<(usize, Head)>, Error> {
+        parse_head(text.as_bytes(), false)
+    }
+
+    fn framing(text: &str) -> Framing {
+        head(text).unwrap().unwrap().1.framing
+    }
+
+    #[test]
+    fn a_head_is_framed_by_chunked_alone_or_one_length_else_refused() {
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"),
+            Framing::Length(5)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\ncontent-length: 5\r\n\r\n"),
+            Framing::Length(5)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"),
+            Framing::Chunked(Chunk::Size)
+        );
+        assert_eq!(framing("HTTP/1.0 200 OK\r\n\r\n"), Framing::Close);
+        assert_eq!(framing("HTTP/1.1 204 No Content\r\n\r\n"), Framing::Empty);
+        assert_eq!(
+            framing("HTTP/1.1 304 Not Modified\r\ncontent-length: 9\r\n\r\n"),
+            Framing::Empty
+        );
+        let (_, h) = parse_head(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n", true)
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.framing, Framing::Empty, "an answer to HEAD has no body");
+        for bad in [
+            "HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: 5, 6\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: +5\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: 99999999999999999999\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: \r\n\r\n",
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, chunked\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 5\r\n\r\n",
+            "HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+        ] {
+            assert!(
+                matches!(head(bad), Err(Error::Framing(_))),
+                "{bad:?} was accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn a_head_must_be_http_1_and_within_limits() {
+        assert!(head("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n")
+            .unwrap()
+            .is_none());
+        for bad in [
+            "HTTP/2 200 OK\r\n\r\n",
+            "HTTP/1.1 20 OK\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nbad name: x\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nx: a\u{7}b\r\n\r\n",
+            "HTTP/1.1 200 OK\r\n folded: x\r\n\r\n",
+        ] {
+            assert!(
+                matches!(head(bad), Err(Error::Malformed(_))),
+                "{bad:?} was accepted"
+            );
+        }
+        let many: String = (0..=MAX_HEADERS).map(|i| format!("x-{i}: v\r\n")).collect();
+        let text = format!("HTTP/1.1 200 OK\r\n{many}\r\n");
+        assert!(matches!(head(&text), Err(Error::Malformed(_))));
+    }
+
+    #[test]
+    fn keep_alive_needs_http_1_1_without_close_and_a_delimited_body() {
+        let keep = |t: &str| head(t).unwrap().unwrap().1.keep_alive;
+        assert!(keep("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"));
+        assert!(!keep(
+            "HTTP/1.1 200 OK\r\nconnection: keep-alive, Close\r\ncontent-length: 0\r\n\r\n"
+        ));
+        assert!(!keep(
+            "HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 0\r\n\r\n"
+        ));
+        assert!(!keep("HTTP/1.1 200 OK\r\n\r\n"));
+    }
+
+    #[test]
+    fn field_values_are_kept_as_sent() {
+        let text = "HTTP/1.1 200 OK\r\nSet-Cookie: a=1\r\nset-cookie: b=2\r\nx-odd: caf\u{e9} \r\ncontent-length: 0\r\n\r\n";
+        let (len, h) = head(text).unwrap().unwrap();
+        assert_eq!(len, text.len());
+        let cookies: Vec<_> = h.headers.get_all("set-cookie").iter().collect();
+        assert_eq!(cookies, ["a=1", "b=2"]);
+        assert_eq!(h.headers["x-odd"].as_bytes(), "caf\u{e9}".as_bytes());
+    }
+
+    #[test]
+    fn chunk_sizes_are_strict_hex_with_optional_extensions() {
+        assert_eq!(parse_chunk_size(b"1f\r\nxx"), Ok(Some((4, 31))));
+        assert_eq!(parse_chunk_size(b"0;name=\"v\"\r\n"), Ok(Some((12, 0))));
+        assert_eq!(parse_chunk_size(b"A ; x\r\n"), Ok(Some((7, 10))));
+        assert_eq!(parse_chunk_size(b"ffff"), Ok(None));
+        assert_eq!(
+            parse_chunk_size(b"ffffffffffffffff\r\n"),
+            Ok(Some((18, u64::MAX)))
+        );
+        for bad in [
+            &b"\r\n"[..],
+            b"1ffffffffffffffff\r\n",
+            b"-1\r\n",
+            b"5\n",
+            b"5 x\r\n",
+            b"5;\x01\r\n",
+            b"0x5\r\n",
+        ] {
+            assert!(parse_chunk_size(bad).is_err(), "{bad:?}");
+        }
+        let long = [b'1'; MAX_CHUNK_LINE + 1];
+        assert!(parse_chunk_size(&long).is_err());
+    }
+
+    #[test]
+    fn trailers_end_at_their_empty_line_and_are_bounded() {
+        assert_eq!(trailers_end(b"\r\nnext", 0), Ok(Some(2)));
+        assert_eq!(trailers_end(b"a: 1\r\nb: 2\r\n\r\n", 0), Ok(Some(14)));
+        assert_eq!(trailers_end(b"a: 1\r\nb:", 0), Ok(None));
+        assert!(trailers_end(b"a: 1\n\r\n", 0).is_err());
+        assert!(trailers_end(b"a: 1\r\n", MAX_TRAILERS).is_err());
+    }
+
+    #[test]
+    fn a_request_head_is_written_as_hyper_writes_it() {
+        let req = http::Request::delete("http://up/a/b?c=d")
+            .header("host", "up")
+            .header("x-two", "1")
+            .header("x-two", "2")
+            .body(())
+            .unwrap();
+        let (parts, ()) = req.into_parts();
+        let mut out = Vec::new();
+        encode(&mut out, &parts);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "DELETE /a/b?c=d HTTP/1.1\r\nhost: up\r\nx-two: 1\r\nx-two: 2\r\n\r\n"
+        );
+    }
+}
