@@ -1201,3 +1201,34 @@ async fn upstream_framing_the_gateway_cannot_pass_on_is_a_502() {
         }
     }
 }
+
+/// An upstream's chunked answer reaches the client whole, and its trailer fields (gRPC's
+/// `grpc-status`, say) reach an HTTP/2 client as trailers; an HTTP/1.1 client gets the body
+/// without them (RFC 9110 section 6.5.1 lets an intermediary drop them).
+#[tokio::test]
+async fn trailer_fields_of_a_chunked_answer_reach_an_http2_client() {
+    use http_body_util::BodyExt;
+    let up = raw_upstream(
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\ngrpc-status: 0\r\ngrpc-message: ok\r\n\r\n",
+    )
+    .await;
+    let gw = Sluice::start(&config(&format!("http://{up}"), "5s"));
+    let mut sender = h2_sender(gw.main).await;
+    let req = Request::get("http://a/api/x")
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    let res = sender.send_request(req).await.unwrap();
+    assert_eq!(res.status(), 200);
+    let body = res.into_body().collect().await.unwrap();
+    let trailers = body.trailers().cloned().expect("trailers over HTTP/2");
+    assert_eq!(trailers["grpc-status"], "0");
+    assert_eq!(trailers["grpc-message"], "ok");
+    assert_eq!(body.to_bytes(), "hello");
+    let reply = raw_exchange(
+        gw.main,
+        b"GET /api/x HTTP/1.1\r\nhost: a\r\nte: trailers\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
+    assert!(reply.contains("hello") && !reply.contains("grpc-status"), "{reply}");
+}

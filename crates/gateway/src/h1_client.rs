@@ -153,9 +153,9 @@ enum Chunk {
     Data(u64),
     /// Expecting the CRLF after a chunk's data.
     DataEnd,
-    /// After the last chunk: trailer lines (dropped, as hyper's HTTP/1.1 server side would
-    /// drop them too), this many bytes of them so far, until an empty line.
-    Trailers(usize),
+    /// After the last chunk: trailer fields until an empty line, passed on as the body's
+    /// trailers (HTTP/2 clients get them; hyper's HTTP/1.1 server side drops them).
+    Trailers,
 }
 
 /// A parsed response head, with what the connection needs to know of it.
@@ -509,10 +509,11 @@ impl Streaming {
                     };
                     at += len;
                     if size == 0 {
-                        let Some(len) = trailers_end(&conn.rbuf[at..conn.end], 0)? else {
-                            return Ok(None);
-                        };
-                        at += len;
+                        // Trailer fields: passed on by streaming.
+                        match trailers_end(&conn.rbuf[at..conn.end])? {
+                            Some(2) => at += 2,
+                            _ => return Ok(None),
+                        }
                         break;
                     }
                     let size = usize::try_from(size).unwrap_or(usize::MAX);
@@ -537,8 +538,17 @@ impl Streaming {
     /// The body has ended: the connection, if it can carry another request (kept alive, and
     /// nothing unasked after the answer).
     fn release(&mut self) -> Option<Plain> {
-        let plain = self.plain.take()?;
-        (self.keep_alive && plain.conn.start == plain.conn.end).then_some(plain)
+        let mut plain = self.plain.take()?;
+        let conn = &mut plain.conn;
+        if !self.keep_alive || conn.start != conn.end {
+            return None;
+        }
+        // A buffer grown for a large head goes back to its usual size while kept.
+        if conn.rbuf.len() > READ_BUF {
+            conn.rbuf = vec![0; READ_BUF];
+            (conn.start, conn.end) = (0, 0);
+        }
+        Some(plain)
     }
 
     fn finish(&mut self) {
@@ -622,7 +632,7 @@ impl Streaming {
                     Ok(Some((len, size))) => {
                         conn.start += len;
                         self.framing = Framing::Chunked(if size == 0 {
-                            Chunk::Trailers(0)
+                            Chunk::Trailers
                         } else {
                             Chunk::Data(size)
                         });
@@ -638,33 +648,33 @@ impl Streaming {
                     self.framing = Framing::Chunked(Chunk::Size);
                     continue;
                 }
-                Framing::Chunked(Chunk::Trailers(seen)) => {
-                    match trailers_end(conn.buffered(), *seen) {
-                        Err(what) => return self.fail(bad(what)),
-                        Ok(Some(len)) => {
-                            conn.start += len;
-                            self.framing = Framing::Length(0);
-                            continue;
-                        }
-                        // Whole lines seen so far are dropped, so that the buffer need
-                        // not hold the whole section.
-                        Ok(None) => {
-                            let lines = conn
-                                .buffered()
-                                .iter()
-                                .rposition(|&b| b == b'\n')
-                                .map_or(0, |i| i + 1);
-                            conn.start += lines;
-                            *seen += lines;
+                Framing::Chunked(Chunk::Trailers) => match trailers_end(conn.buffered()) {
+                    Err(what) => return self.fail(bad(what)),
+                    Ok(Some(len)) => {
+                        let fields = trailer_fields(&conn.buffered()[..len]);
+                        conn.start += len;
+                        self.framing = Framing::Length(0);
+                        match fields {
+                            Err(what) => return self.fail(bad(what)),
+                            Ok(None) => continue,
+                            Ok(Some(fields)) => {
+                                return Poll::Ready(Some(Ok(Frame::trailers(fields))));
+                            }
                         }
                     }
-                }
+                    Ok(None) => {}
+                },
                 Framing::Chunked(Chunk::DataEnd) | Framing::Close => {}
             }
             // More bytes needed.
             let close = self.framing == Framing::Close;
+            let max = if self.framing == Framing::Chunked(Chunk::Trailers) {
+                MAX_TRAILERS + READ_BUF
+            } else {
+                READ_BUF
+            };
             let plain = self.plain.as_mut().expect("checked above");
-            match plain.conn.poll_fill(cx, READ_BUF.max(MAX_CHUNK_LINE * 2)) {
+            match plain.conn.poll_fill(cx, max) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Ok(0)) if close => {
                     self.plain = None;
@@ -685,26 +695,44 @@ impl Streaming {
     }
 }
 
-/// Where a trailer section ends in `buf` (just past its empty line), `seen` bytes of it having
-/// been dropped already: `None` until it does.
-fn trailers_end(buf: &[u8], seen: usize) -> Result<Option<usize>, &'static str> {
+/// Where a trailer section ends in `buf` (just past its empty line): `None` until it does.
+fn trailers_end(buf: &[u8]) -> Result<Option<usize>, &'static str> {
     let mut at = 0;
     while let Some(lf) = buf[at..].iter().position(|&b| b == b'\n') {
         let line = &buf[at..at + lf];
         at += lf + 1;
+        if at > MAX_TRAILERS {
+            return Err("trailer section too long");
+        }
         match line {
             b"\r" => return Ok(Some(at)),
             [.., b'\r'] => {}
             _ => return Err("trailer line not ended by CRLF"),
         }
-        if seen + at > MAX_TRAILERS {
-            return Err("trailer section too long");
-        }
     }
-    if seen + buf.len() > MAX_TRAILERS {
+    if buf.len() > MAX_TRAILERS {
         return Err("trailer section too long");
     }
     Ok(None)
+}
+
+/// The fields of a whole trailer section (its empty line included): `None` if it has none.
+fn trailer_fields(section: &[u8]) -> Result<Option<HeaderMap>, &'static str> {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let fields = match httparse::parse_headers(section, &mut fields) {
+        Ok(httparse::Status::Complete((_, fields))) => fields,
+        _ => return Err("trailer fields"),
+    };
+    if fields.is_empty() {
+        return Ok(None);
+    }
+    let mut map = HeaderMap::with_capacity(fields.len());
+    for field in fields.iter() {
+        let name = HeaderName::from_bytes(field.name.as_bytes()).map_err(|_| "trailer field")?;
+        let value = HeaderValue::from_bytes(field.value).map_err(|_| "trailer field")?;
+        map.append(name, value);
+    }
+    Ok(Some(map))
 }
 
 #[cfg(test)]
@@ -833,11 +861,220 @@ mod tests {
 
     #[test]
     fn trailers_end_at_their_empty_line_and_are_bounded() {
-        assert_eq!(trailers_end(b"\r\nnext", 0), Ok(Some(2)));
-        assert_eq!(trailers_end(b"a: 1\r\nb: 2\r\n\r\n", 0), Ok(Some(14)));
-        assert_eq!(trailers_end(b"a: 1\r\nb:", 0), Ok(None));
-        assert!(trailers_end(b"a: 1\n\r\n", 0).is_err());
-        assert!(trailers_end(b"a: 1\r\n", MAX_TRAILERS).is_err());
+        assert_eq!(trailers_end(b"\r\nnext"), Ok(Some(2)));
+        assert_eq!(trailers_end(b"a: 1\r\nb: 2\r\n\r\n"), Ok(Some(14)));
+        assert_eq!(trailers_end(b"a: 1\r\nb:"), Ok(None));
+        assert!(trailers_end(b"a: 1\n\r\n").is_err());
+        let long = format!("a: {}\r\n", "x".repeat(MAX_TRAILERS));
+        assert!(trailers_end(long.as_bytes()).is_err());
+        assert!(trailers_end(&long.as_bytes()[..MAX_TRAILERS + 1]).is_err());
+        let fields = trailer_fields(b"grpc-status: 0\r\nx-b: 1\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (fields.len(), fields["grpc-status"].as_bytes()),
+            (2, &b"0"[..])
+        );
+        assert_eq!(trailer_fields(b"\r\n"), Ok(None));
+        assert!(trailer_fields(b"bad name: 1\r\n\r\n").is_err());
+    }
+
+    use std::time::Duration;
+    use tokio::io::AsyncReadExt;
+    use tokio::net::TcpListener;
+
+    /// A connection to an upstream that reads one request head, answers `response` (one
+    /// byte per write if `bytewise`, yielding between writes, so the gateway's reads end
+    /// anywhere in it), and then closes the connection if `close`, else keeps it open.
+    async fn upstream(response: &'static [u8], bytewise: bool, close: bool) -> TcpStream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let ours = TcpStream::connect(listener.local_addr().unwrap());
+        let (ours, theirs) = tokio::join!(ours, listener.accept());
+        let mut theirs = theirs.unwrap().0;
+        tokio::spawn(async move {
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\n") {
+                let mut byte = [0];
+                if theirs.read(&mut byte).await.unwrap_or(0) == 0 {
+                    return;
+                }
+                head.push(byte[0]);
+            }
+            if bytewise {
+                for b in response {
+                    theirs.write_all(&[*b]).await.unwrap();
+                    tokio::task::yield_now().await;
+                }
+            } else {
+                theirs.write_all(response).await.unwrap();
+            }
+            if !close {
+                std::future::pending::<()>().await;
+            }
+        });
+        ours.unwrap()
+    }
+
+    fn get() -> http::request::Parts {
+        let req = http::Request::get("/x")
+            .header("host", "up")
+            .body(())
+            .unwrap();
+        req.into_parts().0
+    }
+
+    /// The status, the body (or the error that ended it) and whether the connection went
+    /// back to the pool.
+    async fn run(
+        response: &'static [u8],
+        bytewise: bool,
+        close: bool,
+    ) -> (u16, Result<String, String>, bool) {
+        let io = upstream(response, bytewise, close).await;
+        let pools = Pools::new(1, 4);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let answer = exchange(Plain::new(io, deadline), &get(), &pools, deadline).await;
+        let (status, body) = match answer {
+            Ok(Answer::Whole(res, plain)) => {
+                if let Some(plain) = plain {
+                    pools.checkin(plain, Instant::now());
+                }
+                let body = res.body().clone().unwrap_or_default();
+                (res.status(), Ok(String::from_utf8(body.to_vec()).unwrap()))
+            }
+            Ok(Answer::Streaming(res, mut body)) => {
+                let mut data = Vec::new();
+                let end = loop {
+                    match std::future::poll_fn(|cx| body.poll_frame(cx)).await {
+                        None => break Ok(()),
+                        Some(Ok(frame)) => match frame.into_data() {
+                            Ok(piece) => data.extend_from_slice(&piece),
+                            Err(frame) => {
+                                for (name, value) in frame.into_trailers().unwrap().iter() {
+                                    let value = value.to_str().unwrap();
+                                    data.extend_from_slice(format!("[{name}: {value}]").as_bytes());
+                                }
+                            }
+                        },
+                        Some(Err(e)) => break Err(e.to_string()),
+                    }
+                };
+                assert!(body.is_end_stream());
+                (res.status(), end.map(|()| String::from_utf8(data).unwrap()))
+            }
+            Err(e) => return (0, Err(e.to_string()), false),
+        };
+        let kept = pools.checkout(Instant::now()).is_some();
+        (status.as_u16(), body, kept)
+    }
+
+    const CHUNKED: &[u8] = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5;x=\"y\"\r\nhello\r\n6\r\n world\r\n0\r\nx-trailer: 1\r\n\r\n";
+    const LENGTH: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\nhello world";
+
+    #[tokio::test]
+    async fn delimited_bodies_are_read_whole_wherever_the_reads_end_and_free_their_connection() {
+        const NO_TRAILERS: &[u8] = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n";
+        for (response, body) in [
+            (CHUNKED, "hello world[x-trailer: 1]"),
+            (NO_TRAILERS, "hello world"),
+            (LENGTH, "hello world"),
+        ] {
+            for bytewise in [false, true] {
+                let got = run(response, bytewise, false).await;
+                let shown = String::from_utf8_lossy(response);
+                assert_eq!(
+                    got,
+                    (200, Ok(body.into()), true),
+                    "{shown} bytewise: {bytewise}"
+                );
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_until_close_is_read_whole_and_its_connection_not_kept() {
+        for bytewise in [false, true] {
+            let got = run(b"HTTP/1.0 200 OK\r\n\r\nhello world", bytewise, true).await;
+            assert_eq!(got, (200, Ok("hello world".into()), false));
+        }
+    }
+
+    #[tokio::test]
+    async fn interim_answers_are_skipped_and_bytes_after_an_answer_cost_the_connection() {
+        let interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n";
+        assert_eq!(
+            run(interim, true, false).await,
+            (204, Ok(String::new()), true)
+        );
+        let extra = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n";
+        assert_eq!(
+            run(extra, false, false).await,
+            (200, Ok("ok".into()), false)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_cut_short_or_malformed_fails_and_its_connection_is_not_kept() {
+        let cut = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhel";
+        let (status, body, kept) = run(cut, true, true).await;
+        assert_eq!((status, kept), (200, false));
+        assert!(body.is_err(), "{body:?}");
+        let short = b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\nhello";
+        let (_, body, kept) = run(short, true, true).await;
+        assert!(body.is_err() && !kept, "{body:?}");
+        let bad = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n";
+        for bytewise in [false, true] {
+            let (_, body, kept) = run(bad, bytewise, false).await;
+            assert!(body.is_err() && !kept, "{body:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn no_answer_at_all_is_told_apart_from_a_cut_one() {
+        let (_, err, _) = run(b"", false, true).await;
+        assert!(err.unwrap_err().starts_with("closed before answering"));
+        let (_, err, _) = run(b"HTTP/1.1 200 OK\r\ncontent-le", true, true).await;
+        assert!(err
+            .unwrap_err()
+            .starts_with("failed during the response head"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_upstream_that_never_answers_times_out_at_the_deadline() {
+        let io = upstream(b"", false, false).await;
+        let pools = Pools::new(1, 4);
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(5);
+        let answer = exchange(Plain::new(io, deadline), &get(), &pools, deadline).await;
+        assert!(matches!(answer, Err(Error::Timeout)));
+        assert_eq!(Instant::now() - start, Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn a_kept_connection_the_upstream_closed_is_not_handed_out() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let ours = TcpStream::connect(listener.local_addr().unwrap());
+        let (ours, theirs) = tokio::join!(ours, listener.accept());
+        let (ours, theirs) = (ours.unwrap(), theirs.unwrap().0);
+        let pools = Pools::new(1, 4);
+        let now = Instant::now();
+        pools.checkin(Plain::new(ours, now), now);
+        let open = pools.checkout(now).expect("open and idle: handed out");
+        pools.checkin(open, now);
+        drop(theirs);
+        let found = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let Some(plain) = pools.checkout(now) else {
+                    return;
+                };
+                // Not seen closed yet: wait for the socket to say something, then look again.
+                plain.conn.io.readable().await.unwrap();
+                pools.checkin(plain, now);
+            }
+        });
+        found
+            .await
+            .expect("the closed connection is dropped at checkout");
     }
 
     #[test]
