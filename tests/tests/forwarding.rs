@@ -1230,5 +1230,8 @@ async fn trailer_fields_of_a_chunked_answer_reach_an_http2_client() {
     )
     .await;
     assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
-    assert!(reply.contains("hello") && !reply.contains("grpc-status"), "{reply}");
+    assert!(
+        reply.contains("hello") && !reply.contains("grpc-status"),
+        "{reply}"
+    );
 }

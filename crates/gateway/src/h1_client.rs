@@ -232,9 +232,12 @@ impl Conn {
         let mut answered = false;
         loop {
             let head = loop {
-                if let Some((len, head)) = parse_head(self.buffered(), head_only)? {
-                    self.start += len;
-                    break head;
+                // (Nothing to parse before the first read: a kept connection's buffer is empty.)
+                if self.start != self.end {
+                    if let Some((len, head)) = parse_head(self.buffered(), head_only)? {
+                        self.start += len;
+                        break head;
+                    }
                 }
                 answered |= self.start != self.end;
                 if self.end - self.start >= MAX_HEAD {
