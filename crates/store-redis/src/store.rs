@@ -9,7 +9,7 @@
 //! request that arrives while Redis is idle is sent at once.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -90,11 +90,77 @@ impl<'a> Layer<'a> {
     }
 }
 
+/// Calls in a row that time out, with none answered between, after which the connection is
+/// taken for silent and replaced.
+const SILENT_AFTER: u32 = 3;
+/// The shortest time between two replacements: a Redis that is slow rather than unreachable
+/// (every call past the timeout) gets one new connection a second at most.
+const REPLACE_EVERY: Duration = Duration::from_secs(1);
+
+/// The connection to Redis, replaceable.
+///
+/// redis-rs's manager reconnects after the failures it sees (a reset, a close), but a
+/// connection that falls silent (a dropped route, a firewall or NAT that forgot it, a Redis
+/// host that froze) shows it none: every call would time out until the kernel gave the
+/// connection up, minutes later. So after [`SILENT_AFTER`] calls in a row time out, a new
+/// connection is opened beside it and, once connected, takes its place; the old one closes
+/// with its last clone (calls still waiting on it time out as they would have).
+struct Link {
+    client: redis::Client,
+    config: ConnectionManagerConfig,
+    connect_timeout: Duration,
+    current: Mutex<ConnectionManager>,
+    timeouts: AtomicU32,
+    replacing: AtomicBool,
+    last_replaced: Mutex<Option<tokio::time::Instant>>,
+}
+
+impl Link {
+    fn conn(&self) -> ConnectionManager {
+        self.current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn answered(&self) {
+        self.timeouts.store(0, Ordering::Relaxed);
+    }
+
+    fn timed_out(self: &Arc<Self>) {
+        if self.timeouts.fetch_add(1, Ordering::Relaxed) + 1 < SILENT_AFTER {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        {
+            let last = self.last_replaced.lock().unwrap_or_else(|e| e.into_inner());
+            if last.is_some_and(|t| now < t + REPLACE_EVERY) {
+                return;
+            }
+        }
+        if self.replacing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let link = Arc::clone(self);
+        tokio::spawn(async move {
+            let fresh =
+                ConnectionManager::new_with_config(link.client.clone(), link.config.clone());
+            if let Ok(Ok(conn)) = tokio::time::timeout(link.connect_timeout, fresh).await {
+                *link.current.lock().unwrap_or_else(|e| e.into_inner()) = conn;
+                link.timeouts.store(0, Ordering::Relaxed);
+            }
+            *link.last_replaced.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some(tokio::time::Instant::now());
+            link.replacing.store(false, Ordering::Release);
+        });
+    }
+}
+
 /// A Redis-backed decision store. Cheap to clone: clones share one multiplexed connection
 /// and one batcher.
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    link: Arc<Link>,
     sha: Arc<str>,
     options: StoreOptions,
     /// Lease ids: this store's random prefix and a counter.
@@ -135,20 +201,34 @@ impl RedisStore {
             .set_number_of_retries(1)
             .set_max_delay(1_000);
         let start = async {
-            let mut conn = ConnectionManager::new_with_config(client, config).await?;
+            let mut conn =
+                ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
             let sha = load(&mut conn).await?;
             Ok::<_, StoreError>((conn, sha))
         };
         let (conn, sha) = tokio::time::timeout(options.connect_timeout, start)
             .await
             .map_err(|_| StoreError::Timeout(options.connect_timeout))??;
+        let link = Arc::new(Link {
+            client,
+            config,
+            connect_timeout: options.connect_timeout,
+            current: Mutex::new(conn),
+            timeouts: AtomicU32::new(0),
+            replacing: AtomicBool::new(false),
+            last_replaced: Mutex::new(None),
+        });
         let sha: Arc<str> = Arc::from(sha);
         let (calls, queue) = mpsc::unbounded_channel();
-        tokio::spawn(batcher(conn.clone(), Arc::clone(&sha), options, queue));
+        tokio::spawn(batcher(Arc::clone(&link), Arc::clone(&sha), options, queue));
         let held = Arc::new(HeldLeases::default());
-        tokio::spawn(renewer(conn.clone(), options, Arc::downgrade(&held)));
+        tokio::spawn(renewer(
+            Arc::downgrade(&link),
+            options,
+            Arc::downgrade(&held),
+        ));
         Ok(RedisStore {
-            conn,
+            link,
             sha,
             options,
             instance: rand::random(),
@@ -281,7 +361,7 @@ impl RedisStore {
         for key in &slots.keys {
             pipe.cmd("ZREM").arg(key).arg(&slots.id).ignore();
         }
-        let mut conn = self.conn.clone();
+        let mut conn = self.link.conn();
         let call = pipe.query_async::<()>(&mut conn);
         tokio::time::timeout(self.options.timeout, call)
             .await
@@ -332,11 +412,14 @@ impl HeldLeases {
 /// Every third of the lease TTL, renews every lease held at that moment, until every store
 /// clone is dropped. A renewal that fails is tried again a third later: a lease outlives two
 /// missed renewals.
-async fn renewer(mut conn: ConnectionManager, options: StoreOptions, held: Weak<HeldLeases>) {
+async fn renewer(link: Weak<Link>, options: StoreOptions, held: Weak<HeldLeases>) {
     let every = options.lease_ttl / 3;
     loop {
         tokio::time::sleep(every).await;
         let Some(leases) = held.upgrade().map(|h| h.snapshot()) else {
+            return;
+        };
+        let Some(mut conn) = link.upgrade().map(|l| l.conn()) else {
             return;
         };
         for slots in leases {
@@ -372,7 +455,7 @@ return renewed
 /// The batcher: takes the requests waiting at that moment into one `EVALSHA` and sends it,
 /// without waiting for the answer to the previous one, until every store clone is dropped.
 async fn batcher(
-    conn: ConnectionManager,
+    link: Arc<Link>,
     sha: Arc<str>,
     options: StoreOptions,
     mut queue: mpsc::UnboundedReceiver<Call>,
@@ -380,20 +463,27 @@ async fn batcher(
     let mut waiting = Vec::with_capacity(MAX_BATCH);
     while queue.recv_many(&mut waiting, MAX_BATCH).await > 0 {
         let batch = std::mem::replace(&mut waiting, Vec::with_capacity(MAX_BATCH));
-        tokio::spawn(send(conn.clone(), Arc::clone(&sha), options, batch));
+        tokio::spawn(send(Arc::clone(&link), Arc::clone(&sha), options, batch));
     }
 }
 
 /// Sends one batch and answers each of its requests. A request whose key Redis cannot read
 /// fails alone (the script reads with `redis.pcall`); an error of the whole call (a timeout,
 /// the connection, Redis refusing the script) is every request's.
-async fn send(mut conn: ConnectionManager, sha: Arc<str>, options: StoreOptions, batch: Vec<Call>) {
+async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<Call>) {
     // A request whose caller stopped waiting (timed out or dropped) is left out.
     let batch: Vec<Call> = batch.into_iter().filter(|c| !c.reply.is_closed()).collect();
     if batch.is_empty() {
         return;
     }
-    match call_script(&mut conn, &sha, options, &batch).await {
+    let mut conn = link.conn();
+    let result = call_script(&mut conn, &sha, options, &batch).await;
+    match &result {
+        Err(StoreError::Timeout(_)) => link.timed_out(),
+        Err(_) => {}
+        Ok(_) => link.answered(),
+    }
+    match result {
         Ok(replies) => {
             for (call, reply) in batch.into_iter().zip(replies) {
                 let _ = call.reply.send(Ok(reply));
@@ -429,14 +519,24 @@ async fn call_script(
 }
 
 /// Runs `cmd` (an `EVALSHA`), loading the script again if Redis lost it (`NOSCRIPT`, e.g.
-/// after a restart or `SCRIPT FLUSH`).
+/// after a restart or `SCRIPT FLUSH`), and sending it once more if the connection turns out
+/// broken (Redis restarted or closed it; the manager is connecting anew): otherwise the first
+/// call after every Redis restart would fail. A call whose connection broke after Redis ran it
+/// but before the answer came back is then run twice, charging its requests twice; that
+/// errs towards refusing, and needs the connection to die in the middle of one call.
 async fn eval(conn: &mut ConnectionManager, cmd: &redis::Cmd) -> Result<Vec<Vec<u8>>, StoreError> {
-    match cmd.query_async(conn).await {
-        Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
-            load(conn).await?;
-            Ok(cmd.query_async(conn).await?)
+    let (mut loaded, mut resent) = (false, false);
+    loop {
+        match cmd.query_async(conn).await {
+            Err(e) if e.kind() == redis::ErrorKind::NoScriptError && !loaded => {
+                loaded = true;
+                load(conn).await?;
+            }
+            Err(e) if !resent && (e.is_unrecoverable_error() || e.is_connection_dropped()) => {
+                resent = true;
+            }
+            other => return Ok(other?),
         }
-        other => Ok(other?),
     }
 }
 

@@ -1,0 +1,158 @@
+//! The store keeps deciding across what happens to its connection: a Redis that restarts (the
+//! first decision after it is Redis's again, not a failure), and a connection that goes silent
+//! without closing (replaced, instead of timing out until the kernel gives it up).
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use sluice_store_redis::{Layer, Mode, RedisStore, StoreError, StoreOptions};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+
+const SECOND: Duration = Duration::from_secs(1);
+
+#[tokio::test]
+async fn the_first_decision_after_redis_restarts_is_decided_by_it() {
+    let mut redis = RedisServer::start();
+    let port = redis.port;
+    let store = redis.store().await;
+    let limit = remote(&fixed("a", 100, SECOND));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    assert!(store
+        .decide(&layers, 1, Mode::Charge)
+        .await
+        .unwrap()
+        .is_admitted());
+    // Restarted at once: the store's connection is still the dead one's.
+    redis.kill();
+    let mut redis = RedisServer::start_on(port);
+    let after = store.decide(&layers, 1, Mode::Charge).await;
+    assert!(
+        after.as_ref().is_ok_and(|d| d.is_admitted()),
+        "the first decision after the restart: {after:?}"
+    );
+    assert_eq!(redis.calls("script|load"), 1, "the script loaded again");
+    // Down for a while, with decisions failing meanwhile.
+    redis.kill();
+    let down = store.decide(&layers, 1, Mode::Charge).await;
+    assert!(
+        matches!(&down, Err(e) if e.is_store_failure()),
+        "Redis is down: {down:?}"
+    );
+    let _redis = RedisServer::start_on(port);
+    let after = store.decide(&layers, 1, Mode::Charge).await;
+    assert!(
+        after.as_ref().is_ok_and(|d| d.is_admitted()),
+        "the first decision after the second restart: {after:?}"
+    );
+}
+
+/// A TCP relay in front of Redis that can fall silent on the connections it holds (bytes are
+/// no longer passed either way, nothing is closed), as a dropped route or a firewall that
+/// forgot the connection does; connections made after that pass.
+struct Relay {
+    addr: SocketAddr,
+    accepted: Arc<AtomicU64>,
+    silent_below: Arc<AtomicU64>,
+}
+
+impl Relay {
+    async fn start(to: SocketAddr) -> Relay {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicU64::new(0));
+        let silent_below = Arc::new(AtomicU64::new(0));
+        let (count, silent) = (Arc::clone(&accepted), Arc::clone(&silent_below));
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let id = count.fetch_add(1, Ordering::SeqCst);
+                let server = TcpStream::connect(to).await.unwrap();
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::spawn(pump(cr, sw, id, Arc::clone(&silent)));
+                tokio::spawn(pump(sr, cw, id, Arc::clone(&silent)));
+            }
+        });
+        Relay {
+            addr,
+            accepted,
+            silent_below,
+        }
+    }
+
+    /// Every connection made so far falls silent.
+    fn silence(&self) {
+        let made = self.accepted.load(Ordering::SeqCst);
+        self.silent_below.store(made, Ordering::SeqCst);
+    }
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    id: u64,
+    silent_below: Arc<AtomicU64>,
+) {
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if id < silent_below.load(Ordering::SeqCst) {
+            // Swallowed; the halves stay open (held by this task) until the test ends.
+            std::future::pending::<()>().await;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_connection_that_falls_silent_is_replaced() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(format!("127.0.0.1:{}", redis.port).parse().unwrap()).await;
+    let options = StoreOptions {
+        timeout: Duration::from_millis(200),
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&format!("redis://{}", relay.addr), options)
+        .await
+        .unwrap();
+    let limit = remote(&fixed("a", 1000, SECOND));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    assert!(store
+        .decide(&layers, 1, Mode::Charge)
+        .await
+        .unwrap()
+        .is_admitted());
+    relay.silence();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut timeouts = 0;
+    loop {
+        match store.decide(&layers, 1, Mode::Charge).await {
+            Ok(d) => {
+                assert!(d.is_admitted());
+                break;
+            }
+            Err(StoreError::Timeout(_)) => timeouts += 1,
+            Err(e) => panic!("{e}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still timing out after {timeouts} decisions: the silent connection was kept"
+        );
+    }
+    assert!(timeouts >= 1, "the silence was noticed");
+    assert!(
+        relay.accepted.load(Ordering::SeqCst) >= 2,
+        "a new connection"
+    );
+}
