@@ -152,6 +152,14 @@ impl Lease {
     }
 }
 
+/// When a dropped lease's release is tried: at once, then again after each failure.
+const RELEASE_RETRIES: [std::time::Duration; 4] = [
+    std::time::Duration::ZERO,
+    std::time::Duration::from_millis(250),
+    std::time::Duration::from_secs(1),
+    std::time::Duration::from_secs(5),
+];
+
 impl Drop for Lease {
     fn drop(&mut self) {
         self.leave_register();
@@ -160,9 +168,17 @@ impl Drop for Lease {
         };
         let slots = Arc::clone(&self.slots);
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            // A failed release is safe: the lease expires after the store's lease TTL.
+            // A release that fails (Redis unreachable as the response ends) is tried again a
+            // few times over about six seconds, so that the caller's slot is not held until
+            // the lease expires (the store's lease TTL) because of a short outage. Removing a
+            // lease is idempotent.
             handle.spawn(async move {
-                let _ = store.release(&slots).await;
+                for wait in RELEASE_RETRIES {
+                    tokio::time::sleep(wait).await;
+                    if store.release(&slots).await.is_ok() {
+                        return;
+                    }
+                }
             });
         }
     }

@@ -363,9 +363,12 @@ impl RedisStore {
         }
         let mut conn = self.link.conn();
         let call = pipe.query_async::<()>(&mut conn);
-        tokio::time::timeout(self.options.timeout, call)
-            .await
-            .map_err(|_| StoreError::Timeout(self.options.timeout))??;
+        let Ok(done) = tokio::time::timeout(self.options.timeout, call).await else {
+            self.link.timed_out();
+            return Err(StoreError::Timeout(self.options.timeout));
+        };
+        done?;
+        self.link.answered();
         Ok(())
     }
 

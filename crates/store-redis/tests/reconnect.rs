@@ -156,3 +156,42 @@ async fn a_connection_that_falls_silent_is_replaced() {
         "a new connection"
     );
 }
+
+#[tokio::test]
+async fn a_release_that_fails_is_tried_again_instead_of_holding_the_slot_until_it_expires() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(format!("127.0.0.1:{}", redis.port).parse().unwrap()).await;
+    let options = StoreOptions {
+        timeout: Duration::from_millis(200),
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&format!("redis://{}", relay.addr), options)
+        .await
+        .unwrap();
+    let limit = remote(&concurrency("one-at-a-time", 1));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    let first = store.decide(&layers, 1, Mode::Charge).await.unwrap();
+    assert!(first.is_admitted());
+    assert!(!store
+        .decide(&layers, 1, Mode::Charge)
+        .await
+        .unwrap()
+        .is_admitted());
+    relay.silence();
+    drop(first); // its release goes out on the silent connection and times out
+                 // Well within the lease's 60 s expiry, the slot is free again.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        match store.decide(&layers, 1, Mode::Charge).await {
+            Ok(d) if d.is_admitted() => break,
+            Ok(_) | Err(StoreError::Timeout(_)) => {}
+            Err(e) => panic!("{e}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the slot is still held: the failed release was not tried again"
+        );
+        // Each refusal is one call; spaced so the loop does not spin against Redis.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
