@@ -167,19 +167,23 @@ impl Drop for Lease {
             return;
         };
         let slots = Arc::clone(&self.slots);
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            // A release that fails (Redis unreachable as the response ends) is tried again a
-            // few times over about six seconds, so that the caller's slot is not held until
-            // the lease expires (the store's lease TTL) because of a short outage. Removing a
-            // lease is idempotent.
-            handle.spawn(async move {
-                for wait in RELEASE_RETRIES {
-                    tokio::time::sleep(wait).await;
-                    if store.release(&slots).await.is_ok() {
-                        return;
-                    }
+        release_later(store, slots);
+    }
+}
+
+/// Releases `slots` in the background. A release that fails (Redis unreachable as the
+/// response ends) is tried again a few times over about six seconds, so that the caller's
+/// slot is not held until the lease expires (the store's lease TTL) because of a short
+/// outage. Removing a lease is idempotent.
+pub(crate) fn release_later(store: RedisStore, slots: Arc<LeaseSlots>) {
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        handle.spawn(async move {
+            for wait in RELEASE_RETRIES {
+                tokio::time::sleep(wait).await;
+                if store.release(&slots).await.is_ok() {
+                    return;
                 }
-            });
-        }
+            }
+        });
     }
 }

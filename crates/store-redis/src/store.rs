@@ -276,9 +276,26 @@ impl RedisStore {
             String::new()
         };
         let code = if mode == Mode::Charge { "d" } else { "c" };
-        let reply = self
+        let reply = match self
             .call(Part::new(layers, code, cost, &lease_id, now, None))
-            .await?;
+            .await
+        {
+            // The call may still run in Redis after this request stopped waiting (a stalled
+            // Redis answers late): its lease must not hold the caller's slots until it
+            // expires. The release goes out after the call on the same connection, so it
+            // finds the lease if the call ran, and removes nothing if it did not.
+            Err(e) if leases && e.is_store_failure() => {
+                let keys = layers
+                    .iter()
+                    .filter(|l| l.limit.is_concurrency())
+                    .map(|l| l.limit.key_name(l.key))
+                    .collect();
+                let slots = Arc::new(LeaseSlots { id: lease_id, keys });
+                crate::decision::release_later(self.clone(), slots);
+                return Err(e);
+            }
+            other => other?,
+        };
         let mut decision = script::decision(&reply, layers, cost)?;
         if let RemoteDecision::Admitted(a) = &mut decision {
             let keys: Vec<String> = layers

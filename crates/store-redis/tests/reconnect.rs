@@ -195,3 +195,62 @@ async fn a_release_that_fails_is_tried_again_instead_of_holding_the_slot_until_i
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Redis stalls past the store's timeout, then runs the decision it was sent: the request
+/// has already been answered without it (a fallback), so the lease that decision took must
+/// not hold the caller's slot until it expires.
+#[tokio::test]
+async fn a_lease_taken_by_a_decision_that_came_too_late_is_released() {
+    let redis = RedisServer::start();
+    let options = StoreOptions {
+        timeout: Duration::from_millis(300),
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&redis.url(), options).await.unwrap();
+    let limit = remote(&concurrency("one-at-a-time", 1));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    let mut probe = redis.admin().await;
+    let stall = {
+        let mut admin = redis.admin().await;
+        tokio::spawn(async move {
+            let _: () = redis::cmd("DEBUG")
+                .arg("SLEEP")
+                .arg("1")
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+        })
+    };
+    // DEBUG SLEEP is running once a PING on another connection no longer answers at once.
+    let started = Instant::now();
+    loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "DEBUG SLEEP never stalled Redis"
+        );
+        let cmd = redis::cmd("PING");
+        let ping = cmd.query_async::<String>(&mut probe);
+        if tokio::time::timeout(Duration::from_millis(100), ping)
+            .await
+            .is_err()
+        {
+            break;
+        }
+    }
+    let late = store.decide(&layers, 1, Mode::Charge).await;
+    assert!(matches!(late, Err(StoreError::Timeout(_))), "{late:?}");
+    stall.await.unwrap();
+    // Redis ran the late decision (a lease) and then the release: the slot is free.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let d = store.decide(&layers, 1, Mode::Charge).await.unwrap();
+        if d.is_admitted() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the late decision's lease still holds the slot"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
