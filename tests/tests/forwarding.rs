@@ -79,6 +79,19 @@ async fn upstream_connections_are_kept_alive_and_reused() {
     );
 }
 
+/// A connection whose answer's body streams (longer than what arrives with the head) goes
+/// back to the pool when the body ends, as one whose body came whole.
+#[tokio::test]
+async fn connections_whose_answers_stream_are_reused() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start_with_args(&config(&up.url(), "5s"), &["--threads", "1"]);
+    for _ in 0..5 {
+        let (status, bytes, end) = get_until_end(gw.main, "/api/download?bytes=300000").await;
+        assert_eq!((status.as_u16(), bytes, end), (200, 300_000, Ok(())));
+    }
+    assert_eq!(up.connections(), 1, "each download reused the connection");
+}
+
 #[tokio::test]
 async fn idle_connections_caps_what_each_thread_keeps() {
     let up = MockUpstream::start().await;

@@ -234,7 +234,7 @@ impl UpstreamClient {
             match h1_client::exchange(plain, &parts, &self.plain, deadline).await {
                 Ok(Answer::Whole(res, plain)) => {
                     if let Some(plain) = plain {
-                        self.plain.checkin(plain, now);
+                        self.plain.checkin(plain, Instant::now());
                     }
                     return Ok(res.map(Upstreamed::Whole));
                 }

@@ -161,6 +161,9 @@ enum Chunk {
 /// A parsed response head, with what the connection needs to know of it.
 struct Head {
     status: StatusCode,
+    /// The reason phrase, when it is not the status code's usual one (passed on as hyper's
+    /// client did: a `999 Weird` or a `404 Item Missing` reaches an HTTP/1.1 client as sent).
+    reason: Option<hyper::ext::ReasonPhrase>,
     version: Version,
     headers: HeaderMap,
     framing: Framing,
@@ -305,6 +308,10 @@ fn parse_head(buf: &[u8], head_only: bool) -> Result<Option<(usize, Head)>, Erro
         Some(1) => Version::HTTP_11,
         _ => Version::HTTP_10,
     };
+    let reason = res
+        .reason
+        .filter(|r| Some(*r) != status.canonical_reason())
+        .and_then(|r| hyper::ext::ReasonPhrase::try_from(r.as_bytes()).ok());
     // One copy of the head, which the field values share.
     let bytes = Bytes::copy_from_slice(&buf[..len]);
     let base = buf.as_ptr() as usize;
@@ -365,6 +372,7 @@ fn parse_head(buf: &[u8], head_only: bool) -> Result<Option<(usize, Head)>, Erro
         len,
         Head {
             status,
+            reason,
             version,
             headers,
             framing,
@@ -383,8 +391,9 @@ fn parse_length(digits: &[u8]) -> Option<u64> {
     })
 }
 
-/// A chunk-size line at the start of `buf`: 1 to 16 hex digits, optional extensions (no
-/// control characters but tab), CRLF. `Ok(None)` until the line is whole.
+/// A chunk-size line at the start of `buf`: hex digits (at most 16 after leading zeros),
+/// optional whitespace and extensions (no control characters but tab), CRLF. `Ok(None)`
+/// until the line is whole.
 fn parse_chunk_size(buf: &[u8]) -> Result<Option<(usize, u64)>, &'static str> {
     let Some(lf) = buf.iter().position(|&b| b == b'\n') else {
         return if buf.len() > MAX_CHUNK_LINE {
@@ -398,12 +407,14 @@ fn parse_chunk_size(buf: &[u8]) -> Result<Option<(usize, u64)>, &'static str> {
     }
     let line = &buf[..lf - 1];
     let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
-    if digits == 0 || digits > 16 {
+    let significant = line[..digits].iter().skip_while(|&&b| b == b'0').count();
+    if digits == 0 || significant > 16 {
         return Err("chunk size");
     }
     let rest = &line[digits..];
+    let ext = rest.trim_ascii_start();
     let ext_ok = rest.iter().all(|&b| b == b'\t' || (b >= b' ' && b != 0x7f))
-        && (rest.is_empty() || rest.trim_ascii_start().first() == Some(&b';'));
+        && (ext.is_empty() || ext[0] == b';');
     if !ext_ok {
         return Err("chunk extension");
     }
@@ -456,6 +467,9 @@ pub(crate) async fn exchange(
     *res.status_mut() = head.status;
     *res.version_mut() = head.version;
     *res.headers_mut() = head.headers;
+    if let Some(reason) = head.reason {
+        res.extensions_mut().insert(reason);
+    }
     if head.status == StatusCode::SWITCHING_PROTOCOLS {
         // Not asked for: the connection is the upstream's other protocol now.
         return Ok(Answer::Whole(res.map(|()| None), None));
@@ -465,6 +479,7 @@ pub(crate) async fn exchange(
         framing: head.framing,
         keep_alive: head.keep_alive,
         pools: Arc::clone(pools),
+        big_reads: false,
     };
     match body.take_whole() {
         Ok(Some((data, plain))) => Ok(Answer::Whole(res.map(|()| data), plain)),
@@ -484,6 +499,11 @@ pub(crate) struct Streaming {
     framing: Framing,
     keep_alive: bool,
     pools: Arc<Pools>,
+    /// Whether the last read of the body filled the buffer: then the next read goes
+    /// straight into a piece of up to [`BODY_READ`] bytes, until one comes back less than
+    /// half full (a trickle must not hold a large allocation per byte while the client is
+    /// slow to take it).
+    big_reads: bool,
 }
 
 impl Streaming {
@@ -560,6 +580,16 @@ impl Streaming {
         }
     }
 
+    /// After a piece: a chunk's data done waits for its CRLF; a body done frees its
+    /// connection at once (hyper stops polling a body that says it has ended).
+    fn advance(&mut self) {
+        match &mut self.framing {
+            Framing::Chunked(c @ Chunk::Data(0)) => *c = Chunk::DataEnd,
+            Framing::Length(0) => self.finish(),
+            _ => {}
+        }
+    }
+
     pub(crate) fn is_end_stream(&self) -> bool {
         self.plain.is_none() || self.framing == Framing::Length(0)
     }
@@ -595,15 +625,13 @@ impl Streaming {
                     let data = Bytes::copy_from_slice(&conn.rbuf[conn.start..conn.start + take]);
                     conn.start += take;
                     *n -= take as u64;
-                    if let Framing::Chunked(c) = &mut self.framing {
-                        if *c == Chunk::Data(0) {
-                            *c = Chunk::DataEnd;
-                        }
-                    }
+                    self.advance();
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
-                Framing::Length(n) | Framing::Chunked(Chunk::Data(n)) => {
-                    // Nothing buffered: read straight into the piece.
+                Framing::Length(n) | Framing::Chunked(Chunk::Data(n))
+                    if self.big_reads && *n >= READ_BUF as u64 =>
+                {
+                    // Nothing buffered, and the body comes fast: read straight into the piece.
                     let mut piece = vec![0; (*n).min(BODY_READ as u64) as usize];
                     let mut room = ReadBuf::new(&mut piece);
                     match Pin::new(&mut conn.io).poll_read(cx, &mut room) {
@@ -616,14 +644,16 @@ impl Streaming {
                         self.plain = None;
                         return Poll::Ready(Some(Err(io::ErrorKind::UnexpectedEof.into())));
                     }
-                    piece.truncate(got);
                     *n -= got as u64;
-                    if let Framing::Chunked(c) = &mut self.framing {
-                        if *c == Chunk::Data(0) {
-                            *c = Chunk::DataEnd;
-                        }
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(piece)))));
+                    let data = if got < piece.len() / 2 {
+                        self.big_reads = false;
+                        Bytes::copy_from_slice(&piece[..got])
+                    } else {
+                        piece.truncate(got);
+                        Bytes::from(piece)
+                    };
+                    self.advance();
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
                 Framing::Close if buffered > 0 => {
                     let data = Bytes::copy_from_slice(conn.buffered());
@@ -657,6 +687,7 @@ impl Streaming {
                         let fields = trailer_fields(&conn.buffered()[..len]);
                         conn.start += len;
                         self.framing = Framing::Length(0);
+                        self.finish();
                         match fields {
                             Err(what) => return self.fail(bad(what)),
                             Ok(None) => continue,
@@ -667,7 +698,9 @@ impl Streaming {
                     }
                     Ok(None) => {}
                 },
-                Framing::Chunked(Chunk::DataEnd) | Framing::Close => {}
+                Framing::Length(_)
+                | Framing::Chunked(Chunk::Data(_) | Chunk::DataEnd)
+                | Framing::Close => {}
             }
             // More bytes needed.
             let close = self.framing == Framing::Close;
@@ -679,6 +712,7 @@ impl Streaming {
             let plain = self.plain.as_mut().expect("checked above");
             match plain.conn.poll_fill(cx, max) {
                 Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(got)) if got >= READ_BUF / 2 => self.big_reads = true,
                 Poll::Ready(Ok(0)) if close => {
                     self.plain = None;
                     return Poll::Ready(None);
@@ -815,6 +849,28 @@ mod tests {
     }
 
     #[test]
+    fn a_reason_phrase_other_than_the_usual_one_is_kept() {
+        let reason = |t: &str| {
+            head(t)
+                .unwrap()
+                .unwrap()
+                .1
+                .reason
+                .map(|r| r.as_bytes().to_vec())
+        };
+        assert_eq!(reason("HTTP/1.1 404 Not Found\r\n\r\n"), None);
+        assert_eq!(
+            reason("HTTP/1.1 404 Item Missing\r\n\r\n").as_deref(),
+            Some(&b"Item Missing"[..])
+        );
+        assert_eq!(
+            reason("HTTP/1.1 999 Weird\r\n\r\n").as_deref(),
+            Some(&b"Weird"[..])
+        );
+        assert_eq!(reason("HTTP/1.1 200 \r\n\r\n").as_deref(), Some(&b""[..]));
+    }
+
+    #[test]
     fn keep_alive_needs_http_1_1_without_close_and_a_delimited_body() {
         let keep = |t: &str| head(t).unwrap().unwrap().1.keep_alive;
         assert!(keep("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"));
@@ -842,6 +898,11 @@ mod tests {
         assert_eq!(parse_chunk_size(b"1f\r\nxx"), Ok(Some((4, 31))));
         assert_eq!(parse_chunk_size(b"0;name=\"v\"\r\n"), Ok(Some((12, 0))));
         assert_eq!(parse_chunk_size(b"A ; x\r\n"), Ok(Some((7, 10))));
+        assert_eq!(parse_chunk_size(b"5 \t\r\n"), Ok(Some((5, 5))));
+        assert_eq!(
+            parse_chunk_size(b"00000000000000000005\r\n"),
+            Ok(Some((22, 5)))
+        );
         assert_eq!(parse_chunk_size(b"ffff"), Ok(None));
         assert_eq!(
             parse_chunk_size(b"ffffffffffffffff\r\n"),
@@ -947,7 +1008,11 @@ mod tests {
             }
             Ok(Answer::Streaming(res, mut body)) => {
                 let mut data = Vec::new();
+                // As hyper does: a body that says it has ended is not polled again.
                 let end = loop {
+                    if body.is_end_stream() {
+                        break Ok(());
+                    }
                     match std::future::poll_fn(|cx| body.poll_frame(cx)).await {
                         None => break Ok(()),
                         Some(Ok(frame)) => match frame.into_data() {

@@ -125,7 +125,7 @@ impl Problem {
             StatusCode::BAD_GATEWAY,
             "upstream-bad-response",
             "The upstream service sent a response the gateway cannot pass on",
-            "The response declared both Content-Length and Transfer-Encoding, or a transfer coding other than chunked.",
+            "The response's length was ambiguous or malformed (Content-Length and Transfer-Encoding together, differing or invalid Content-Length values, a malformed chunk), or its transfer coding was other than chunked.",
         )
     }
 
