@@ -100,19 +100,20 @@ impl Part {
             args: Vec::with_capacity(64 + 42 * layers.len()),
             ends: Vec::with_capacity(5 + 2 * layers.len()),
         };
+        let mut figure = itoa::Buffer::new();
         part.arg(mode.as_bytes());
-        part.arg(cost.to_string().as_bytes());
+        part.arg(figure.format(cost).as_bytes());
         part.arg(lease.as_bytes());
         match now {
-            Some(now) => part.arg((now.0 / 1_000).to_string().as_bytes()),
+            Some(now) => part.arg(figure.format(now.0 / 1_000).as_bytes()),
             None => part.arg(b""),
         }
-        part.arg(layers.len().to_string().as_bytes());
+        part.arg(figure.format(layers.len()).as_bytes());
         for layer in layers {
             part.arg(&layer.limit.spec[usize::from(layer.dry_run)]);
         }
         for tag in tags.unwrap_or_default() {
-            part.arg(tag.map_or(-1, |t| t as i64).to_string().as_bytes());
+            part.arg(figure.format(tag.map_or(-1, |t| t as i64)).as_bytes());
         }
         part
     }
@@ -162,9 +163,12 @@ pub(crate) fn unpack(reply: &[u8]) -> Result<Vec<i64>, StoreError> {
     }
     let figure = |chunk: &[u8]| {
         let v = f64::from_le_bytes(chunk.try_into().expect("8 bytes"));
-        // Every figure is an integer of magnitude below 2^53 (see decide.lua).
-        match v.fract() == 0.0 && v.abs() < 9_007_199_254_740_992.0 {
-            true => Ok(v as i64),
+        // Every figure is an integer of magnitude below 2^53 (see decide.lua). Checked by a
+        // round trip through i64 (two conversions) rather than `fract` (a call of libm's
+        // `trunc` per figure, 21 figures a request); NaN becomes 0 and fails the comparison.
+        let i = v as i64;
+        match i as f64 == v && i.unsigned_abs() < 1 << 53 {
+            true => Ok(i),
             false => Err(StoreError::Reply(format!(
                 "figure {v} is not an exact integer"
             ))),
@@ -302,6 +306,22 @@ mod tests {
             unpack(&f64::NAN.to_le_bytes()),
             Err(StoreError::Reply(_))
         ));
+        let edge = 9_007_199_254_740_991.0f64; // 2^53 - 1
+        assert_eq!(unpack(&edge.to_le_bytes()).unwrap(), [(1i64 << 53) - 1]);
+        assert_eq!(unpack(&(-edge).to_le_bytes()).unwrap(), [1 - (1i64 << 53)]);
+        assert_eq!(unpack(&(-0.0f64).to_le_bytes()).unwrap(), [0]);
+        for far in [
+            2f64.powi(53),
+            -(2f64.powi(53)),
+            2f64.powi(63),
+            f64::INFINITY,
+            1e300,
+        ] {
+            assert!(
+                matches!(unpack(&far.to_le_bytes()), Err(StoreError::Reply(_))),
+                "{far}"
+            );
+        }
     }
 
     #[test]
