@@ -115,8 +115,8 @@ async fn pump(
     }
 }
 
-#[tokio::test]
-async fn a_connection_that_falls_silent_is_replaced() {
+/// A Redis, a relay in front of it, and a store (timeout 200 ms) that talks through the relay.
+async fn relayed() -> (RedisServer, Relay, RedisStore) {
     let redis = RedisServer::start();
     let relay = Relay::start(format!("127.0.0.1:{}", redis.port).parse().unwrap()).await;
     let options = StoreOptions {
@@ -126,6 +126,12 @@ async fn a_connection_that_falls_silent_is_replaced() {
     let store = RedisStore::connect(&format!("redis://{}", relay.addr), options)
         .await
         .unwrap();
+    (redis, relay, store)
+}
+
+#[tokio::test]
+async fn a_connection_that_falls_silent_is_replaced() {
+    let (_redis, relay, store) = relayed().await;
     let limit = remote(&fixed("a", 1000, SECOND));
     let layers = [Layer::enforced(&limit, key("caller"))];
     assert!(store
@@ -159,15 +165,7 @@ async fn a_connection_that_falls_silent_is_replaced() {
 
 #[tokio::test]
 async fn a_release_that_fails_is_tried_again_instead_of_holding_the_slot_until_it_expires() {
-    let redis = RedisServer::start();
-    let relay = Relay::start(format!("127.0.0.1:{}", redis.port).parse().unwrap()).await;
-    let options = StoreOptions {
-        timeout: Duration::from_millis(200),
-        ..StoreOptions::default()
-    };
-    let store = RedisStore::connect(&format!("redis://{}", relay.addr), options)
-        .await
-        .unwrap();
+    let (_redis, relay, store) = relayed().await;
     let limit = remote(&concurrency("one-at-a-time", 1));
     let layers = [Layer::enforced(&limit, key("caller"))];
     let first = store.decide(&layers, 1, Mode::Charge).await.unwrap();
