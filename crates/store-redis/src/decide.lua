@@ -170,7 +170,8 @@ local function flush(L)
 end
 
 -- Decides the request whose arguments start at ARGV[p] and whose keys follow KEYS[k]:
--- ARGV[p .. p + 4] = mode, cost, lease id, pinned clock (or empty), layers n; then each
+-- ARGV[p .. p + 5] = mode, cost, lease id, pinned clock (or empty), deadline (or empty),
+-- layers n; then each
 -- layer's parameters; in refund mode, then each layer's refund tag. Returns its reply (the
 -- figures packed as doubles), n, the position of the next request's arguments, and its layers.
 -- A key Redis cannot read as its algorithm's type (an error from GET or ZCOUNT: something else
@@ -178,9 +179,9 @@ end
 -- go through redis.pcall for that reason; an error from redis.call would end the whole call,
 -- after earlier requests' concurrency leases were written and without their replies.
 local function decide(k, p)
-  local mode, cost, lease, pinned, n = ARGV[p], tonumber(ARGV[p + 1]), ARGV[p + 2], ARGV[p + 3],
-    tonumber(ARGV[p + 4])
-  local specs = p + 4 -- ARGV[specs + i]: layer i's parameters
+  local mode, cost, lease, pinned, deadline, n = ARGV[p], tonumber(ARGV[p + 1]), ARGV[p + 2],
+    ARGV[p + 3], ARGV[p + 4], tonumber(ARGV[p + 5])
+  local specs = p + 5 -- ARGV[specs + i]: layer i's parameters
   local tags = specs + n -- ARGV[tags + i]: in refund mode, layer i's refund tag
   local now
   if pinned ~= '' then
@@ -191,6 +192,12 @@ local function decide(k, p)
       clock = t[1] * 1000000 + t[2]
     end
     now = clock
+  end
+  -- Reached after its sender stopped waiting (Redis stalled): the request was answered
+  -- without this decision, so it charges nothing. Reply [5, 0, now], `now` for the sender's
+  -- estimate of Redis's clock.
+  if deadline ~= '' and now > tonumber(deadline) then
+    return pack('<ddd', 5, 0, now), n, specs + n + 1, {}
   end
   local write = mode == 'd'
   local refund = mode == 'r' or mode == 'w' -- 'w': withdraw, a refund that spares queues

@@ -9,6 +9,10 @@ pub enum StoreError {
     /// Redis did not answer within the store's timeout.
     #[error("redis did not answer within {0:?}")]
     Timeout(Duration),
+    /// Redis reached the request after its sender had stopped waiting (a stalled Redis): it
+    /// charged nothing.
+    #[error("redis reached the request after its deadline")]
+    Expired,
     /// Redis answered with an error, or the connection failed.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
@@ -30,7 +34,10 @@ impl StoreError {
     /// layers, or its key holding data of another type).
     pub fn is_store_failure(&self) -> bool {
         match self {
-            StoreError::Timeout(_) | StoreError::Redis(_) | StoreError::Reply(_) => true,
+            StoreError::Timeout(_)
+            | StoreError::Expired
+            | StoreError::Redis(_)
+            | StoreError::Reply(_) => true,
             StoreError::Layers(_) | StoreError::KeyType(_) => false,
         }
     }
@@ -40,6 +47,7 @@ impl StoreError {
     pub(crate) fn share(&self) -> StoreError {
         match self {
             StoreError::Timeout(d) => StoreError::Timeout(*d),
+            StoreError::Expired => StoreError::Expired,
             StoreError::Redis(e) => {
                 StoreError::Redis(redis::RedisError::from((e.kind(), "redis", e.to_string())))
             }

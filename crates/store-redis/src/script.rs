@@ -13,7 +13,8 @@
 //! | 2 | cost |
 //! | 3 | lease id (the ZSET member of concurrency layers; empty if none) |
 //! | 4 | `now` pinned by tests, or empty: the script reads Redis `TIME` (once per call) |
-//! | 5 | n, its number of layers (and of its keys) |
+//! | 5 | deadline, or empty: a decision reached later than this (Redis's clock, as the sender estimates it) charges nothing and answers `[5, 0, now]`, since its sender has stopped waiting |
+//! | 6 | n, its number of layers (and of its keys) |
 //!
 //! then one per layer, in KEYS order: its parameters, one binary string read with a single
 //! `struct.unpack` (cheaper in Redis than parsing several decimal arguments): the algorithm
@@ -32,7 +33,8 @@
 //! `[remaining, reset, tag, own_wait, blocked_until]`.
 //! - outcome: 1 admitted, 0 refused, 2 cost too large (the header only), 3 refunded (refund
 //!   mode: nothing else), 4 failed: `[4, layer]`, that layer's key holds another type in Redis
-//!   (read with `redis.pcall`, so the request fails alone, before writing anything);
+//!   (read with `redis.pcall`, so the request fails alone, before writing anything); 5
+//!   expired: `[5, 0, now]`, reached after its deadline, nothing charged;
 //! - layer: 1-based refusing layer (the longest wait) or the layer whose capacity is too small;
 //! - wait: refused, until the request would pass (-1 for none); admitted, how long to hold it
 //!   first (-1: not held; a limit's `max_delay`), its figures being as of the decision;
@@ -92,7 +94,7 @@ impl Part {
         mode: &str,
         cost: u32,
         lease: &str,
-        now: Option<Nanos>,
+        (now, deadline): (Option<Nanos>, Option<u64>),
         tags: Option<&[Option<u64>]>,
     ) -> Self {
         let mut part = Part {
@@ -106,6 +108,10 @@ impl Part {
         part.arg(lease.as_bytes());
         match now {
             Some(now) => part.arg(figure.format(now.0 / 1_000).as_bytes()),
+            None => part.arg(b""),
+        }
+        match deadline {
+            Some(us) => part.arg(figure.format(us).as_bytes()),
             None => part.arg(b""),
         }
         part.arg(figure.format(layers.len()).as_bytes());
@@ -208,6 +214,9 @@ pub(crate) fn decision(
     }
     if reply.first() == Some(&4) && reply.len() >= 2 {
         return Err(StoreError::KeyType(index(reply[1], layers.len())?));
+    }
+    if reply.first() == Some(&5) {
+        return Err(StoreError::Expired);
     }
     if reply.len() != HEADER + PER_LAYER * layers.len() {
         return Err(StoreError::Reply(format!("{} integers", reply.len())));

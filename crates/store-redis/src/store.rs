@@ -166,6 +166,8 @@ pub struct RedisStore {
     /// Lease ids: this store's random prefix and a counter.
     instance: u64,
     leases: Arc<AtomicU64>,
+    /// Redis's clock as this instance sees it, for the deadlines decisions carry.
+    clock: Arc<RedisClock>,
     /// The leases held now, renewed by one task (see [`renewer`]).
     held: Arc<HeldLeases>,
     /// To the batcher (see the module's doc); it stops when every clone is dropped.
@@ -233,6 +235,7 @@ impl RedisStore {
             options,
             instance: rand::random(),
             leases: Arc::new(AtomicU64::new(0)),
+            clock: Arc::new(RedisClock::default()),
             held,
             calls,
         })
@@ -276,10 +279,27 @@ impl RedisStore {
             String::new()
         };
         let code = if mode == Mode::Charge { "d" } else { "c" };
-        let reply = match self
-            .call(Part::new(layers, code, cost, &lease_id, now, None))
-            .await
-        {
+        let sent = wall_micros();
+        // Past this (Redis's clock), this request is no longer waited for: Redis then
+        // charges nothing for it. Unknown until a first answer has shown Redis's clock.
+        let deadline = match now {
+            None => self.clock.deadline(sent, self.options.timeout),
+            Some(_) => None,
+        };
+        let reply = self
+            .call(Part::new(
+                layers,
+                code,
+                cost,
+                &lease_id,
+                (now, deadline),
+                None,
+            ))
+            .await;
+        if let (Ok(reply), None) = (&reply, now) {
+            self.clock.learn(sent, reply);
+        }
+        let reply = match reply {
             // The call may still run in Redis after this request stopped waiting (a stalled
             // Redis answers late): its lease must not hold the caller's slots until it
             // expires. The release goes out after the call on the same connection, so it
@@ -365,7 +385,7 @@ impl RedisStore {
             lease_id.clone_from(&lease.slots.id);
         }
         let tags = Some(admission.tags.as_slice());
-        let part = Part::new(layers, mode, admission.cost, &lease_id, None, tags);
+        let part = Part::new(layers, mode, admission.cost, &lease_id, (None, None), tags);
         match self.call(part).await?.first() {
             Some(3) => Ok(()),
             _ => Err(StoreError::Reply("refund not confirmed".into())),
@@ -404,6 +424,55 @@ impl RedisStore {
             .await
             .map_err(|_| StoreError::Timeout(self.options.timeout))?
             .map_err(|_| stopped())?
+    }
+}
+
+/// The wall clock in microseconds since the Unix epoch (Redis `TIME`'s scale).
+fn wall_micros() -> i64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    since.map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+/// How far Redis's clock is ahead of this host's, learned from the clock each answer carries.
+///
+/// A sample is Redis's `TIME` at the decision minus this host's clock when the request was
+/// sent: never less than the true offset, and more by the round trip and any wait in Redis.
+/// The smallest sample of the last ten seconds is kept (so a slow answer does not move the
+/// deadlines later), and a newer one replaces it after that (so a clock stepped on either host
+/// is followed within ten seconds). A deadline is thus late by at most a round trip: a
+/// decision Redis reaches within that of its sender giving up still charges.
+#[derive(Debug, Default)]
+struct RedisClock(Mutex<Option<(i64, i64)>>);
+
+/// How long the smallest sample of Redis's clock offset is kept.
+const OFFSET_KEPT_US: i64 = 10_000_000;
+
+impl RedisClock {
+    fn deadline(&self, sent: i64, timeout: Duration) -> Option<u64> {
+        let best = *self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let timeout = i64::try_from(timeout.as_micros()).unwrap_or(i64::MAX);
+        best.and_then(|(offset, _)| {
+            u64::try_from(sent.saturating_add(timeout).saturating_add(offset)).ok()
+        })
+    }
+
+    /// Learns from `reply` (a decision's figures, Redis's `TIME` among them) to a request sent
+    /// at `sent`.
+    fn learn(&self, sent: i64, reply: &[i64]) {
+        let redis_now = match reply {
+            [5, _, now, ..] => *now,
+            [0..=2, rest @ ..] if rest.len() >= 5 => rest[4],
+            _ => return,
+        };
+        if redis_now <= 0 {
+            return;
+        }
+        let sample = redis_now - sent;
+        let mut best = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match *best {
+            Some((offset, at)) if sample >= offset && sent - at < OFFSET_KEPT_US => {}
+            _ => *best = Some((sample, sent)),
+        }
     }
 }
 
@@ -580,4 +649,34 @@ fn check_layers(layers: &[Layer<'_>]) -> Result<(), StoreError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_clock_offset_is_the_smallest_recent_sample_and_follows_a_step() {
+        let clock = RedisClock::default();
+        let timeout = Duration::from_millis(50);
+        assert_eq!(
+            clock.deadline(1_000, timeout),
+            None,
+            "unknown before any answer"
+        );
+        // Redis 5 s ahead; answers seen 300 us and 100 us after sending.
+        clock.learn(1_000_000, &[1, 0, -1, 0, 0, 6_000_300]);
+        clock.learn(2_000_000, &[0, 1, 5, 0, 0, 7_000_100]);
+        assert_eq!(clock.deadline(3_000_000, timeout), Some(8_050_100));
+        // A slower answer does not move it later...
+        clock.learn(3_000_000, &[5, 0, 8_009_000]);
+        assert_eq!(clock.deadline(3_000_000, timeout), Some(8_050_100));
+        // ...until the best sample is ten seconds old: Redis's clock was stepped back 2 s.
+        clock.learn(12_500_000, &[1, 0, -1, 0, 0, 15_500_200]);
+        assert_eq!(clock.deadline(13_000_000, timeout), Some(16_050_200));
+        // Replies without Redis's clock teach nothing.
+        clock.learn(13_000_000, &[3]);
+        clock.learn(13_000_000, &[4, 1]);
+        assert_eq!(clock.deadline(13_000_000, timeout), Some(16_050_200));
+    }
 }

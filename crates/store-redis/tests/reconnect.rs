@@ -252,3 +252,61 @@ async fn a_lease_taken_by_a_decision_that_came_too_late_is_released() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Redis stalls past the store's timeout, then reaches a decision whose sender has given up:
+/// the request was answered without it (a fallback), so it must not be charged in Redis too.
+#[tokio::test]
+async fn a_decision_redis_reaches_after_its_deadline_charges_nothing() {
+    let redis = RedisServer::start();
+    let options = StoreOptions {
+        timeout: Duration::from_millis(300),
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&redis.url(), options).await.unwrap();
+    let limit = remote(&fixed("once-an-hour", 1, Duration::from_secs(3600)));
+    // A first answer shows the store Redis's clock.
+    let other = [Layer::enforced(&limit, key("someone else"))];
+    assert!(store
+        .decide(&other, 1, Mode::Charge)
+        .await
+        .unwrap()
+        .is_admitted());
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    let mut probe = redis.admin().await;
+    let stall = {
+        let mut admin = redis.admin().await;
+        tokio::spawn(async move {
+            let _: () = redis::cmd("DEBUG")
+                .arg("SLEEP")
+                .arg("1")
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+        })
+    };
+    let started = Instant::now();
+    loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "DEBUG SLEEP never stalled Redis"
+        );
+        let cmd = redis::cmd("PING");
+        let ping = cmd.query_async::<String>(&mut probe);
+        if tokio::time::timeout(Duration::from_millis(100), ping)
+            .await
+            .is_err()
+        {
+            break;
+        }
+    }
+    let late = store.decide(&layers, 1, Mode::Charge).await;
+    assert!(matches!(late, Err(StoreError::Timeout(_))), "{late:?}");
+    stall.await.unwrap();
+    // Redis reached the late decision after its deadline and charged nothing: the caller's
+    // one request an hour is still there.
+    let after = store.decide(&layers, 1, Mode::Charge).await.unwrap();
+    assert!(
+        after.is_admitted(),
+        "the late decision was charged: {after:?}"
+    );
+}
