@@ -30,7 +30,9 @@ use crate::quota::{Caller, Notes, Outcome, Quota, Reports, Stop};
 use crate::refusal::quota_exceeded;
 use crate::request_id::{RequestIds, X_REQUEST_ID};
 use crate::route::{malformed_path, normalize_path, Router};
-use crate::server::{default_max_connections, ConnectionCap, MAX_HEADERS, MAX_HEAD_BYTES};
+use crate::server::{
+    check_max_connections, default_max_connections, ConnectionCap, MAX_HEADERS, MAX_HEAD_BYTES,
+};
 
 /// Everything a request needs, built once from the configuration.
 #[derive(Debug)]
@@ -88,12 +90,13 @@ impl Shared {
             quota,
             identity_headers,
             capacity: Capacity::new(config.gateway.max_in_flight.get()),
-            connections: ConnectionCap::new(
-                config
-                    .gateway
-                    .max_connections
-                    .map_or_else(default_max_connections, |n| n.get()),
-            ),
+            connections: ConnectionCap::new(match config.gateway.max_connections {
+                Some(n) => {
+                    check_max_connections(n.get());
+                    n.get()
+                }
+                None => default_max_connections(),
+            }),
             health_path: config.gateway.health_path.clone(),
             merge_slashes: config.gateway.merge_slashes,
             min_body_rate: config.gateway.min_body_rate,

@@ -131,6 +131,25 @@ pub(crate) fn default_max_connections() -> usize {
     open_files_limit(&limits).map_or(10_000, |n| (n / 2).max(64))
 }
 
+/// Warns when a configured `max_connections` is more than the open-files limit allows: past
+/// that, accepting fails (`EMFILE`) before the cap is reached, and upstream and Redis
+/// connections fail with it.
+pub(crate) fn check_max_connections(max: usize) {
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
+    if let Some(limit) = beyond_open_files(max, &limits) {
+        tracing::warn!(
+            max_connections = max,
+            open_files_limit = limit,
+            "max_connections is above the open-files limit: accepting will fail before it is reached; raise the limit (ulimit -n, LimitNOFILE) or lower max_connections"
+        );
+    }
+}
+
+/// The open-files limit, if `max` connections would not fit in it.
+fn beyond_open_files(max: usize, limits: &str) -> Option<usize> {
+    open_files_limit(limits).filter(|&limit| max >= limit)
+}
+
 /// The soft "Max open files" limit in `/proc/<pid>/limits` text.
 fn open_files_limit(limits: &str) -> Option<usize> {
     let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
@@ -556,6 +575,11 @@ mod tests {
         );
         assert_eq!(open_files_limit("nothing here"), None);
         assert!(default_max_connections() >= 64);
+        // A configured cap the limit cannot hold is found (and warned about at start).
+        assert_eq!(beyond_open_files(1023, limits), None);
+        assert_eq!(beyond_open_files(1024, limits), Some(1024));
+        assert_eq!(beyond_open_files(100_000, limits), Some(1024));
+        assert_eq!(beyond_open_files(100_000, "nothing here"), None);
     }
 
     #[tokio::test(start_paused = true)]
