@@ -1248,3 +1248,20 @@ async fn trailer_fields_of_a_chunked_answer_reach_an_http2_client() {
         "{reply}"
     );
 }
+
+/// An upstream answer cut short reaches the client as its head and the part that came, then
+/// the cut (as through hyper's client): not as a connection closed with nothing at all.
+#[tokio::test]
+async fn an_answer_cut_short_reaches_the_client_up_to_the_cut() {
+    let up = raw_upstream(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhello").await;
+    let gw = Sluice::start(&config(&format!("http://{up}"), "5s"));
+    for _ in 0..5 {
+        let reply = raw_exchange(
+            gw.main,
+            b"GET /api/x HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(reply.starts_with("HTTP/1.1 200 "), "{reply:?}");
+        assert!(reply.ends_with("hello"), "{reply:?}");
+    }
+}

@@ -216,10 +216,17 @@ impl UpstreamClient {
         let now = Instant::now();
         let deadline = now + self.timeout;
         // A kept connection the upstream closed as the request went out: a request that
-        // may be repeated (RFC 9110 section 9.2.2) goes out again on another connection.
-        let mut retries = if parts.method.is_idempotent() { 3 } else { 0 };
+        // may be repeated (RFC 9110 section 9.2.2) goes out again, once, on a new connection
+        // (the other kept ones may have died with it: an upstream restarting closes them all).
+        let mut may_retry = parts.method.is_idempotent();
+        let mut use_pool = true;
         loop {
-            let (plain, pooled) = match self.plain.checkout(now) {
+            let kept = if use_pool {
+                self.plain.checkout(now)
+            } else {
+                None
+            };
+            let (plain, pooled) = match kept {
                 Some(plain) => (plain, true),
                 None => match Box::pin(self.open(deadline)).await {
                     Ok(stream) => (h1_client::Plain::new(stream, deadline), false),
@@ -241,7 +248,9 @@ impl UpstreamClient {
                 Ok(Answer::Streaming(res, body)) => {
                     return Ok(res.map(|()| Upstreamed::Plain(body)))
                 }
-                Err(h1_client::Error::Unanswered(_)) if pooled && retries > 0 => retries -= 1,
+                Err(h1_client::Error::Unanswered(_)) if pooled && may_retry => {
+                    (may_retry, use_pool) = (false, false);
+                }
                 Err(h1_client::Error::Timeout) => return Err(Problem::upstream_timeout()),
                 Err(e @ h1_client::Error::Framing(_)) => {
                     tracing::debug!(upstream = %self.authority, error = %e, "the upstream's response framing cannot be passed on");

@@ -480,6 +480,8 @@ pub(crate) async fn exchange(
         keep_alive: head.keep_alive,
         pools: Arc::clone(pools),
         big_reads: false,
+        delivered: false,
+        failed: None,
     };
     match body.take_whole() {
         Ok(Some((data, plain))) => Ok(Answer::Whole(res.map(|()| data), plain)),
@@ -504,6 +506,11 @@ pub(crate) struct Streaming {
     /// half full (a trickle must not hold a large allocation per byte while the client is
     /// slow to take it).
     big_reads: bool,
+    /// A piece was handed on since the last `Pending`; a failure then waits one poll (see
+    /// [`Streaming::poll_frame`]).
+    delivered: bool,
+    /// The failure to report at the next poll.
+    failed: Option<io::Error>,
 }
 
 impl Streaming {
@@ -591,7 +598,7 @@ impl Streaming {
     }
 
     pub(crate) fn is_end_stream(&self) -> bool {
-        self.plain.is_none() || self.framing == Framing::Length(0)
+        self.failed.is_none() && (self.plain.is_none() || self.framing == Framing::Length(0))
     }
 
     pub(crate) fn size_hint(&self) -> SizeHint {
@@ -603,11 +610,38 @@ impl Streaming {
         }
     }
 
-    /// The next piece of the body.
+    /// The next piece of the body. A failure found right after pieces were handed on is
+    /// reported one poll later, after a `Pending` (with a wake-up): hyper ends the connection
+    /// at once on a body error, dropping what it has not sent yet, and on `Pending` it first
+    /// sends what it has. So the client gets the head and the pieces before the cut, as
+    /// through hyper's client, rather than nothing at all.
     pub(crate) fn poll_frame(
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        if let Some(e) = self.failed.take() {
+            return Poll::Ready(Some(Err(e)));
+        }
+        match self.poll_next(cx) {
+            Poll::Ready(Some(Err(e))) if self.delivered => {
+                self.delivered = false;
+                self.failed = Some(e);
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+            Poll::Ready(Some(Ok(frame))) => {
+                self.delivered = true;
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Pending => {
+                self.delivered = false;
+                Poll::Pending
+            }
+            other => other,
+        }
+    }
+
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         let bad = |what: &'static str| io::Error::new(io::ErrorKind::InvalidData, what);
         loop {
             let Some(plain) = self.plain.as_mut() else {
@@ -636,13 +670,12 @@ impl Streaming {
                     let mut room = ReadBuf::new(&mut piece);
                     match Pin::new(&mut conn.io).poll_read(cx, &mut room) {
                         Poll::Pending => return Poll::Pending,
-                        Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e))),
+                        Poll::Ready(Err(e)) => return self.fail(e),
                         Poll::Ready(Ok(())) => {}
                     }
                     let got = room.filled().len();
                     if got == 0 {
-                        self.plain = None;
-                        return Poll::Ready(Some(Err(io::ErrorKind::UnexpectedEof.into())));
+                        return self.fail(io::ErrorKind::UnexpectedEof.into());
                     }
                     *n -= got as u64;
                     let data = if got < piece.len() / 2 {
@@ -684,16 +717,16 @@ impl Streaming {
                 Framing::Chunked(Chunk::Trailers) => match trailers_end(conn.buffered()) {
                     Err(what) => return self.fail(bad(what)),
                     Ok(Some(len)) => {
-                        let fields = trailer_fields(&conn.buffered()[..len]);
+                        let fields = match trailer_fields(&conn.buffered()[..len]) {
+                            Err(what) => return self.fail(bad(what)),
+                            Ok(fields) => fields,
+                        };
                         conn.start += len;
                         self.framing = Framing::Length(0);
                         self.finish();
                         match fields {
-                            Err(what) => return self.fail(bad(what)),
-                            Ok(None) => continue,
-                            Ok(Some(fields)) => {
-                                return Poll::Ready(Some(Ok(Frame::trailers(fields))));
-                            }
+                            None => continue,
+                            Some(fields) => return Poll::Ready(Some(Ok(Frame::trailers(fields)))),
                         }
                     }
                     Ok(None) => {}
@@ -1090,6 +1123,11 @@ mod tests {
         let short = b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\nhello";
         let (_, body, kept) = run(short, true, true).await;
         assert!(body.is_err() && !kept, "{body:?}");
+        let bad_trailer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nbad name: 1\r\n\r\n";
+        for bytewise in [false, true] {
+            let (_, body, kept) = run(bad_trailer, bytewise, false).await;
+            assert!(body.is_err() && !kept, "{body:?} kept: {kept}");
+        }
         let bad = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n";
         for bytewise in [false, true] {
             let (_, body, kept) = run(bad, bytewise, false).await;
