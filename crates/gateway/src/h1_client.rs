@@ -211,7 +211,7 @@ impl Conn {
         }
         if self.end == self.rbuf.len() {
             if self.rbuf.len() >= max {
-                return Poll::Ready(Err(io::Error::other("response head too large")));
+                return Poll::Ready(Err(io::Error::other("more than the read buffer may hold")));
             }
             self.rbuf.resize((self.rbuf.len() * 2).min(max), 0);
         }
