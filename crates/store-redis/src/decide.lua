@@ -197,7 +197,9 @@ local function decide(k, p)
   -- without this decision, so it charges nothing. Reply [5, 0, now], `now` for the sender's
   -- estimate of Redis's clock.
   if deadline ~= '' and now > tonumber(deadline) then
-    return pack('<ddd', 5, 0, now), n, specs + n + 1, {}
+    -- (A refund carries no deadline; its tags would follow if it did.)
+    local next = (mode == 'r' or mode == 'w') and specs + 2 * n + 1 or specs + n + 1
+    return pack('<ddd', 5, 0, now), n, next, {}
   end
   local write = mode == 'd'
   local refund = mode == 'r' or mode == 'w' -- 'w': withdraw, a refund that spares queues

@@ -100,7 +100,7 @@ impl Part {
         let mut part = Part {
             keys: layers.iter().map(|l| l.limit.key_name(l.key)).collect(),
             args: Vec::with_capacity(64 + 42 * layers.len()),
-            ends: Vec::with_capacity(5 + 2 * layers.len()),
+            ends: Vec::with_capacity(6 + 2 * layers.len()),
         };
         let mut figure = itoa::Buffer::new();
         part.arg(mode.as_bytes());

@@ -131,14 +131,14 @@ impl Link {
         if self.timeouts.fetch_add(1, Ordering::Relaxed) + 1 < SILENT_AFTER {
             return;
         }
-        let now = tokio::time::Instant::now();
-        {
-            let last = self.last_replaced.lock().unwrap_or_else(|e| e.into_inner());
-            if last.is_some_and(|t| now < t + REPLACE_EVERY) {
-                return;
-            }
-        }
         if self.replacing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Checked while holding the flag: a replacement that just ended has set it.
+        let now = tokio::time::Instant::now();
+        let last = *self.last_replaced.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|t| now < t + REPLACE_EVERY) {
+            self.replacing.store(false, Ordering::Release);
             return;
         }
         let link = Arc::clone(self);
@@ -177,7 +177,8 @@ pub struct RedisStore {
 /// A request waiting for its part of an `EVALSHA`.
 struct Call {
     part: Part,
-    reply: oneshot::Sender<Result<Vec<i64>, StoreError>>,
+    /// The request's figures, and whether the call was sent twice (see [`eval`]).
+    reply: oneshot::Sender<Result<(Vec<i64>, bool), StoreError>>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -296,22 +297,23 @@ impl RedisStore {
                 None,
             ))
             .await;
-        if let (Ok(reply), None) = (&reply, now) {
-            self.clock.learn(sent, reply);
+        if let (Ok((reply, _)), None) = (&reply, now) {
+            self.clock.learn(sent, reply, tokio::time::Instant::now());
         }
-        let reply = match reply {
+        // A call sent twice (its connection broke) may have taken a lease in its first run
+        // that the second run counted against it: unless it admitted, that lease is released.
+        if let Ok((reply, true)) = &reply {
+            if leases && reply.first() != Some(&1) {
+                self.release_leases(layers, &lease_id);
+            }
+        }
+        let reply = match reply.map(|(figures, _)| figures) {
             // The call may still run in Redis after this request stopped waiting (a stalled
             // Redis answers late): its lease must not hold the caller's slots until it
             // expires. The release goes out after the call on the same connection, so it
             // finds the lease if the call ran, and removes nothing if it did not.
             Err(e) if leases && e.is_store_failure() => {
-                let keys = layers
-                    .iter()
-                    .filter(|l| l.limit.is_concurrency())
-                    .map(|l| l.limit.key_name(l.key))
-                    .collect();
-                let slots = Arc::new(LeaseSlots { id: lease_id, keys });
-                crate::decision::release_later(self.clone(), slots);
+                self.release_leases(layers, &lease_id);
                 return Err(e);
             }
             other => other?,
@@ -335,6 +337,20 @@ impl RedisStore {
             }
         }
         Ok(decision)
+    }
+
+    /// Releases lease `id` from every concurrency layer of `layers`, in the background.
+    fn release_leases(&self, layers: &[Layer<'_>], id: &str) {
+        let keys = layers
+            .iter()
+            .filter(|l| l.limit.is_concurrency())
+            .map(|l| l.limit.key_name(l.key))
+            .collect();
+        let slots = Arc::new(LeaseSlots {
+            id: id.to_owned(),
+            keys,
+        });
+        crate::decision::release_later(self.clone(), slots);
     }
 
     /// Takes back every charge of `admission` (decided over `layers`) and its leases, in one
@@ -386,7 +402,7 @@ impl RedisStore {
         }
         let tags = Some(admission.tags.as_slice());
         let part = Part::new(layers, mode, admission.cost, &lease_id, (None, None), tags);
-        match self.call(part).await?.first() {
+        match self.call(part).await?.0.first() {
             Some(3) => Ok(()),
             _ => Err(StoreError::Reply("refund not confirmed".into())),
         }
@@ -400,8 +416,9 @@ impl RedisStore {
         }
         let mut conn = self.link.conn();
         let call = pipe.query_async::<()>(&mut conn);
+        // A release's timeout does not count towards replacing the connection: a stalled
+        // decision's leases are released at once, and would count one stall several times.
         let Ok(done) = tokio::time::timeout(self.options.timeout, call).await else {
-            self.link.timed_out();
             return Err(StoreError::Timeout(self.options.timeout));
         };
         done?;
@@ -414,7 +431,7 @@ impl RedisStore {
     }
 
     /// Has the batcher decide `part` in the next `EVALSHA`, within the timeout.
-    async fn call(&self, part: Part) -> Result<Vec<i64>, StoreError> {
+    async fn call(&self, part: Part) -> Result<(Vec<i64>, bool), StoreError> {
         let (reply, answer) = oneshot::channel();
         let stopped = || StoreError::Reply("the store's batcher has stopped".into());
         self.calls
@@ -437,15 +454,18 @@ fn wall_micros() -> i64 {
 ///
 /// A sample is Redis's `TIME` at the decision minus this host's clock when the request was
 /// sent: never less than the true offset, and more by the round trip and any wait in Redis.
-/// The smallest sample of the last ten seconds is kept (so a slow answer does not move the
-/// deadlines later), and a newer one replaces it after that (so a clock stepped on either host
-/// is followed within ten seconds). A deadline is thus late by at most a round trip: a
+/// The smallest sample is kept for ten seconds (so one slow answer does not move the deadlines
+/// later), then the next one replaces it, whatever it is (so the estimate follows drift). An
+/// answer that says a request arrived past its deadline while its sender was still waiting
+/// shows the estimate is too small (a host's clock was stepped): it replaces it at once, so a
+/// step costs one call's requests a fallback, not ten seconds of them. The age is measured on
+/// the monotonic clock, which no step moves. A deadline is late by at most a round trip: a
 /// decision Redis reaches within that of its sender giving up still charges.
 #[derive(Debug, Default)]
-struct RedisClock(Mutex<Option<(i64, i64)>>);
+struct RedisClock(Mutex<Option<(i64, tokio::time::Instant)>>);
 
 /// How long the smallest sample of Redis's clock offset is kept.
-const OFFSET_KEPT_US: i64 = 10_000_000;
+const OFFSET_KEPT: Duration = Duration::from_secs(10);
 
 impl RedisClock {
     fn deadline(&self, sent: i64, timeout: Duration) -> Option<u64> {
@@ -457,11 +477,11 @@ impl RedisClock {
     }
 
     /// Learns from `reply` (a decision's figures, Redis's `TIME` among them) to a request sent
-    /// at `sent`.
-    fn learn(&self, sent: i64, reply: &[i64]) {
-        let redis_now = match reply {
-            [5, _, now, ..] => *now,
-            [0..=2, rest @ ..] if rest.len() >= 5 => rest[4],
+    /// at `sent` (wall clock, us), received at `now` (monotonic).
+    fn learn(&self, sent: i64, reply: &[i64], now: tokio::time::Instant) {
+        let (redis_now, expired) = match reply {
+            [5, _, t, ..] => (*t, true),
+            [0..=2, rest @ ..] if rest.len() >= 5 => (rest[4], false),
             _ => return,
         };
         if redis_now <= 0 {
@@ -470,8 +490,9 @@ impl RedisClock {
         let sample = redis_now - sent;
         let mut best = self.0.lock().unwrap_or_else(|e| e.into_inner());
         match *best {
-            Some((offset, at)) if sample >= offset && sent - at < OFFSET_KEPT_US => {}
-            _ => *best = Some((sample, sent)),
+            Some((offset, at))
+                if !expired && sample >= offset && now.duration_since(at) < OFFSET_KEPT => {}
+            _ => *best = Some((sample, now)),
         }
     }
 }
@@ -573,9 +594,9 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
         Ok(_) => link.answered(),
     }
     match result {
-        Ok(replies) => {
+        Ok((replies, resent)) => {
             for (call, reply) in batch.into_iter().zip(replies) {
-                let _ = call.reply.send(Ok(reply));
+                let _ = call.reply.send(Ok((reply, resent)));
             }
         }
         Err(e) => {
@@ -592,9 +613,9 @@ async fn call_script(
     sha: &str,
     options: StoreOptions,
     calls: &[Call],
-) -> Result<Vec<Vec<i64>>, StoreError> {
+) -> Result<(Vec<Vec<i64>>, bool), StoreError> {
     let cmd = script::invocation(sha, options.lease_ttl, calls.iter().map(|c| &c.part));
-    let replies = match tokio::time::timeout(options.timeout, eval(conn, &cmd)).await {
+    let (replies, resent) = match tokio::time::timeout(options.timeout, eval(conn, &cmd)).await {
         Ok(result) => result?,
         Err(_) => return Err(StoreError::Timeout(options.timeout)),
     };
@@ -604,16 +625,27 @@ async fn call_script(
             "{got} replies for {sent} requests"
         )));
     }
-    replies.iter().map(|r| script::unpack(r)).collect()
+    let replies = replies
+        .iter()
+        .map(|r| script::unpack(r))
+        .collect::<Result<_, _>>()?;
+    Ok((replies, resent))
 }
 
 /// Runs `cmd` (an `EVALSHA`), loading the script again if Redis lost it (`NOSCRIPT`, e.g.
 /// after a restart or `SCRIPT FLUSH`), and sending it once more if the connection turns out
 /// broken (Redis restarted or closed it; the manager is connecting anew): otherwise the first
 /// call after every Redis restart would fail. A call whose connection broke after Redis ran it
-/// but before the answer came back is then run twice, charging its requests twice; that
-/// errs towards refusing, and needs the connection to die in the middle of one call.
-async fn eval(conn: &mut ConnectionManager, cmd: &redis::Cmd) -> Result<Vec<Vec<u8>>, StoreError> {
+/// but before the answer came back (every call in flight on it) is then run twice, charging
+/// its requests twice, which errs towards refusing; and a concurrency lease the first run took
+/// may make the second refuse, so the caller releases the leases of a resent call that did
+/// not admit (see `decide_inner`). Only a broken or refused connection is a reason: a reply
+/// that does not parse means Redis ran the call, and it is not sent again. Returns the
+/// replies and whether the call was sent twice.
+async fn eval(
+    conn: &mut ConnectionManager,
+    cmd: &redis::Cmd,
+) -> Result<(Vec<Vec<u8>>, bool), StoreError> {
     let (mut loaded, mut resent) = (false, false);
     loop {
         match cmd.query_async(conn).await {
@@ -621,10 +653,10 @@ async fn eval(conn: &mut ConnectionManager, cmd: &redis::Cmd) -> Result<Vec<Vec<
                 loaded = true;
                 load(conn).await?;
             }
-            Err(e) if !resent && (e.is_unrecoverable_error() || e.is_connection_dropped()) => {
+            Err(e) if !resent && (e.is_connection_dropped() || e.is_connection_refusal()) => {
                 resent = true;
             }
-            other => return Ok(other?),
+            other => return Ok((other?, resent)),
         }
     }
 }
@@ -659,24 +691,31 @@ mod tests {
     fn the_clock_offset_is_the_smallest_recent_sample_and_follows_a_step() {
         let clock = RedisClock::default();
         let timeout = Duration::from_millis(50);
+        let t0 = tokio::time::Instant::now();
+        let at = |secs: u64| t0 + Duration::from_secs(secs);
         assert_eq!(
             clock.deadline(1_000, timeout),
             None,
             "unknown before any answer"
         );
         // Redis 5 s ahead; answers seen 300 us and 100 us after sending.
-        clock.learn(1_000_000, &[1, 0, -1, 0, 0, 6_000_300]);
-        clock.learn(2_000_000, &[0, 1, 5, 0, 0, 7_000_100]);
+        clock.learn(1_000_000, &[1, 0, -1, 0, 0, 6_000_300], at(0));
+        clock.learn(2_000_000, &[0, 1, 5, 0, 0, 7_000_100], at(1));
         assert_eq!(clock.deadline(3_000_000, timeout), Some(8_050_100));
         // A slower answer does not move it later...
-        clock.learn(3_000_000, &[5, 0, 8_009_000]);
+        clock.learn(3_000_000, &[1, 0, -1, 0, 0, 8_009_000], at(2));
         assert_eq!(clock.deadline(3_000_000, timeout), Some(8_050_100));
-        // ...until the best sample is ten seconds old: Redis's clock was stepped back 2 s.
-        clock.learn(12_500_000, &[1, 0, -1, 0, 0, 15_500_200]);
-        assert_eq!(clock.deadline(13_000_000, timeout), Some(16_050_200));
+        // ...until the best sample is ten seconds old (monotonic): then the next one counts.
+        clock.learn(13_000_000, &[1, 0, -1, 0, 0, 18_000_700], at(11));
+        assert_eq!(clock.deadline(14_000_000, timeout), Some(19_050_700));
+        // This host's clock is stepped back 2 s: samples are 2 s larger, so deadlines come
+        // 2 s early and Redis answers "expired" while the sender still waits; that one answer
+        // replaces the estimate, well within ten seconds.
+        clock.learn(12_000_000, &[5, 0, 19_000_200], at(12));
+        assert_eq!(clock.deadline(12_000_000, timeout), Some(19_050_200));
         // Replies without Redis's clock teach nothing.
-        clock.learn(13_000_000, &[3]);
-        clock.learn(13_000_000, &[4, 1]);
-        assert_eq!(clock.deadline(13_000_000, timeout), Some(16_050_200));
+        clock.learn(13_000_000, &[3], at(13));
+        clock.learn(13_000_000, &[4, 1], at(13));
+        assert_eq!(clock.deadline(12_000_000, timeout), Some(19_050_200));
     }
 }
