@@ -194,6 +194,36 @@ async fn a_release_that_fails_is_tried_again_instead_of_holding_the_slot_until_i
     }
 }
 
+/// Stalls `redis` for a second (`DEBUG SLEEP 1`); returns once the stall has begun (a `PING`
+/// on another connection no longer answers at once), with the task that ends with it.
+async fn stall_for_a_second(redis: &RedisServer) -> tokio::task::JoinHandle<()> {
+    let mut probe = redis.admin().await;
+    let mut admin = redis.admin().await;
+    let stall = tokio::spawn(async move {
+        let _: () = redis::cmd("DEBUG")
+            .arg("SLEEP")
+            .arg("1")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+    });
+    let started = Instant::now();
+    loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "DEBUG SLEEP never stalled Redis"
+        );
+        let cmd = redis::cmd("PING");
+        let ping = cmd.query_async::<String>(&mut probe);
+        if tokio::time::timeout(Duration::from_millis(100), ping)
+            .await
+            .is_err()
+        {
+            return stall;
+        }
+    }
+}
+
 /// Redis stalls past the store's timeout, then runs the decision it was sent: the request
 /// has already been answered without it (a fallback), so the lease that decision took must
 /// not hold the caller's slot until it expires.
@@ -207,34 +237,7 @@ async fn a_lease_taken_by_a_decision_that_came_too_late_is_released() {
     let store = RedisStore::connect(&redis.url(), options).await.unwrap();
     let limit = remote(&concurrency("one-at-a-time", 1));
     let layers = [Layer::enforced(&limit, key("caller"))];
-    let mut probe = redis.admin().await;
-    let stall = {
-        let mut admin = redis.admin().await;
-        tokio::spawn(async move {
-            let _: () = redis::cmd("DEBUG")
-                .arg("SLEEP")
-                .arg("1")
-                .query_async(&mut admin)
-                .await
-                .unwrap();
-        })
-    };
-    // DEBUG SLEEP is running once a PING on another connection no longer answers at once.
-    let started = Instant::now();
-    loop {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "DEBUG SLEEP never stalled Redis"
-        );
-        let cmd = redis::cmd("PING");
-        let ping = cmd.query_async::<String>(&mut probe);
-        if tokio::time::timeout(Duration::from_millis(100), ping)
-            .await
-            .is_err()
-        {
-            break;
-        }
-    }
+    let stall = stall_for_a_second(&redis).await;
     let late = store.decide(&layers, 1, Mode::Charge).await;
     assert!(matches!(late, Err(StoreError::Timeout(_))), "{late:?}");
     stall.await.unwrap();
@@ -272,33 +275,7 @@ async fn a_decision_redis_reaches_after_its_deadline_charges_nothing() {
         .unwrap()
         .is_admitted());
     let layers = [Layer::enforced(&limit, key("caller"))];
-    let mut probe = redis.admin().await;
-    let stall = {
-        let mut admin = redis.admin().await;
-        tokio::spawn(async move {
-            let _: () = redis::cmd("DEBUG")
-                .arg("SLEEP")
-                .arg("1")
-                .query_async(&mut admin)
-                .await
-                .unwrap();
-        })
-    };
-    let started = Instant::now();
-    loop {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "DEBUG SLEEP never stalled Redis"
-        );
-        let cmd = redis::cmd("PING");
-        let ping = cmd.query_async::<String>(&mut probe);
-        if tokio::time::timeout(Duration::from_millis(100), ping)
-            .await
-            .is_err()
-        {
-            break;
-        }
-    }
+    let stall = stall_for_a_second(&redis).await;
     let late = store.decide(&layers, 1, Mode::Charge).await;
     assert!(matches!(late, Err(StoreError::Timeout(_))), "{late:?}");
     stall.await.unwrap();
