@@ -136,23 +136,22 @@ impl UpstreamClient {
     /// longer than `max_body` bytes is cut, and the answer is 413.
     pub(crate) async fn send(
         &self,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         max_body: u64,
         min_rate: Option<MinBodyRate>,
     ) -> Result<Response<Upstreamed>, Problem> {
+        // The upstream gets the origin form: the path and query alone.
+        let path = req
+            .uri()
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        *req.uri_mut() = Uri::from(path);
         if http_body::Body::is_end_stream(req.body())
             && !req.headers().contains_key(UPGRADE)
             && req.method() != Method::CONNECT
         {
-            let (mut parts, _) = req.into_parts();
-            parts.uri = Uri::from(
-                parts
-                    .uri
-                    .path_and_query()
-                    .cloned()
-                    .unwrap_or_else(|| PathAndQuery::from_static("/")),
-            );
-            return self.send_plain(parts).await;
+            return self.send_plain(req.into_parts().0).await;
         }
         let mut req = req.map(|body| Upload::new(body, max_body, min_rate, self.timeout));
         // A body of no declared length goes chunked. hyper's client would send a GET's, HEAD's
@@ -164,12 +163,6 @@ impl UpstreamClient {
             req.headers_mut()
                 .insert(http::header::TRANSFER_ENCODING, chunked);
         }
-        let path = req
-            .uri()
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/"));
-        *req.uri_mut() = Uri::from(path);
         *req.version_mut() = http::Version::HTTP_11;
         let now = Instant::now();
         // The client's body broken or cut: its connection cannot go on.

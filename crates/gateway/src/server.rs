@@ -127,22 +127,25 @@ pub(crate) struct Room {
 /// upstream and Redis connections and the listeners), at least 64; 10,000 if the limit cannot
 /// be read.
 pub(crate) fn default_max_connections() -> usize {
-    let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
-    open_files_limit(&limits).map_or(10_000, |n| (n / 2).max(64))
+    open_files_limit(&own_limits()).map_or(10_000, |n| (n / 2).max(64))
 }
 
 /// Warns when a configured `max_connections` is more than the open-files limit allows: past
 /// that, accepting fails (`EMFILE`) before the cap is reached, and upstream and Redis
 /// connections fail with it.
 pub(crate) fn check_max_connections(max: usize) {
-    let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
-    if let Some(limit) = beyond_open_files(max, &limits) {
+    if let Some(limit) = beyond_open_files(max, &own_limits()) {
         tracing::warn!(
             max_connections = max,
             open_files_limit = limit,
             "max_connections is above the open-files limit: accepting will fail before it is reached; raise the limit (ulimit -n, LimitNOFILE) or lower max_connections"
         );
     }
+}
+
+/// This process's `/proc/self/limits` (empty where there is none).
+fn own_limits() -> String {
+    std::fs::read_to_string("/proc/self/limits").unwrap_or_default()
 }
 
 /// The open-files limit, if `max` connections would not fit in it.

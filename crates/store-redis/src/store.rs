@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use sluice_limiter::{Key, Nanos};
+use sluice_limiter::{Clock, Key, Nanos, SystemClock};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::decision::{Lease, LeaseSlots, RemoteDecision};
@@ -280,7 +280,7 @@ impl RedisStore {
             String::new()
         };
         let code = if mode == Mode::Charge { "d" } else { "c" };
-        let sent = wall_micros();
+        let sent = self.clock.local_micros();
         // Past this (Redis's clock), this request is no longer waited for: Redis then
         // charges nothing for it. Unknown until a first answer has shown Redis's clock.
         let deadline = match now {
@@ -297,26 +297,29 @@ impl RedisStore {
                 None,
             ))
             .await;
-        if let (Ok((reply, _)), None) = (&reply, now) {
-            self.clock.learn(sent, reply, tokio::time::Instant::now());
-        }
-        // A call sent twice (its connection broke) may have taken a lease in its first run
-        // that the second run counted against it: unless it admitted, that lease is released.
-        if let Ok((reply, true)) = &reply {
-            if leases && reply.first() != Some(&1) {
-                self.release_leases(layers, &lease_id);
+        let reply = match reply {
+            Ok((reply, resent)) => {
+                if now.is_none() {
+                    self.clock.learn(sent, &reply, tokio::time::Instant::now());
+                }
+                // A call sent twice (its connection broke) may have taken a lease in its first
+                // run that the second run counted against it: unless it admitted, that lease
+                // is released.
+                if resent && leases && reply.first() != Some(&1) {
+                    self.release_leases(layers, &lease_id);
+                }
+                reply
             }
-        }
-        let reply = match reply.map(|(figures, _)| figures) {
             // The call may still run in Redis after this request stopped waiting (a stalled
             // Redis answers late): its lease must not hold the caller's slots until it
             // expires. The release goes out after the call on the same connection, so it
             // finds the lease if the call ran, and removes nothing if it did not.
-            Err(e) if leases && e.is_store_failure() => {
-                self.release_leases(layers, &lease_id);
+            Err(e) => {
+                if leases && e.is_store_failure() {
+                    self.release_leases(layers, &lease_id);
+                }
                 return Err(e);
             }
-            other => other?,
         };
         let mut decision = script::decision(&reply, layers, cost)?;
         if let RemoteDecision::Admitted(a) = &mut decision {
@@ -444,16 +447,11 @@ impl RedisStore {
     }
 }
 
-/// The wall clock in microseconds since the Unix epoch (Redis `TIME`'s scale).
-fn wall_micros() -> i64 {
-    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
-    since.map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
-}
-
 /// How far Redis's clock is ahead of this host's, learned from the clock each answer carries.
 ///
-/// A sample is Redis's `TIME` at the decision minus this host's clock when the request was
-/// sent: never less than the true offset, and more by the round trip and any wait in Redis.
+/// This host's clock is the limiter's [`SystemClock`] (the Unix epoch read once, then
+/// monotonic), so a step of this host's wall clock does not move it. A sample is Redis's
+/// `TIME` at the decision minus this clock when the request was sent: never less than the true offset, and more by the round trip and any wait in Redis.
 /// The smallest sample is kept for ten seconds (so one slow answer does not move the deadlines
 /// later), then the next one replaces it, whatever it is (so the estimate follows drift). An
 /// answer that says a request arrived past its deadline while its sender was still waiting
@@ -462,14 +460,23 @@ fn wall_micros() -> i64 {
 /// the monotonic clock, which no step moves. A deadline is late by at most a round trip: a
 /// decision Redis reaches within that of its sender giving up still charges.
 #[derive(Debug, Default)]
-struct RedisClock(Mutex<Option<(i64, tokio::time::Instant)>>);
+struct RedisClock {
+    local: SystemClock,
+    /// The offset kept (us) and when it was learned.
+    best: Mutex<Option<(i64, tokio::time::Instant)>>,
+}
 
 /// How long the smallest sample of Redis's clock offset is kept.
 const OFFSET_KEPT: Duration = Duration::from_secs(10);
 
 impl RedisClock {
+    /// This host's clock in microseconds since the Unix epoch (Redis `TIME`'s scale).
+    fn local_micros(&self) -> i64 {
+        i64::try_from(self.local.now().0 / 1_000).unwrap_or(i64::MAX)
+    }
+
     fn deadline(&self, sent: i64, timeout: Duration) -> Option<u64> {
-        let best = *self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let best = *self.best.lock().unwrap_or_else(|e| e.into_inner());
         let timeout = i64::try_from(timeout.as_micros()).unwrap_or(i64::MAX);
         best.and_then(|(offset, _)| {
             u64::try_from(sent.saturating_add(timeout).saturating_add(offset)).ok()
@@ -488,7 +495,7 @@ impl RedisClock {
             return;
         }
         let sample = redis_now - sent;
-        let mut best = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut best = self.best.lock().unwrap_or_else(|e| e.into_inner());
         match *best {
             Some((offset, at))
                 if !expired && sample >= offset && now.duration_since(at) < OFFSET_KEPT => {}
