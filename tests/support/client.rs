@@ -113,7 +113,6 @@ pub async fn send_and_leave(addr: SocketAddr, path: &str, key: &str, after: Dura
     tokio::time::sleep(after).await;
 }
 
-/// `GET path` with the given extra headers.
 /// An HTTP/2 (prior knowledge) connection to `addr`, driven in the background.
 pub async fn h2_sender<B>(addr: SocketAddr) -> hyper::client::conn::http2::SendRequest<B>
 where
@@ -132,6 +131,7 @@ where
     sender
 }
 
+/// `GET path` with the given extra headers.
 pub async fn get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Reply {
     let mut b = Request::get(path).header("host", addr.to_string());
     for (k, v) in headers {

@@ -69,13 +69,11 @@ pub(crate) struct UpstreamClient {
     authority: Authority,
     timeout: Duration,
     connect_timeout: Duration,
-    idle: Box<[Mutex<Pool<Kept>>]>,
+    /// Kept connections of hyper's client, for requests with a body or an upgrade.
+    idle: Pools<Kept>,
     /// Kept connections of the gateway's own client, for requests without a body or an
-    /// upgrade (`h1_client.rs`).
-    plain: Arc<h1_client::Pools>,
-    /// Connections each pool keeps for reuse (`idle_connections`); more are closed once
-    /// their exchange ends.
-    keep: usize,
+    /// upgrade (`h1_client.rs`); shared with the response bodies that hand theirs back.
+    plain: Arc<Pools<h1_client::Plain>>,
     tunnel_idle_timeout: Duration,
 }
 
@@ -109,9 +107,8 @@ impl UpstreamClient {
                 .expect("validated upstream URLs have a host"),
             timeout: u.timeout,
             connect_timeout: u.connect_timeout,
-            idle: (0..POOLS).map(|_| Mutex::new(Pool::default())).collect(),
-            plain: h1_client::Pools::new(POOLS, usize::from(u.idle_connections)),
-            keep: usize::from(u.idle_connections),
+            idle: Pools::new(usize::from(u.idle_connections)),
+            plain: Arc::new(Pools::new(usize::from(u.idle_connections))),
             tunnel_idle_timeout: u.tunnel_idle_timeout,
         }
     }
@@ -215,7 +212,7 @@ impl UpstreamClient {
         let mut use_pool = true;
         loop {
             let kept = if use_pool {
-                self.plain.checkout(now)
+                self.plain.checkout(now, h1_client::Plain::readiness)
             } else {
                 None
             };
@@ -317,8 +314,7 @@ impl UpstreamClient {
     /// and stale connections are dropped; busy ones (response body still streaming) go to the
     /// back.
     fn checkout(&self, now: Instant) -> Option<Kept> {
-        let mut idle = self.pool().lock().unwrap_or_else(|e| e.into_inner());
-        idle.checkout(now, |Kept { sender, .. }| {
+        self.idle.checkout(now, |Kept { sender, .. }| {
             if sender.is_ready() {
                 Readiness::Ready
             } else if sender.is_closed() {
@@ -329,24 +325,14 @@ impl UpstreamClient {
         })
     }
 
-    /// This thread's pool.
-    fn pool(&self) -> &Mutex<Pool<Kept>> {
-        &self.idle[POOL.with(Cell::get)]
-    }
-
     fn checkin(&self, conn: Kept) {
-        let mut idle = self.pool().lock().unwrap_or_else(|e| e.into_inner());
-        idle.checkin(conn, Instant::now(), self.keep);
+        self.idle.checkin(conn, Instant::now());
     }
 
     /// Closes the connections of every thread's pool unused for [`IDLE_TIMEOUT`]; returns how
     /// many. Dropping a connection's sender ends its task on the thread that owns it.
     pub(crate) fn close_idle(&self, now: Instant) -> usize {
-        let pools = self.idle.iter();
-        let hyper: usize = pools
-            .map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).close_idle(now))
-            .sum();
-        hyper + self.plain.close_idle(now)
+        self.idle.close_idle(now) + self.plain.close_idle(now)
     }
 
     /// A TCP connection to the upstream, within `connect_timeout` and before `deadline`.
@@ -1093,6 +1079,48 @@ pub(crate) enum Readiness {
     /// Its response body is still streaming.
     Busy,
     Closed,
+}
+
+/// Every serving thread's pool of kept connections of one kind to one upstream, each keeping
+/// at most `keep` (`idle_connections`); more are closed once their exchange ends.
+#[derive(Debug)]
+pub(crate) struct Pools<C> {
+    pools: Box<[Mutex<Pool<C>>]>,
+    keep: usize,
+}
+
+impl<C> Pools<C> {
+    pub(crate) fn new(keep: usize) -> Self {
+        Pools {
+            pools: (0..POOLS).map(|_| Mutex::new(Pool::default())).collect(),
+            keep,
+        }
+    }
+
+    /// This thread's pool.
+    fn pool(&self) -> &Mutex<Pool<C>> {
+        &self.pools[POOL.with(Cell::get)]
+    }
+
+    /// A connection of this thread's pool that `state` finds ready (see [`Pool::checkout`]).
+    pub(crate) fn checkout(&self, now: Instant, state: impl Fn(&C) -> Readiness) -> Option<C> {
+        let mut pool = self.pool().lock().unwrap_or_else(|e| e.into_inner());
+        pool.checkout(now, state)
+    }
+
+    pub(crate) fn checkin(&self, conn: C, now: Instant) {
+        let mut pool = self.pool().lock().unwrap_or_else(|e| e.into_inner());
+        pool.checkin(conn, now, self.keep);
+    }
+
+    /// Closes the connections of every thread's pool unused for [`IDLE_TIMEOUT`]; returns how
+    /// many.
+    pub(crate) fn close_idle(&self, now: Instant) -> usize {
+        let pools = self.pools.iter();
+        pools
+            .map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).close_idle(now))
+            .sum()
+    }
 }
 
 /// One thread's kept connections, oldest first, each with when it was last checked in.

@@ -22,7 +22,7 @@
 use std::io;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -33,7 +33,7 @@ use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
 
-use crate::forward::{Pool, Readiness, POOL};
+use crate::forward::{Pools, Readiness};
 
 /// Header fields in a response head at most (hyper's client: 100).
 const MAX_HEADERS: usize = 100;
@@ -65,45 +65,6 @@ pub(crate) struct Conn {
 pub(crate) struct Plain {
     conn: Conn,
     pub(crate) timer: Pin<Box<Sleep>>,
-}
-
-/// Every serving thread's pool of idle plain connections to one upstream, shared with the
-/// response bodies that hand their connection back when they end.
-#[derive(Debug)]
-pub(crate) struct Pools {
-    pools: Box<[Mutex<Pool<Plain>>]>,
-    keep: usize,
-}
-
-impl Pools {
-    pub(crate) fn new(n: usize, keep: usize) -> Arc<Self> {
-        Arc::new(Pools {
-            pools: (0..n).map(|_| Mutex::new(Pool::default())).collect(),
-            keep,
-        })
-    }
-
-    fn pool(&self) -> &Mutex<Pool<Plain>> {
-        &self.pools[POOL.with(std::cell::Cell::get)]
-    }
-
-    /// An idle connection of this thread's pool that the upstream has not closed.
-    pub(crate) fn checkout(&self, now: Instant) -> Option<Plain> {
-        let mut pool = self.pool().lock().unwrap_or_else(|e| e.into_inner());
-        pool.checkout(now, |p| p.conn.readiness())
-    }
-
-    pub(crate) fn checkin(&self, plain: Plain, now: Instant) {
-        let mut pool = self.pool().lock().unwrap_or_else(|e| e.into_inner());
-        pool.checkin(plain, now, self.keep);
-    }
-
-    pub(crate) fn close_idle(&self, now: Instant) -> usize {
-        let pools = self.pools.iter();
-        pools
-            .map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).close_idle(now))
-            .sum()
-    }
 }
 
 /// Why an exchange failed.
@@ -434,6 +395,11 @@ pub(crate) enum Answer {
 }
 
 impl Plain {
+    /// Whether this idle connection can carry a request (see [`Conn::readiness`]).
+    pub(crate) fn readiness(&self) -> Readiness {
+        self.conn.readiness()
+    }
+
     /// A new connection, its timer set to `deadline` (re-armed by each exchange).
     pub(crate) fn new(io: TcpStream, deadline: Instant) -> Self {
         Plain {
@@ -449,7 +415,7 @@ impl Plain {
 pub(crate) async fn exchange(
     mut plain: Plain,
     parts: &http::request::Parts,
-    pools: &Arc<Pools>,
+    pools: &Arc<Pools<Plain>>,
     deadline: Instant,
 ) -> Result<Answer, Error> {
     encode(&mut plain.conn.wbuf, parts);
@@ -500,7 +466,7 @@ pub(crate) struct Streaming {
     plain: Option<Plain>,
     framing: Framing,
     keep_alive: bool,
-    pools: Arc<Pools>,
+    pools: Arc<Pools<Plain>>,
     /// Whether the last read of the body filled the buffer: then the next read goes
     /// straight into a piece of up to [`BODY_READ`] bytes, until one comes back less than
     /// half full (a trickle must not hold a large allocation per byte while the client is
@@ -1028,7 +994,7 @@ mod tests {
         close: bool,
     ) -> (u16, Result<String, String>, bool) {
         let io = upstream(response, bytewise, close).await;
-        let pools = Pools::new(1, 4);
+        let pools = Arc::new(Pools::new(4));
         let deadline = Instant::now() + Duration::from_secs(30);
         let answer = exchange(Plain::new(io, deadline), &get(), &pools, deadline).await;
         let (status, body) = match answer {
@@ -1065,7 +1031,7 @@ mod tests {
             }
             Err(e) => return (0, Err(e.to_string()), false),
         };
-        let kept = pools.checkout(Instant::now()).is_some();
+        let kept = pools.checkout(Instant::now(), Plain::readiness).is_some();
         (status.as_u16(), body, kept)
     }
 
@@ -1148,7 +1114,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_upstream_that_never_answers_times_out_at_the_deadline() {
         let io = upstream(b"", false, false).await;
-        let pools = Pools::new(1, 4);
+        let pools = Arc::new(Pools::new(4));
         let start = Instant::now();
         let deadline = start + Duration::from_secs(5);
         let answer = exchange(Plain::new(io, deadline), &get(), &pools, deadline).await;
@@ -1162,15 +1128,17 @@ mod tests {
         let ours = TcpStream::connect(listener.local_addr().unwrap());
         let (ours, theirs) = tokio::join!(ours, listener.accept());
         let (ours, theirs) = (ours.unwrap(), theirs.unwrap().0);
-        let pools = Pools::new(1, 4);
+        let pools = Arc::new(Pools::new(4));
         let now = Instant::now();
         pools.checkin(Plain::new(ours, now), now);
-        let open = pools.checkout(now).expect("open and idle: handed out");
+        let open = pools
+            .checkout(now, Plain::readiness)
+            .expect("open and idle: handed out");
         pools.checkin(open, now);
         drop(theirs);
         let found = tokio::time::timeout(Duration::from_secs(10), async {
             loop {
-                let Some(plain) = pools.checkout(now) else {
+                let Some(plain) = pools.checkout(now, Plain::readiness) else {
                     return;
                 };
                 // Not seen closed yet: wait for the socket to say something, then look again.
