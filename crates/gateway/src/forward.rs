@@ -171,10 +171,7 @@ impl UpstreamClient {
             Err(Failure::Timeout) => Err(Problem::upstream_timeout()),
             Err(Failure::ClientStalled) => Err(ends(Problem::body_timeout())),
             Ok(res) => Ok(res.map(Upstreamed::Hyper)),
-            Err(Failure::Connect(e)) => {
-                tracing::debug!(upstream = %self.authority, error = %e, "cannot connect to the upstream");
-                Err(Problem::upstream_unavailable())
-            }
+            Err(Failure::Connect(e)) => Err(self.unreachable(&e)),
             Err(Failure::Http(e)) if caused_by_timeout(&e) => Err(Problem::upstream_timeout()),
             Err(Failure::Http(e)) if caused_by::<ClientTooSlow>(&e) => {
                 Err(ends(Problem::body_timeout()))
@@ -221,10 +218,7 @@ impl UpstreamClient {
                 None => match Box::pin(self.open(deadline)).await {
                     Ok(stream) => (h1_client::Plain::new(stream, deadline), false),
                     Err(Failure::Timeout) => return Err(Problem::upstream_timeout()),
-                    Err(Failure::Connect(e)) => {
-                        tracing::debug!(upstream = %self.authority, error = %e, "cannot connect to the upstream");
-                        return Err(Problem::upstream_unavailable());
-                    }
+                    Err(Failure::Connect(e)) => return Err(self.unreachable(&e)),
                     Err(_) => return Err(Problem::upstream_unavailable()),
                 },
             };
@@ -333,6 +327,12 @@ impl UpstreamClient {
     /// many. Dropping a connection's sender ends its task on the thread that owns it.
     pub(crate) fn close_idle(&self, now: Instant) -> usize {
         self.idle.close_idle(now) + self.plain.close_idle(now)
+    }
+
+    /// The answer when connecting to the upstream failed.
+    fn unreachable(&self, e: &io::Error) -> Problem {
+        tracing::debug!(upstream = %self.authority, error = %e, "cannot connect to the upstream");
+        Problem::upstream_unavailable()
     }
 
     /// A TCP connection to the upstream, within `connect_timeout` and before `deadline`.
