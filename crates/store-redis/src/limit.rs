@@ -151,10 +151,16 @@ impl RemoteLimit {
     /// The name of `key`'s entry under this limit in Redis: `sluice:<limit name>:<32 hex
     /// digits of the keyed hash>`, so raw identities never reach Redis.
     pub fn key_name(&self, key: Key) -> String {
-        let mut out = String::with_capacity(self.prefix.len() + 32);
-        out.push_str(&self.prefix);
-        push_hex(&mut out, key);
-        out
+        let mut out = Vec::with_capacity(self.prefix.len() + 32);
+        self.push_key_name(&mut out, key);
+        // The prefix is a `String` and the rest hex digits.
+        String::from_utf8(out).unwrap_or_default()
+    }
+
+    /// Appends [`RemoteLimit::key_name`] to `out`, without a `String` of its own.
+    pub(crate) fn push_key_name(&self, out: &mut Vec<u8>, key: Key) {
+        out.extend_from_slice(self.prefix.as_bytes());
+        push_hex(out, key);
     }
 
     /// `q`: the quota advertised (a token bucket's burst).
@@ -184,15 +190,15 @@ impl RemoteLimit {
     }
 }
 
-fn push_hex(out: &mut String, key: Key) {
+fn push_hex(out: &mut Vec<u8>, key: Key) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut digits = [0u8; 32];
     for (pair, b) in digits.chunks_exact_mut(2).zip(key.to_bytes()) {
         pair[0] = HEX[usize::from(b >> 4)];
         pair[1] = HEX[usize::from(b & 15)];
     }
-    // One append of 32 ASCII bytes instead of 32 pushes of a char each.
-    out.push_str(std::str::from_utf8(&digits).unwrap_or_default());
+    // One append of 32 bytes instead of 32 pushes of one each.
+    out.extend_from_slice(&digits);
 }
 
 #[cfg(test)]

@@ -80,10 +80,11 @@ const PER_LAYER: usize = 5;
 /// One request's part of an `EVALSHA`: its keys and its arguments (see the module's doc).
 #[derive(Debug, Default)]
 pub(crate) struct Part {
-    pub(crate) keys: Vec<String>,
-    /// The arguments, one after the other; `ends[i]` is where argument `i` ends.
-    args: Vec<u8>,
+    /// The keys, then the arguments, one after the other; `ends[i]` is where piece `i` ends.
+    bytes: Vec<u8>,
     ends: Vec<usize>,
+    /// How many of the pieces are keys.
+    keys: usize,
 }
 
 impl Part {
@@ -98,10 +99,14 @@ impl Part {
         tags: Option<&[Option<u64>]>,
     ) -> Self {
         let mut part = Part {
-            keys: layers.iter().map(|l| l.limit.key_name(l.key)).collect(),
-            args: Vec::with_capacity(64 + 42 * layers.len()),
-            ends: Vec::with_capacity(6 + 2 * layers.len()),
+            bytes: Vec::with_capacity(64 + 96 * layers.len()),
+            ends: Vec::with_capacity(6 + 3 * layers.len()),
+            keys: layers.len(),
         };
+        for layer in layers {
+            layer.limit.push_key_name(&mut part.bytes, layer.key);
+            part.ends.push(part.bytes.len());
+        }
         let mut figure = itoa::Buffer::new();
         part.arg(mode.as_bytes());
         part.arg(figure.format(cost).as_bytes());
@@ -125,13 +130,21 @@ impl Part {
     }
 
     fn arg(&mut self, bytes: &[u8]) {
-        self.args.extend_from_slice(bytes);
-        self.ends.push(self.args.len());
+        self.bytes.extend_from_slice(bytes);
+        self.ends.push(self.bytes.len());
+    }
+
+    fn pieces(&self) -> impl Iterator<Item = &[u8]> {
+        let starts = std::iter::once(0).chain(self.ends.iter().copied());
+        starts.zip(&self.ends).map(|(s, &e)| &self.bytes[s..e])
+    }
+
+    fn keys(&self) -> impl Iterator<Item = &[u8]> {
+        self.pieces().take(self.keys)
     }
 
     fn args(&self) -> impl Iterator<Item = &[u8]> {
-        let starts = std::iter::once(0).chain(self.ends.iter().copied());
-        starts.zip(&self.ends).map(|(s, &e)| &self.args[s..e])
+        self.pieces().skip(self.keys)
     }
 }
 
@@ -143,9 +156,9 @@ pub(crate) fn invocation<'a>(
 ) -> redis::Cmd {
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(sha);
-    cmd.arg(parts.clone().map(|p| p.keys.len()).sum::<usize>());
+    cmd.arg(parts.clone().map(|p| p.keys).sum::<usize>());
     for part in parts.clone() {
-        for key in &part.keys {
+        for key in part.keys() {
             cmd.arg(key);
         }
     }
@@ -180,7 +193,12 @@ pub(crate) fn unpack(reply: &[u8]) -> Result<Vec<i64>, StoreError> {
             ))),
         }
     };
-    reply.chunks_exact(8).map(figure).collect()
+    // Sized at once: collecting through `Result` would grow it four times.
+    let mut figures = Vec::with_capacity(reply.len() / 8);
+    for chunk in reply.chunks_exact(8) {
+        figures.push(figure(chunk)?);
+    }
+    Ok(figures)
 }
 
 fn micros(v: i64) -> Option<Duration> {

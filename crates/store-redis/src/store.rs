@@ -177,6 +177,8 @@ pub struct RedisStore {
 /// A request waiting for its part of an `EVALSHA`.
 struct Call {
     part: Part,
+    /// When the request asked: its call must be answered within the store's timeout of this.
+    since: tokio::time::Instant,
     /// The request's figures, and whether the call was sent twice (see [`eval`]).
     reply: oneshot::Sender<Result<(Vec<i64>, bool), StoreError>>,
 }
@@ -433,17 +435,16 @@ impl RedisStore {
         &self.held
     }
 
-    /// Has the batcher decide `part` in the next `EVALSHA`, within the timeout.
+    /// Has the batcher decide `part` in the next `EVALSHA`, within the timeout. The timeout
+    /// is the call's (from its oldest request's asking), not a timer per request.
     async fn call(&self, part: Part) -> Result<(Vec<i64>, bool), StoreError> {
         let (reply, answer) = oneshot::channel();
         let stopped = || StoreError::Reply("the store's batcher has stopped".into());
+        let since = tokio::time::Instant::now();
         self.calls
-            .send(Call { part, reply })
+            .send(Call { part, since, reply })
             .map_err(|_| stopped())?;
-        tokio::time::timeout(self.options.timeout, answer)
-            .await
-            .map_err(|_| StoreError::Timeout(self.options.timeout))?
-            .map_err(|_| stopped())?
+        answer.await.map_err(|_| stopped())?
     }
 }
 
@@ -579,8 +580,11 @@ async fn batcher(
 ) {
     let mut waiting = Vec::with_capacity(MAX_BATCH);
     while queue.recv_many(&mut waiting, MAX_BATCH).await > 0 {
-        let batch = std::mem::replace(&mut waiting, Vec::with_capacity(MAX_BATCH));
-        tokio::spawn(send(Arc::clone(&link), Arc::clone(&sha), options, batch));
+        // A request whose caller stopped waiting (dropped) is left out.
+        let batch: Vec<Call> = waiting.drain(..).filter(|c| !c.reply.is_closed()).collect();
+        if !batch.is_empty() {
+            tokio::spawn(send(Arc::clone(&link), Arc::clone(&sha), options, batch));
+        }
     }
 }
 
@@ -588,18 +592,23 @@ async fn batcher(
 /// fails alone (the script reads with `redis.pcall`); an error of the whole call (a timeout,
 /// the connection, Redis refusing the script) is every request's.
 async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<Call>) {
-    // A request whose caller stopped waiting (timed out or dropped) is left out.
-    let batch: Vec<Call> = batch.into_iter().filter(|c| !c.reply.is_closed()).collect();
-    if batch.is_empty() {
-        return;
-    }
-    let mut conn = link.conn();
-    let result = call_script(&mut conn, &sha, options, &batch).await;
-    match &result {
-        Err(StoreError::Timeout(_)) => link.timed_out(),
-        Err(_) => {}
-        Ok(_) => link.answered(),
-    }
+    // Every request is answered within the timeout of its asking: the call gets what is left
+    // of its oldest request's, and is not sent if that has run out (a busy runtime).
+    let oldest = batch.iter().map(|c| c.since).min();
+    let deadline = oldest.unwrap_or_else(tokio::time::Instant::now) + options.timeout;
+    let result = if tokio::time::Instant::now() >= deadline {
+        // Not the connection's fault: it does not count towards replacing it.
+        Err(StoreError::Timeout(options.timeout))
+    } else {
+        let mut conn = link.conn();
+        let result = call_script(&mut conn, &sha, options, deadline, &batch).await;
+        match &result {
+            Err(StoreError::Timeout(_)) => link.timed_out(),
+            Err(_) => {}
+            Ok(_) => link.answered(),
+        }
+        result
+    };
     match result {
         Ok((replies, resent)) => {
             for (call, reply) in batch.into_iter().zip(replies) {
@@ -614,15 +623,16 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
     }
 }
 
-/// One `EVALSHA` of `calls`, within the timeout: one reply per call.
+/// One `EVALSHA` of `calls`, answered by `deadline`: one reply per call.
 async fn call_script(
     conn: &mut ConnectionManager,
     sha: &str,
     options: StoreOptions,
+    deadline: tokio::time::Instant,
     calls: &[Call],
 ) -> Result<(Vec<Vec<i64>>, bool), StoreError> {
     let cmd = script::invocation(sha, options.lease_ttl, calls.iter().map(|c| &c.part));
-    let (replies, resent) = match tokio::time::timeout(options.timeout, eval(conn, &cmd)).await {
+    let (replies, resent) = match tokio::time::timeout_at(deadline, eval(conn, &cmd)).await {
         Ok(result) => result?,
         Err(_) => return Err(StoreError::Timeout(options.timeout)),
     };
