@@ -1027,3 +1027,89 @@ async fn a_503_tells_a_caller_a_delay_limit_would_hold_that_nothing_is_left(stor
     up.release(1);
     assert_eq!(slow.await.unwrap().status, 200);
 }
+
+both_stores!(requests_no_route_matches_are_counted_by_the_limits_every_route_shares);
+async fn requests_no_route_matches_are_counted_by_the_limits_every_route_shares(store: TestStore) {
+    let up = MockUpstream::start().await;
+    // Only /v1/search is routed. per-ip applies to every route, so it also counts requests to
+    // paths no route matches (a scanner's); per-route counts by route and search-only names
+    // its routes, so neither can count them.
+    let text = format!(
+        r#"
+[gateway]
+listen = "127.0.0.1:0"
+
+[admin]
+listen = "127.0.0.1:0"
+
+[upstreams.app]
+url = "{}"
+
+[[routes]]
+name = "search"
+path = "/v1/search"
+upstream = "app"
+{PER_IP_2}
+[[limits]]
+name = "per-route"
+by = "route"
+algorithm = "fixed_window"
+quota = 100
+window = "1h"
+
+[[limits]]
+name = "search-only"
+by = "ip"
+routes = ["search"]
+algorithm = "fixed_window"
+quota = 100
+window = "1h"
+"#,
+        up.url()
+    );
+    let gw = InProcess::start(&store.apply(&text), Duration::ZERO).await;
+    let first = get(gw.main, "/wp-login.php", &[]).await;
+    assert_eq!(first.status, 404);
+    assert_eq!(first.header("content-type"), "application/problem+json");
+    let figures = sf_list(&first, "ratelimit");
+    assert_eq!(figures.len(), 1, "only per-ip applies: {figures:?}");
+    assert_eq!(figures["per-ip"]["r"], 1);
+    assert_eq!(sf_list(&first, "ratelimit-policy")["per-ip"]["q"], 2);
+    assert_eq!(get(gw.main, "/.env", &[]).await.status, 404);
+    let refused = get(gw.main, "/admin", &[]).await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.json()["policy"], "per-ip");
+    // Until the hour's window ends (Redis's clock is real: somewhere in the hour).
+    let wait: u64 = refused.header("retry-after").parse().unwrap();
+    assert!((1..=3600).contains(&wait), "{wait}");
+    // The caller spent its per-IP quota on missing paths: the routed ones are refused too.
+    let search = get(gw.main, "/v1/search", &[]).await;
+    assert_eq!(search.status, 429);
+    assert_eq!(search.json()["policy"], "per-ip");
+    assert_eq!(up.requests(), 0);
+}
+
+#[tokio::test]
+async fn without_a_limit_for_every_route_a_missing_path_is_a_plain_404() {
+    let up = MockUpstream::start().await;
+    let limits = r#"
+[[limits]]
+name = "search-only"
+by = "ip"
+routes = ["search"]
+algorithm = "fixed_window"
+quota = 1
+window = "1h"
+"#;
+    let text = config(&up.url(), 64, limits).replace(
+        "[[routes]]\nname = \"api\"\npath = \"/\"\nupstream = \"app\"\n",
+        "",
+    );
+    let gw = InProcess::start(&text, Duration::ZERO).await;
+    for _ in 0..3 {
+        let reply = get(gw.main, "/missing", &[]).await;
+        assert_eq!(reply.status, 404);
+        assert!(reply.headers.get("ratelimit").is_none());
+    }
+    assert_eq!(call(gw.main, "/v1/search", "k").await.status, 200);
+}

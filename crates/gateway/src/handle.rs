@@ -61,7 +61,7 @@ pub(crate) struct Shared {
     legacy_headers: bool,
     overload_retry_after: RetryRange,
     ids: RequestIds,
-    /// Per route.
+    /// Per route, then one for requests no route matches.
     policies: Vec<advertise::PolicyCache>,
 }
 
@@ -106,7 +106,10 @@ impl Shared {
             legacy_headers: config.responses.legacy_headers,
             overload_retry_after: config.gateway.overload_retry_after,
             ids: RequestIds::new(),
-            policies: config.routes.iter().map(|_| Default::default()).collect(),
+            // One more for requests no route matches (`Quota::unrouted`).
+            policies: (0..=config.routes.len())
+                .map(|_| Default::default())
+                .collect(),
         })
     }
 }
@@ -179,19 +182,30 @@ pub(crate) async fn handle(
             if let Some(detail) = bad_host(&req) {
                 break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
             }
-            let Some((index, route)) = shared.router.find(&req, shared.merge_slashes) else {
-                break 'walk Problem::not_found().into_response(&shared.problem_base);
+            // A request no route matches is still counted (and refused) by the limits that
+            // apply to every caller wherever they go (see `Quota::unrouted`), then answered 404.
+            let (index, route) = match shared.router.find(&req, shared.merge_slashes) {
+                Some((index, route)) => {
+                    log.route(&shared.route_names[index]);
+                    (index, Some(route))
+                }
+                None if shared.quota.counts_unrouted() => (shared.quota.unrouted(), None),
+                None => break 'walk Problem::not_found().into_response(&shared.problem_base),
             };
-            log.route(&shared.route_names[index]);
-            // A body declared over the limit is refused before it costs any quota.
+            // A body declared over the limit is refused before it costs any quota. (A request
+            // answered 404 is not forwarded: its body does not matter.)
             let size = http_body::Body::size_hint(req.body());
-            if size.lower() > shared.max_body_size {
+            if route.is_some() && size.lower() > shared.max_body_size {
                 break 'walk Problem::body_too_large(shared.max_body_size)
                     .into_response(&shared.problem_base);
             }
             // Only an HTTP/1 body of no declared length can be chunked (HTTP/2 has no transfer
             // codings: its bodies of no declared length go upstream chunked).
-            if size.exact().is_none() && !http2 && unsupported_coding(req.headers()) {
+            if route.is_some()
+                && size.exact().is_none()
+                && !http2
+                && unsupported_coding(req.headers())
+            {
                 break 'walk Problem::unsupported_coding().into_response(&shared.problem_base);
             }
 
@@ -229,7 +243,7 @@ pub(crate) async fn handle(
             drop(api_key);
 
             // Quota, then capacity.
-            let cost = route.cost.get();
+            let cost = route.map_or(1, |r| r.cost.get());
             let mut reports = Reports::new();
             let pass = match shared
                 .quota
@@ -250,6 +264,12 @@ pub(crate) async fn handle(
             log.outcome(pass.outcome, &shared.quota);
 
             // Forward or respond.
+            let Some(route) = route else {
+                let mut res = Problem::not_found().into_response(&shared.problem_base);
+                advertise(shared, index, res.headers_mut(), &reports, cost);
+                res.body_mut().hold(pass.slot, pass.held);
+                break 'walk res;
+            };
             let mut res = match &route.action {
                 RouteAction::Respond(r) => respond(r),
                 RouteAction::Upstream(u) => {

@@ -47,7 +47,8 @@ pub(crate) struct Quota {
     clock: Arc<dyn Clock>,
     hasher: KeyHasher,
     pub(crate) limits: Vec<LimitInfo>,
-    /// For each route (configuration index): the limits that apply, by mode.
+    /// For each route (configuration index): the limits that apply, by mode; and last, at
+    /// index [`Quota::unrouted`], those that count a request no route matches (see there).
     by_route: Vec<RouteLimits>,
     /// The headers some limit counts callers by (`by = "header:<name>"`), each once.
     key_headers: Vec<HeaderName>,
@@ -193,16 +194,24 @@ impl Quota {
                 config: l.clone(),
             })
             .collect();
-        let route_parts: Vec<[u8; 16]> = config
+        let mut route_parts: Vec<[u8; 16]> = config
             .routes
             .iter()
             .map(|r| hasher.key(&[b"route", r.name.as_bytes()]).to_bytes())
             .collect();
-        let by_route = (0..config.routes.len())
+        // The unrouted "route": none of its limits counts by route, so its part is never read.
+        route_parts.push([0; 16]);
+        let unrouted = config.routes.len();
+        let by_route = (0..=unrouted)
             .map(|r| {
                 let mut on_route = RouteLimits::default();
                 for (l, info) in config.limits.iter().zip(&limits) {
-                    if !l.applies_to(r) {
+                    let applies = if r == unrouted {
+                        l.routes.is_none() && !info.parts.iter().any(|p| matches!(p, Part::Route))
+                    } else {
+                        l.applies_to(r)
+                    };
+                    if !applies {
                         continue;
                     }
                     let entry = (id(l), key_of(&hasher, &info.parts, &route_parts[r], None));
@@ -234,6 +243,21 @@ impl Quota {
             key_headers,
             route_parts,
         })
+    }
+
+    /// The index that [`Caller::route`] takes for a request no route matches (one past the
+    /// routes). Such a request is counted by every limit that applies to all routes and does
+    /// not count by route (a limit by IP, by API key, `global`): otherwise a caller could send
+    /// as many requests as it likes to paths that do not exist (a scanner), each one costing
+    /// the gateway, and none ever refused. Its cost is 1.
+    pub(crate) fn unrouted(&self) -> usize {
+        self.by_route.len() - 1
+    }
+
+    /// Whether some limit counts requests no route matches.
+    pub(crate) fn counts_unrouted(&self) -> bool {
+        let unrouted = &self.by_route[self.unrouted()];
+        !unrouted.enforced.is_empty() || !unrouted.dry_run.is_empty()
     }
 
     /// The headers some limit counts callers by.
@@ -517,7 +541,11 @@ mode = "dry_run"
                 .filter(|(_, k)| k.is_some())
                 .count()
         };
-        assert_eq!(fixed(&quota), 4, "per-route and global, on both routes");
+        assert_eq!(
+            fixed(&quota),
+            5,
+            "per-route and global on both routes, global for requests no route matches"
+        );
         // Route and global keys are the same for every caller; the others are not.
         let b = keys(&quota, "192.0.2.2", b"b", 0);
         assert_eq!((a[0], a[1]), (b[0], b[1]));
