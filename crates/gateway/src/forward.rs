@@ -769,7 +769,7 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) {
 /// `HTTP2-Settings`, which belongs to an `h2c` upgrade (RFC 7540 section 3.2.1) that is never
 /// forwarded. Names are lower case; a `match` on them compiles to a switch on the length and
 /// one comparison, where comparing with a list of `HeaderName`s cost ~70 instructions a header.
-fn is_hop_by_hop(name: &HeaderName) -> bool {
+pub(crate) fn is_hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
         "connection"
@@ -863,17 +863,29 @@ pub(crate) fn prepare_request<B>(
         }
     }
     let headers = req.headers_mut();
+    // Which of the fields below the request carries, in one pass over the names without
+    // hashing: most carry none, and each lookup by name hashes it.
+    let (mut xff_sent, mut xfp_sent, mut spoofable) = (false, false, false);
+    for name in headers.keys() {
+        match name.as_str() {
+            "x-forwarded-for" => xff_sent = true,
+            "x-forwarded-proto" => xfp_sent = true,
+            "x-forwarded-host" | "forwarded" | "x-real-ip" => spoofable = true,
+            _ => {}
+        }
+    }
     // As bytes: a value that is not text (a client's stray byte a proxy passed on) is carried
     // on, not dropped with the chain it is part of. Only a trusted proxy's chain goes on: from
     // anyone else it is the caller's own word, which the gateway did not count by, and an
     // upstream reading its leftmost entry would take it for the client.
     let mut xff: Vec<u8> = Vec::new();
-    let chain = headers.get_all(&X_FORWARDED_FOR);
-    for v in chain.iter().filter(|_| peer.trusted) {
-        let v = v.as_bytes().trim_ascii();
-        if !v.is_empty() {
-            xff.extend_from_slice(v);
-            xff.extend_from_slice(b", ");
+    if xff_sent && peer.trusted {
+        for v in headers.get_all(&X_FORWARDED_FOR) {
+            let v = v.as_bytes().trim_ascii();
+            if !v.is_empty() {
+                xff.extend_from_slice(v);
+                xff.extend_from_slice(b", ");
+            }
         }
     }
     let forwarded = if xff.is_empty() {
@@ -885,10 +897,10 @@ pub(crate) fn prepare_request<B>(
     if let Some(v) = forwarded {
         headers.insert(X_FORWARDED_FOR.clone(), v);
     }
-    if !(peer.trusted && headers.contains_key(&X_FORWARDED_PROTO)) {
+    if !(peer.trusted && xfp_sent) {
         headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
     }
-    if !peer.trusted {
+    if !peer.trusted && spoofable {
         // A caller's own word on the host (`X-Forwarded-Host`, `Forwarded: host=`) would have
         // an upstream that believes it (Rails, Django, Express behind a proxy) serve another
         // host than the one the request was routed and counted by: the host is the routed

@@ -306,12 +306,27 @@ fn parse_head(buf: &[u8], head_only: bool) -> Result<Option<(usize, Head)>, Erro
                 chunked = true;
             }
         } else if name == http::header::CONNECTION {
-            close |= value
-                .as_bytes()
-                .split(|&b| b == b',')
-                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
+            let mut names_others = false;
+            for token in value.as_bytes().split(|&b| b == b',') {
+                let token = token.trim_ascii();
+                if token.eq_ignore_ascii_case(b"close") {
+                    close = true;
+                } else if !token.is_empty() && !token.eq_ignore_ascii_case(b"keep-alive") {
+                    names_others = true;
+                }
+            }
+            if names_others {
+                // Kept, for `strip_hop_by_hop` to remove the fields it names too.
+                headers.append(name, value);
+                continue;
+            }
         }
-        headers.append(name, value);
+        // Hop-by-hop fields are read above, and never passed on: not stored, so that the
+        // gateway's stripping finds nothing to remove in the usual case (`Connection:
+        // keep-alive`, `Transfer-Encoding: chunked`).
+        if !crate::forward::is_hop_by_hop(&name) {
+            headers.append(name, value);
+        }
     }
     if coded || (chunked && (length.is_some() || version == Version::HTTP_10)) {
         return Err(Error::Framing(
@@ -823,6 +838,31 @@ mod tests {
                 "{bad:?} was accepted"
             );
         }
+    }
+
+    #[test]
+    fn hop_by_hop_fields_are_read_not_kept_unless_connection_names_others() {
+        let kept = |t: &str| {
+            let h = head(t).unwrap().unwrap().1;
+            let names: Vec<String> = h.headers.keys().map(|n| n.to_string()).collect();
+            (names, h.keep_alive)
+        };
+        let usual = "HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\n\
+            Transfer-Encoding: chunked\r\nX-App: 1\r\nTrailer: x-sum\r\n\r\n";
+        assert_eq!(kept(usual), (vec!["x-app".to_owned()], true));
+        let (names, keep_alive) =
+            kept("HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 0\r\n\r\n");
+        assert_eq!(
+            (names, keep_alive),
+            (vec!["content-length".to_owned()], false)
+        );
+        // A field that Connection names is the gateway's to remove: Connection stays for it.
+        let (names, keep_alive) = kept(
+            "HTTP/1.1 200 OK\r\nconnection: keep-alive, x-internal\r\nx-internal: 1\r\n\
+            content-length: 0\r\n\r\n",
+        );
+        assert_eq!(names, ["connection", "x-internal", "content-length"]);
+        assert!(keep_alive);
     }
 
     #[test]
