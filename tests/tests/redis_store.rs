@@ -624,3 +624,34 @@ async fn a_callers_key_holding_foreign_data_fails_that_caller_alone_and_opens_no
     let counted = redis.cli(&["KEYS", "sluice:key-quota:*"]);
     assert_eq!(counted.lines().count(), 4, "counted in Redis: {counted:?}");
 }
+
+#[tokio::test]
+async fn with_redis_down_and_deny_a_missing_path_is_still_a_404() {
+    let mut redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let per_ip = "[[limits]]\nname = \"per-ip\"\nby = \"ip\"\nalgorithm = \"fixed_window\"\nquota = 100\nwindow = \"1h\"\n";
+    let text = config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "25ms"),
+        256,
+        per_ip,
+    )
+    .replace(
+        "[[routes]]\nname = \"api\"\npath = \"/\"\nupstream = \"app\"\n",
+        "",
+    );
+    let gw = start(&text);
+    let counted = get(gw.main, "/missing", &[]).await;
+    assert_eq!(counted.status, 404);
+    assert!(
+        counted.header("ratelimit").starts_with("\"per-ip\";r=99;"),
+        "counted in Redis"
+    );
+    redis.kill();
+    // The store cannot decide: a routed request is refused (deny), a missing path is not
+    // told to retry what does not exist.
+    assert_eq!(get(gw.main, "/v1/search", &[]).await.status, 503);
+    let missing = get(gw.main, "/missing", &[]).await;
+    assert_eq!(missing.status, 404);
+    assert_eq!(missing.json()["status"], 404);
+}

@@ -1028,16 +1028,21 @@ async fn a_503_tells_a_caller_a_delay_limit_would_hold_that_nothing_is_left(stor
     assert_eq!(slow.await.unwrap().status, 200);
 }
 
-both_stores!(requests_no_route_matches_are_counted_by_the_limits_every_route_shares);
-async fn requests_no_route_matches_are_counted_by_the_limits_every_route_shares(store: TestStore) {
+both_stores!(requests_no_route_matches_are_counted_by_the_per_caller_limits_of_every_route);
+async fn requests_no_route_matches_are_counted_by_the_per_caller_limits_of_every_route(
+    store: TestStore,
+) {
     let up = MockUpstream::start().await;
-    // Only /v1/search is routed. per-ip applies to every route, so it also counts requests to
-    // paths no route matches (a scanner's); per-route counts by route and search-only names
-    // its routes, so neither can count them.
+    // Only /v1/search and /hold are routed. per-ip applies to every route and counts each
+    // caller apart, so it also counts requests to paths no route matches (a scanner's). None
+    // of the others may: per-route counts by route, search-only names its routes, everyone
+    // is global (a scanner would spend everyone's quota), held-per-ip would hold a 404, and
+    // in-flight is a concurrency limit.
     let text = format!(
         r#"
 [gateway]
 listen = "127.0.0.1:0"
+max_in_flight = 1
 
 [admin]
 listen = "127.0.0.1:0"
@@ -1049,7 +1054,19 @@ url = "{}"
 name = "search"
 path = "/v1/search"
 upstream = "app"
-{PER_IP_2}
+
+[[routes]]
+name = "hold"
+path = "/hold"
+upstream = "app"
+
+[[limits]]
+name = "per-ip"
+by = "ip"
+algorithm = "fixed_window"
+quota = 3
+window = "1h"
+
 [[limits]]
 name = "per-route"
 by = "route"
@@ -1064,17 +1081,45 @@ routes = ["search"]
 algorithm = "fixed_window"
 quota = 100
 window = "1h"
+
+[[limits]]
+name = "everyone"
+by = "global"
+algorithm = "fixed_window"
+quota = 100
+window = "1h"
+
+[[limits]]
+name = "held-per-ip"
+by = "ip"
+algorithm = "fixed_window"
+quota = 1
+window = "1h"
+mode = "delay"
+max_delay = "1h"
+
+[[limits]]
+name = "in-flight"
+by = "ip"
+algorithm = "concurrency"
+quota = 10
 "#,
         up.url()
     );
     let gw = InProcess::start(&store.apply(&text), Duration::ZERO).await;
+    // The gateway is full (max_in_flight = 1), with a request that spent one of the caller's
+    // three: a 404 takes no place in it, so it is not answered 503.
+    let main = gw.main;
+    let slow = tokio::spawn(async move { get(main, "/hold", &[("x-forwarded-for", "x")]).await });
+    up.wait_holding(1).await;
+    assert_eq!(get(gw.admin, "/ready", &[]).await.status, 503);
     let first = get(gw.main, "/wp-login.php", &[]).await;
     assert_eq!(first.status, 404);
     assert_eq!(first.header("content-type"), "application/problem+json");
     let figures = sf_list(&first, "ratelimit");
     assert_eq!(figures.len(), 1, "only per-ip applies: {figures:?}");
     assert_eq!(figures["per-ip"]["r"], 1);
-    assert_eq!(sf_list(&first, "ratelimit-policy")["per-ip"]["q"], 2);
+    assert_eq!(sf_list(&first, "ratelimit-policy")["per-ip"]["q"], 3);
     assert_eq!(get(gw.main, "/.env", &[]).await.status, 404);
     let refused = get(gw.main, "/admin", &[]).await;
     assert_eq!(refused.status, 429);
@@ -1082,17 +1127,25 @@ window = "1h"
     // Until the hour's window ends (Redis's clock is real: somewhere in the hour).
     let wait: u64 = refused.header("retry-after").parse().unwrap();
     assert!((1..=3600).contains(&wait), "{wait}");
+    up.release(1);
+    assert_eq!(slow.await.unwrap().status, 200);
     // The caller spent its per-IP quota on missing paths: the routed ones are refused too.
     let search = get(gw.main, "/v1/search", &[]).await;
     assert_eq!(search.status, 429);
     assert_eq!(search.json()["policy"], "per-ip");
-    assert_eq!(up.requests(), 0);
+    assert_eq!(up.requests(), 1, "only /hold reached the upstream");
 }
 
 #[tokio::test]
-async fn without_a_limit_for_every_route_a_missing_path_is_a_plain_404() {
+async fn a_missing_path_is_a_plain_404_without_such_a_limit_or_with_count_unrouted_off() {
     let up = MockUpstream::start().await;
-    let limits = r#"
+    let without_route_api = |text: String| {
+        text.replace(
+            "[[routes]]\nname = \"api\"\npath = \"/\"\nupstream = \"app\"\n",
+            "",
+        )
+    };
+    let search_only = r#"
 [[limits]]
 name = "search-only"
 by = "ip"
@@ -1101,15 +1154,15 @@ algorithm = "fixed_window"
 quota = 1
 window = "1h"
 "#;
-    let text = config(&up.url(), 64, limits).replace(
-        "[[routes]]\nname = \"api\"\npath = \"/\"\nupstream = \"app\"\n",
-        "",
-    );
-    let gw = InProcess::start(&text, Duration::ZERO).await;
-    for _ in 0..3 {
-        let reply = get(gw.main, "/missing", &[]).await;
-        assert_eq!(reply.status, 404);
-        assert!(reply.headers.get("ratelimit").is_none());
+    let off = config(&up.url(), 64, PER_IP_2)
+        .replace("[gateway]\n", "[gateway]\ncount_unrouted = false\n");
+    for text in [config(&up.url(), 64, search_only), off] {
+        let gw = InProcess::start(&without_route_api(text), Duration::ZERO).await;
+        for _ in 0..3 {
+            let reply = get(gw.main, "/missing", &[]).await;
+            assert_eq!(reply.status, 404);
+            assert!(reply.headers.get("ratelimit").is_none());
+        }
+        assert_eq!(call(gw.main, "/v1/search", "k").await.status, 200);
     }
-    assert_eq!(call(gw.main, "/v1/search", "k").await.status, 200);
 }

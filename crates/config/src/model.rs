@@ -52,6 +52,9 @@ pub struct Gateway {
     pub overload_retry_after: RetryRange,
     /// Whether runs of slashes in a request's path are merged into one (see [`crate::path`]).
     pub merge_slashes: bool,
+    /// Whether a request no route matches is counted by the per-caller limits that apply to
+    /// every route, before its 404.
+    pub count_unrouted: bool,
     /// The slowest a request body may arrive (`None`: no minimum).
     pub min_body_rate: Option<MinBodyRate>,
 }

@@ -42,6 +42,7 @@ pub(crate) struct RawGateway {
     pub shutdown_grace: Option<S<String>>,
     pub overload_retry_after: Option<S<RawRange>>,
     pub merge_slashes: Option<bool>,
+    pub count_unrouted: Option<bool>,
     pub min_body_rate: Option<S<String>>,
     pub min_body_rate_grace: Option<S<String>>,
 }

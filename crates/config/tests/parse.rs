@@ -67,6 +67,7 @@ fn empty_file_takes_every_default() {
     assert_eq!(c.gateway.max_connections, None);
     assert_eq!(c.identity.ipv6_prefix, 64);
     assert!(c.gateway.merge_slashes);
+    assert!(c.gateway.count_unrouted);
     assert_eq!(
         c.gateway.min_body_rate,
         Some(sluice_config::MinBodyRate {
@@ -793,4 +794,17 @@ fn repeated_unused_or_odd_values_are_refused() {
         assert_eq!(e.len(), 1, "{e:?}");
         assert!(e[0].contains(expected), "{text}: {e:?}");
     }
+}
+
+#[test]
+fn count_unrouted_can_be_turned_off_and_takes_only_a_boolean() {
+    let c = parse("[gateway]\ncount_unrouted = false\n", Path::new("u.toml")).unwrap();
+    assert!(!c.gateway.count_unrouted);
+    let e = parse("[gateway]\ncount_unrouted = \"no\"\n", Path::new("u.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("u.toml:2:") && e.contains("count_unrouted"),
+        "{e}"
+    );
 }

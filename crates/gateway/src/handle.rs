@@ -43,6 +43,9 @@ pub(crate) struct Shared {
     pub(crate) identify: Identify,
     pub(crate) quota: Quota,
     pub(crate) capacity: Capacity,
+    /// What requests no route matches take instead of a place in `max_in_flight`: they are
+    /// answered at once, and a full gateway does not answer them 503.
+    unrouted_capacity: Capacity,
     pub(crate) connections: ConnectionCap,
     health_path: Option<String>,
     /// `gateway.merge_slashes`: how request paths are brought to normal form.
@@ -90,6 +93,7 @@ impl Shared {
             quota,
             identity_headers,
             capacity: Capacity::new(config.gateway.max_in_flight.get()),
+            unrouted_capacity: Capacity::new(usize::MAX),
             connections: ConnectionCap::new(match config.gateway.max_connections {
                 Some(n) => {
                     check_max_connections(n.get());
@@ -244,13 +248,17 @@ pub(crate) async fn handle(
 
             // Quota, then capacity.
             let cost = route.map_or(1, |r| r.cost.get());
+            let capacity = match route {
+                Some(_) => &shared.capacity,
+                None => &shared.unrouted_capacity,
+            };
             let mut reports = Reports::new();
             let pass = match shared
                 .quota
                 .admit(
                     &layers,
                     cost,
-                    &shared.capacity,
+                    capacity,
                     Notes {
                         reports: &mut reports,
                         log,
@@ -259,6 +267,11 @@ pub(crate) async fn handle(
                 .await
             {
                 Ok(pass) => pass,
+                // A shared store that cannot decide (`on_error = "deny"`) has nothing to
+                // protect from a request no route matches: it gets its 404.
+                Err(Stop::StoreUnavailable) if route.is_none() => {
+                    break 'walk Problem::not_found().into_response(&shared.problem_base)
+                }
                 Err(stop) => break 'walk stopped(shared, index, stop, (&reports, cost), log),
             };
             log.outcome(pass.outcome, &shared.quota);

@@ -92,6 +92,7 @@ impl Validator<'_> {
             shutdown_grace,
             overload_retry_after,
             merge_slashes,
+            count_unrouted: raw.count_unrouted.unwrap_or(true),
             min_body_rate,
         }
     }

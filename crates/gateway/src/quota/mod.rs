@@ -207,7 +207,7 @@ impl Quota {
                 let mut on_route = RouteLimits::default();
                 for (l, info) in config.limits.iter().zip(&limits) {
                     let applies = if r == unrouted {
-                        l.routes.is_none() && !info.parts.iter().any(|p| matches!(p, Part::Route))
+                        config.gateway.count_unrouted && counts_unrouted(l, &info.parts)
                     } else {
                         l.applies_to(r)
                     };
@@ -246,10 +246,10 @@ impl Quota {
     }
 
     /// The index that [`Caller::route`] takes for a request no route matches (one past the
-    /// routes). Such a request is counted by every limit that applies to all routes and does
-    /// not count by route (a limit by IP, by API key, `global`): otherwise a caller could send
-    /// as many requests as it likes to paths that do not exist (a scanner), each one costing
-    /// the gateway, and none ever refused. Its cost is 1.
+    /// routes). Such a request is counted, at cost 1, by the limits that [`counts_unrouted`]
+    /// (unless `gateway.count_unrouted = false`): otherwise a caller could send as many
+    /// requests as it likes to paths that do not exist (a scanner), each one costing the
+    /// gateway, and none ever refused.
     pub(crate) fn unrouted(&self) -> usize {
         self.by_route.len() - 1
     }
@@ -389,6 +389,21 @@ fn part(p: &KeyPart) -> Part {
             Part::Header(HeaderName::from_bytes(h.as_bytes()).expect("validated header name"))
         }
     }
+}
+
+/// Whether limit `l` (with key parts `parts`) counts requests no route matches: a limit on
+/// every route that counts each caller apart (by IP, API key, header) and refuses. Not one
+/// by `route` (there is none) nor `global` (it guards the upstreams, which a 404 never
+/// reaches: a scanner would spend everyone's quota); not `concurrency` (a 404 is answered at
+/// once); not `delay` (holding a request for a path that does not exist helps nobody, and
+/// held requests fill `max_in_flight`).
+fn counts_unrouted(l: &config::Limit, parts: &[Part]) -> bool {
+    l.routes.is_none()
+        && l.algorithm != config::Algorithm::Concurrency
+        && !matches!(l.mode, Mode::Delay { .. })
+        && !parts
+            .iter()
+            .any(|p| matches!(p, Part::Route | Part::Global))
 }
 
 /// The largest cost of the routes `l` applies to, if they cost more than 1 (and `l` counts
@@ -541,11 +556,7 @@ mode = "dry_run"
                 .filter(|(_, k)| k.is_some())
                 .count()
         };
-        assert_eq!(
-            fixed(&quota),
-            5,
-            "per-route and global on both routes, global for requests no route matches"
-        );
+        assert_eq!(fixed(&quota), 4, "per-route and global, on both routes");
         // Route and global keys are the same for every caller; the others are not.
         let b = keys(&quota, "192.0.2.2", b"b", 0);
         assert_eq!((a[0], a[1]), (b[0], b[1]));
