@@ -435,8 +435,8 @@ impl RedisStore {
         &self.held
     }
 
-    /// Has the batcher decide `part` in the next `EVALSHA`, within the timeout. The timeout
-    /// is the call's (from its oldest request's asking), not a timer per request.
+    /// Has the batcher decide `part` in the next `EVALSHA`, within the timeout of this asking
+    /// (kept by the call's timer, see [`send`], not by one per request).
     async fn call(&self, part: Part) -> Result<(Vec<i64>, bool), StoreError> {
         let (reply, answer) = oneshot::channel();
         let stopped = || StoreError::Reply("the store's batcher has stopped".into());
@@ -589,64 +589,84 @@ async fn batcher(
 }
 
 /// Sends one batch and answers each of its requests. A request whose key Redis cannot read
-/// fails alone (the script reads with `redis.pcall`); an error of the whole call (a timeout,
-/// the connection, Redis refusing the script) is every request's.
+/// fails alone (the script reads with `redis.pcall`); an error of the whole call (the
+/// connection, Redis refusing the script) is every request's.
+///
+/// Each request is answered within the store's timeout of its own asking, as it would be with
+/// a timer of its own: the call's one timer is set for the earliest deadline among the
+/// requests still waiting, and when it fires, those whose time is up are answered `Timeout`
+/// and the rest go on waiting (in a batch their deadlines are usually microseconds apart).
+/// That is also the deadline each request carries to Redis, which charges nothing for a
+/// request it reaches later: a request answered `Timeout` here is not charged there (but for
+/// the round trip's margin, see [`RedisClock`]). A request whose time ran out before its call
+/// went (a busy runtime) is answered at once and not sent.
 async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<Call>) {
-    // Every request is answered within the timeout of its asking: the call gets what is left
-    // of its oldest request's, and is not sent if that has run out (a busy runtime).
-    let oldest = batch.iter().map(|c| c.since).min();
-    let deadline = oldest.unwrap_or_else(tokio::time::Instant::now) + options.timeout;
-    let result = if tokio::time::Instant::now() >= deadline {
-        // Not the connection's fault: it does not count towards replacing it.
-        Err(StoreError::Timeout(options.timeout))
-    } else {
-        let mut conn = link.conn();
-        let result = call_script(&mut conn, &sha, options, deadline, &batch).await;
-        match &result {
-            Err(StoreError::Timeout(_)) => link.timed_out(),
-            Err(_) => {}
-            Ok(_) => link.answered(),
+    let timeout = options.timeout;
+    let now = tokio::time::Instant::now();
+    let mut waiting: Vec<Option<Call>> = Vec::with_capacity(batch.len());
+    for call in batch {
+        if call.since + timeout <= now {
+            let _ = call.reply.send(Err(StoreError::Timeout(timeout)));
+        } else {
+            waiting.push(Some(call));
         }
-        result
+    }
+    if waiting.is_empty() {
+        return;
+    }
+    let mut conn = link.conn();
+    let parts = waiting.iter().flatten().map(|c| &c.part);
+    let cmd = script::invocation(&sha, options.lease_ttl, parts);
+    let sent = waiting.len();
+    let call = eval(&mut conn, &cmd);
+    tokio::pin!(call);
+    let result = loop {
+        let Some(first) = waiting.iter().flatten().map(|c| c.since).min() else {
+            // Every request's time ran out: the call timed out.
+            link.timed_out();
+            return;
+        };
+        match tokio::time::timeout_at(first + timeout, &mut call).await {
+            Ok(result) => break result,
+            Err(_) => {
+                let now = tokio::time::Instant::now();
+                for slot in &mut waiting {
+                    if let Some(late) = slot.take_if(|c| c.since + timeout <= now) {
+                        let _ = late.reply.send(Err(StoreError::Timeout(timeout)));
+                    }
+                }
+            }
+        }
     };
+    let result = result.and_then(|(replies, resent)| Ok((unpack_all(&replies, sent)?, resent)));
+    if result.is_ok() {
+        link.answered();
+    }
     match result {
         Ok((replies, resent)) => {
-            for (call, reply) in batch.into_iter().zip(replies) {
-                let _ = call.reply.send(Ok((reply, resent)));
+            for (slot, reply) in waiting.into_iter().zip(replies) {
+                if let Some(call) = slot {
+                    let _ = call.reply.send(Ok((reply, resent)));
+                }
             }
         }
         Err(e) => {
-            for call in batch {
+            for call in waiting.into_iter().flatten() {
                 let _ = call.reply.send(Err(e.share()));
             }
         }
     }
 }
 
-/// One `EVALSHA` of `calls`, answered by `deadline`: one reply per call.
-async fn call_script(
-    conn: &mut ConnectionManager,
-    sha: &str,
-    options: StoreOptions,
-    deadline: tokio::time::Instant,
-    calls: &[Call],
-) -> Result<(Vec<Vec<i64>>, bool), StoreError> {
-    let cmd = script::invocation(sha, options.lease_ttl, calls.iter().map(|c| &c.part));
-    let (replies, resent) = match tokio::time::timeout_at(deadline, eval(conn, &cmd)).await {
-        Ok(result) => result?,
-        Err(_) => return Err(StoreError::Timeout(options.timeout)),
-    };
-    if replies.len() != calls.len() {
-        let (got, sent) = (replies.len(), calls.len());
+/// The figures of each of the `sent` requests of a call, from its replies.
+fn unpack_all(replies: &[Vec<u8>], sent: usize) -> Result<Vec<Vec<i64>>, StoreError> {
+    if replies.len() != sent {
+        let got = replies.len();
         return Err(StoreError::Reply(format!(
             "{got} replies for {sent} requests"
         )));
     }
-    let replies = replies
-        .iter()
-        .map(|r| script::unpack(r))
-        .collect::<Result<_, _>>()?;
-    Ok((replies, resent))
+    replies.iter().map(|r| script::unpack(r)).collect()
 }
 
 /// Runs `cmd` (an `EVALSHA`), loading the script again if Redis lost it (`NOSCRIPT`, e.g.

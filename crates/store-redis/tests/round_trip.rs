@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use sluice_store_redis::{Layer, Mode, RedisStore, StoreError, StoreOptions};
+use sluice_store_redis::{Layer, Mode, RedisStore, RemoteDecision, StoreError, StoreOptions};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -160,4 +160,55 @@ async fn unreachable_redis_fails_to_connect_with_a_typed_error() {
         "{err}"
     );
     assert!(start.elapsed() < Duration::from_secs(1));
+}
+
+/// Each request has the whole timeout from its own asking, whatever the requests it shares a
+/// call with: one that asked after the runtime was stuck past an older request's timeout is
+/// still decided (the older one, out of time before its call went, is answered `Timeout`
+/// without being sent).
+#[tokio::test(flavor = "current_thread")]
+async fn a_request_batched_with_one_out_of_time_still_gets_its_whole_timeout() {
+    let server = RedisServer::start();
+    let timeout = Duration::from_millis(50);
+    let options = StoreOptions {
+        timeout,
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&server.url(), options).await.unwrap();
+    let limit = remote(&fixed("l", 1000, Duration::from_secs(3600)));
+    let warm = [Layer::enforced(&limit, key("warm"))];
+    assert!(store.decide(&warm, 1, Mode::Charge).await.is_ok());
+    let calls = server.calls("evalsha");
+
+    let (s, l) = (store.clone(), limit.clone());
+    let old = tokio::spawn(async move {
+        let layers = [Layer::enforced(&l, key("old"))];
+        s.decide(&layers, 1, Mode::Charge).await.map(drop)
+    });
+    // The only thread is busy past the old request's timeout before the batcher runs.
+    let stuck = tokio::spawn(async move { std::thread::sleep(timeout + timeout / 5) });
+    let (s, l) = (store.clone(), limit.clone());
+    let new = tokio::spawn(async move {
+        let layers = [Layer::enforced(&l, key("new"))];
+        s.decide(&layers, 1, Mode::Charge).await.map(drop)
+    });
+    let old = old.await.unwrap();
+    stuck.await.unwrap();
+    let new = new.await.unwrap();
+    assert!(matches!(old, Err(StoreError::Timeout(_))), "{old:?}");
+    assert!(new.is_ok(), "{new:?}");
+    assert_eq!(
+        server.calls("evalsha"),
+        calls + 1,
+        "the old request was not sent"
+    );
+    // The old one charged nothing: its caller followed `on_error` instead.
+    let checked = store
+        .decide(&[Layer::enforced(&limit, key("old"))], 1, Mode::CheckOnly)
+        .await
+        .unwrap();
+    let RemoteDecision::Admitted(a) = checked else {
+        panic!("{checked:?}")
+    };
+    assert_eq!(a.reports[0].remaining, 1000);
 }
