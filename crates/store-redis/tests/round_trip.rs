@@ -212,3 +212,68 @@ async fn a_request_batched_with_one_out_of_time_still_gets_its_whole_timeout() {
     };
     assert_eq!(a.reports[0].remaining, 1000);
 }
+
+/// The call's timer is re-armed for each request's own deadline: while a stalled Redis holds
+/// the call, the older request is answered `Timeout` at its deadline (and Redis, reaching it
+/// later, charges it nothing), and the newer one goes on waiting and gets its decision.
+#[tokio::test(flavor = "current_thread")]
+async fn while_a_call_waits_each_request_is_given_up_at_its_own_deadline() {
+    let server = RedisServer::start();
+    let timeout = Duration::from_millis(400);
+    let options = StoreOptions {
+        timeout,
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&server.url(), options).await.unwrap();
+    let limit = remote(&fixed("l", 1000, Duration::from_secs(3600)));
+    // Learns Redis's clock, so that requests carry their deadlines to it.
+    let warm = [Layer::enforced(&limit, key("warm"))];
+    assert!(store.decide(&warm, 1, Mode::Charge).await.is_ok());
+
+    let started = tokio::time::Instant::now();
+    let (s, l) = (store.clone(), limit.clone());
+    let old = tokio::spawn(async move {
+        let layers = [Layer::enforced(&l, key("old"))];
+        let result = s.decide(&layers, 1, Mode::Charge).await.map(drop);
+        (result, started.elapsed())
+    });
+    // The only thread is busy for 250 ms, so both requests go in one call; 200 ms in, Redis
+    // is stalled for 350 ms from another connection: the call is answered at about 550 ms,
+    // past the old request's deadline (400 ms), within the new one's (650 ms).
+    let mut cli = server.cli_command(&["DEBUG", "SLEEP", "0.35"]);
+    cli.stdout(std::process::Stdio::null());
+    let stuck = tokio::spawn(async move {
+        std::thread::sleep(Duration::from_millis(200));
+        let sleeper = cli.spawn().expect("redis-cli runs");
+        std::thread::sleep(Duration::from_millis(50));
+        sleeper
+    });
+    let (s, l) = (store.clone(), limit.clone());
+    let new = tokio::spawn(async move {
+        let layers = [Layer::enforced(&l, key("new"))];
+        let result = s.decide(&layers, 1, Mode::Charge).await.map(drop);
+        (result, started.elapsed())
+    });
+    let (old, old_took) = old.await.unwrap();
+    let mut sleeper = stuck.await.unwrap();
+    let (new, new_took) = new.await.unwrap();
+    sleeper.wait().unwrap();
+    assert!(matches!(old, Err(StoreError::Timeout(_))), "{old:?}");
+    assert!(
+        old_took >= timeout && old_took < new_took,
+        "the old request was given up at {old_took:?}, the new one answered at {new_took:?}"
+    );
+    assert!(new.is_ok(), "{new:?} at {new_took:?}");
+    let remaining = |name: &'static str| {
+        let (s, l) = (store.clone(), limit.clone());
+        async move {
+            let layers = [Layer::enforced(&l, key(name))];
+            match s.decide(&layers, 1, Mode::CheckOnly).await.unwrap() {
+                RemoteDecision::Admitted(a) => a.reports[0].remaining,
+                other => panic!("{other:?}"),
+            }
+        }
+    };
+    assert_eq!(remaining("old").await, 1000, "given up, and not charged");
+    assert_eq!(remaining("new").await, 999);
+}

@@ -93,12 +93,16 @@ impl RedisServer {
 
     /// Runs `redis-cli <args>` against this server and returns its output.
     pub fn cli(&self, args: &[&str]) -> String {
-        let out = Command::new(find("redis-cli"))
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .expect("run redis-cli");
+        let out = self.cli_command(args).output().expect("run redis-cli");
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// `redis-cli <args>` against this server, e.g. to run in the background (`spawn`) a
+    /// `DEBUG SLEEP` that stalls it while a test goes on.
+    pub fn cli_command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(find("redis-cli"));
+        cmd.args(["-p", &self.port.to_string()]).args(args);
+        cmd
     }
 
     /// Calls of `command` so far, from `INFO commandstats` (0 if never called); the commands
