@@ -618,7 +618,10 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
     let parts = waiting.iter().flatten().map(|c| &c.part);
     let cmd = script::invocation(&sha, options.lease_ttl, parts);
     let sent = waiting.len();
-    let call = eval(&mut conn, &cmd);
+    // Set once a request of the call has been given up: the call is then not sent again on a
+    // new connection (see `eval`), since its caller has followed `on_error` already.
+    let gave_up = AtomicBool::new(false);
+    let call = eval(&mut conn, &cmd, &gave_up);
     tokio::pin!(call);
     let result = loop {
         let Some(first) = waiting.iter().flatten().map(|c| c.since).min() else {
@@ -633,6 +636,7 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
                 for slot in &mut waiting {
                     if let Some(late) = slot.take_if(|c| c.since + timeout <= now) {
                         let _ = late.reply.send(Err(StoreError::Timeout(timeout)));
+                        gave_up.store(true, Ordering::Relaxed);
                     }
                 }
             }
@@ -677,11 +681,14 @@ fn unpack_all(replies: &[Vec<u8>], sent: usize) -> Result<Vec<Vec<i64>>, StoreEr
 /// its requests twice, which errs towards refusing; and a concurrency lease the first run took
 /// may make the second refuse, so the caller releases the leases of a resent call that did
 /// not admit (see `decide_inner`). Only a broken or refused connection is a reason: a reply
-/// that does not parse means Redis ran the call, and it is not sent again. Returns the
-/// replies and whether the call was sent twice.
+/// that does not parse means Redis ran the call, and it is not sent again; nor is a call one
+/// of whose requests has been given up (`gave_up`): its caller followed `on_error`, and its
+/// deadline in Redis's clock, which would keep a late run from charging it, is unknown until
+/// the store's first answer. Returns the replies and whether the call was sent twice.
 async fn eval(
     conn: &mut ConnectionManager,
     cmd: &redis::Cmd,
+    gave_up: &AtomicBool,
 ) -> Result<(Vec<Vec<u8>>, bool), StoreError> {
     let (mut loaded, mut resent) = (false, false);
     loop {
@@ -690,7 +697,11 @@ async fn eval(
                 loaded = true;
                 load(conn).await?;
             }
-            Err(e) if !resent && (e.is_connection_dropped() || e.is_connection_refusal()) => {
+            Err(e)
+                if !resent
+                    && (e.is_connection_dropped() || e.is_connection_refusal())
+                    && !gave_up.load(Ordering::Relaxed) =>
+            {
                 resent = true;
             }
             other => return Ok((other?, resent)),
