@@ -6,7 +6,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use sluice_store_redis::{Layer, Mode, RedisStore, RemoteDecision, StoreError, StoreOptions};
+use sluice_store_redis::{
+    Layer, Mode, RedisStore, RemoteDecision, RemoteLimit, StoreError, StoreOptions,
+};
 
 const SECOND: Duration = Duration::from_secs(1);
 
@@ -162,14 +164,10 @@ async fn unreachable_redis_fails_to_connect_with_a_typed_error() {
     assert!(start.elapsed() < Duration::from_secs(1));
 }
 
-/// Each request has the whole timeout from its own asking, whatever the requests it shares a
-/// call with: one that asked after the runtime was stuck past an older request's timeout is
-/// still decided (the older one, out of time before its call went, is answered `Timeout`
-/// without being sent).
-#[tokio::test(flavor = "current_thread")]
-async fn a_request_batched_with_one_out_of_time_still_gets_its_whole_timeout() {
+/// A store with `timeout` on a fresh Redis, a limit of 1,000 an hour, and one decision made, so
+/// that the store knows Redis's clock and requests carry their deadlines to it.
+async fn warmed(timeout: Duration) -> (RedisServer, RedisStore, RemoteLimit) {
     let server = RedisServer::start();
-    let timeout = Duration::from_millis(50);
     let options = StoreOptions {
         timeout,
         ..StoreOptions::default()
@@ -178,23 +176,50 @@ async fn a_request_batched_with_one_out_of_time_still_gets_its_whole_timeout() {
     let limit = remote(&fixed("l", 1000, Duration::from_secs(3600)));
     let warm = [Layer::enforced(&limit, key("warm"))];
     assert!(store.decide(&warm, 1, Mode::Charge).await.is_ok());
-    let calls = server.calls("evalsha");
+    (server, store, limit)
+}
 
-    let (s, l) = (store.clone(), limit.clone());
-    let old = tokio::spawn(async move {
-        let layers = [Layer::enforced(&l, key("old"))];
-        s.decide(&layers, 1, Mode::Charge).await.map(drop)
-    });
+/// Decides for caller `name` in a task of its own: the result, and when it came (from `start`).
+fn ask(
+    store: &RedisStore,
+    limit: &RemoteLimit,
+    name: &'static str,
+    start: tokio::time::Instant,
+) -> tokio::task::JoinHandle<(Result<(), StoreError>, Duration)> {
+    let (store, limit) = (store.clone(), limit.clone());
+    tokio::spawn(async move {
+        let layers = [Layer::enforced(&limit, key(name))];
+        let result = store.decide(&layers, 1, Mode::Charge).await.map(drop);
+        (result, start.elapsed())
+    })
+}
+
+/// What caller `name` has left, without charging it.
+async fn remaining(store: &RedisStore, limit: &RemoteLimit, name: &str) -> u32 {
+    let layers = [Layer::enforced(limit, key(name))];
+    match store.decide(&layers, 1, Mode::CheckOnly).await.unwrap() {
+        RemoteDecision::Admitted(a) => a.reports[0].remaining,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Each request has the whole timeout from its own asking, whatever the requests it shares a
+/// call with: one that asked after the runtime was stuck past an older request's timeout is
+/// still decided (the older one, out of time before its call went, is answered `Timeout`
+/// without being sent).
+#[tokio::test(flavor = "current_thread")]
+async fn a_request_batched_with_one_out_of_time_still_gets_its_whole_timeout() {
+    let timeout = Duration::from_millis(50);
+    let (server, store, limit) = warmed(timeout).await;
+    let calls = server.calls("evalsha");
+    let start = tokio::time::Instant::now();
+    let old = ask(&store, &limit, "old", start);
     // The only thread is busy past the old request's timeout before the batcher runs.
     let stuck = tokio::spawn(async move { std::thread::sleep(timeout + timeout / 5) });
-    let (s, l) = (store.clone(), limit.clone());
-    let new = tokio::spawn(async move {
-        let layers = [Layer::enforced(&l, key("new"))];
-        s.decide(&layers, 1, Mode::Charge).await.map(drop)
-    });
-    let old = old.await.unwrap();
+    let new = ask(&store, &limit, "new", start);
+    let (old, _) = old.await.unwrap();
     stuck.await.unwrap();
-    let new = new.await.unwrap();
+    let (new, _) = new.await.unwrap();
     assert!(matches!(old, Err(StoreError::Timeout(_))), "{old:?}");
     assert!(new.is_ok(), "{new:?}");
     assert_eq!(
@@ -203,14 +228,7 @@ async fn a_request_batched_with_one_out_of_time_still_gets_its_whole_timeout() {
         "the old request was not sent"
     );
     // The old one charged nothing: its caller followed `on_error` instead.
-    let checked = store
-        .decide(&[Layer::enforced(&limit, key("old"))], 1, Mode::CheckOnly)
-        .await
-        .unwrap();
-    let RemoteDecision::Admitted(a) = checked else {
-        panic!("{checked:?}")
-    };
-    assert_eq!(a.reports[0].remaining, 1000);
+    assert_eq!(remaining(&store, &limit, "old").await, 1000);
 }
 
 /// The call's timer is re-armed for each request's own deadline: while a stalled Redis holds
@@ -218,25 +236,10 @@ async fn a_request_batched_with_one_out_of_time_still_gets_its_whole_timeout() {
 /// later, charges it nothing), and the newer one goes on waiting and gets its decision.
 #[tokio::test(flavor = "current_thread")]
 async fn while_a_call_waits_each_request_is_given_up_at_its_own_deadline() {
-    let server = RedisServer::start();
     let timeout = Duration::from_millis(400);
-    let options = StoreOptions {
-        timeout,
-        ..StoreOptions::default()
-    };
-    let store = RedisStore::connect(&server.url(), options).await.unwrap();
-    let limit = remote(&fixed("l", 1000, Duration::from_secs(3600)));
-    // Learns Redis's clock, so that requests carry their deadlines to it.
-    let warm = [Layer::enforced(&limit, key("warm"))];
-    assert!(store.decide(&warm, 1, Mode::Charge).await.is_ok());
-
-    let started = tokio::time::Instant::now();
-    let (s, l) = (store.clone(), limit.clone());
-    let old = tokio::spawn(async move {
-        let layers = [Layer::enforced(&l, key("old"))];
-        let result = s.decide(&layers, 1, Mode::Charge).await.map(drop);
-        (result, started.elapsed())
-    });
+    let (server, store, limit) = warmed(timeout).await;
+    let start = tokio::time::Instant::now();
+    let old = ask(&store, &limit, "old", start);
     // The only thread is busy for 250 ms, so both requests go in one call; 200 ms in, Redis
     // is stalled for 350 ms from another connection: the call is answered at about 550 ms,
     // past the old request's deadline (400 ms), within the new one's (650 ms).
@@ -248,12 +251,7 @@ async fn while_a_call_waits_each_request_is_given_up_at_its_own_deadline() {
         std::thread::sleep(Duration::from_millis(50));
         sleeper
     });
-    let (s, l) = (store.clone(), limit.clone());
-    let new = tokio::spawn(async move {
-        let layers = [Layer::enforced(&l, key("new"))];
-        let result = s.decide(&layers, 1, Mode::Charge).await.map(drop);
-        (result, started.elapsed())
-    });
+    let new = ask(&store, &limit, "new", start);
     let (old, old_took) = old.await.unwrap();
     let mut sleeper = stuck.await.unwrap();
     let (new, new_took) = new.await.unwrap();
@@ -264,16 +262,10 @@ async fn while_a_call_waits_each_request_is_given_up_at_its_own_deadline() {
         "the old request was given up at {old_took:?}, the new one answered at {new_took:?}"
     );
     assert!(new.is_ok(), "{new:?} at {new_took:?}");
-    let remaining = |name: &'static str| {
-        let (s, l) = (store.clone(), limit.clone());
-        async move {
-            let layers = [Layer::enforced(&l, key(name))];
-            match s.decide(&layers, 1, Mode::CheckOnly).await.unwrap() {
-                RemoteDecision::Admitted(a) => a.reports[0].remaining,
-                other => panic!("{other:?}"),
-            }
-        }
-    };
-    assert_eq!(remaining("old").await, 1000, "given up, and not charged");
-    assert_eq!(remaining("new").await, 999);
+    assert_eq!(
+        remaining(&store, &limit, "old").await,
+        1000,
+        "given up, and not charged"
+    );
+    assert_eq!(remaining(&store, &limit, "new").await, 999);
 }
