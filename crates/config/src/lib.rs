@@ -176,13 +176,10 @@ fn serde_error(
     error::Source::new(file, text).error(inner.span(), key, message)
 }
 
-/// serde's words for sluice's own types (`struct RawGateway`, `untagged enum OneOrMany`,
-/// `i64`) in the words of the file: a table, a string or list of strings, an integer.
+/// serde's words for sluice's own types (`struct RawGateway`, `i64`) in the words of the file:
+/// a table, an integer.
 fn plain_types(message: &str) -> String {
-    let mut out = message.replace(
-        "data did not match any variant of untagged enum OneOrMany",
-        "expected a string or a list of strings",
-    );
+    let mut out = message.to_owned();
     for (rust, toml) in [
         ("expected i64", "expected an integer"),
         ("expected u64", "expected an integer"),

@@ -123,19 +123,54 @@ pub(crate) struct RawLimit {
     pub block_for: Option<S<String>>,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+/// A string, or a list of strings each with its place in the file (so that an error in one
+/// element points at it). Deserialized by hand: serde's `untagged` buffers the value, which
+/// loses the elements' places and says only that nothing matched.
+#[derive(Debug)]
 pub(crate) enum OneOrMany {
     One(String),
-    Many(Vec<String>),
+    Many(Vec<S<String>>),
 }
 
 impl OneOrMany {
-    pub(crate) fn items(&self) -> Vec<&str> {
+    /// The items, each with its place in the file when it has one of its own.
+    pub(crate) fn items(&self) -> Vec<(&str, Option<std::ops::Range<usize>>)> {
         match self {
-            OneOrMany::One(s) => vec![s.as_str()],
-            OneOrMany::Many(v) => v.iter().map(String::as_str).collect(),
+            OneOrMany::One(s) => vec![(s.as_str(), None)],
+            OneOrMany::Many(v) => v
+                .iter()
+                .map(|s| (s.get_ref().as_str(), Some(s.span())))
+                .collect(),
         }
+    }
+}
+
+impl<'de> Deserialize<'de> for OneOrMany {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = OneOrMany;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string or a list of strings")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<OneOrMany, E> {
+                Ok(OneOrMany::One(v.to_owned()))
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<OneOrMany, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element::<S<String>>()? {
+                    items.push(item);
+                }
+                Ok(OneOrMany::Many(items))
+            }
+        }
+        d.deserialize_any(Visitor)
     }
 }
 

@@ -286,7 +286,7 @@ routes = ["zzz"]
         "c.toml:25:8: limits[1].name: \"l\" is already the name of another entry in [[limits]]",
         "c.toml:20:9: limits[0].quota: 0 is not allowed: it must be between 1 and 4294967295",
         "c.toml:22:9: limits[0].burst: 3 is not used: burst applies to token_bucket limits only, not fixed_window",
-        "c.toml:26:6: limits[1].by: \"cookie\" is not a key part (write \"ip\", \"api_key\", \"route\", \"global\" or \"header:<name>\")",
+        "c.toml:26:13: limits[1].by[1]: \"cookie\" is not a key part (write \"ip\", \"api_key\", \"route\", \"global\" or \"header:<name>\")",
         "c.toml:30:11: limits[1].routes[0]: \"zzz\" is not a route (known: \"a\", \"a\")",
         "c.toml:29:8: limits[1].mode: \"delay\" needs max_delay, the longest a request may be held (e.g. max_delay = \"500ms\")",
     ];
@@ -461,7 +461,12 @@ fn every_error_names_its_key_and_a_printable_value() {
         ),
         (
             "[[limits]]\nname = \"l\"\nby = 1\nquota = 1\n",
-            "c.toml:3:6: limits[0].by: 1: expected a string or a list of strings",
+            "c.toml:3:6: limits[0].by: invalid type: integer `1`, expected a string or a list of strings",
+        ),
+        (
+            // An element of a list written over several lines is pointed at, and named.
+            "[[limits]]\nname = \"l\"\nby = [\n  \"ip\",\n  7,\n]\nquota = 1\n",
+            "c.toml:5:3: limits[0].by[1]: invalid type: integer `7`, expected a string",
         ),
         (
             "[gateway]\noverload_retry_after = {min=\"2s\"}\n",

@@ -150,7 +150,14 @@ impl Validator<'_> {
             return None;
         }
         let mut parts = Vec::with_capacity(items.len());
-        for item in items {
+        for (i, (item, place)) in items.into_iter().enumerate() {
+            // An element of a list is pointed at itself, and named; a lone string is the key's
+            // value.
+            let (span, key) = match place {
+                Some(place) => (Some(place), format!("{key}[{i}]")),
+                None => (Some(by.span()), key.to_owned()),
+            };
+            let key = key.as_str();
             let part = match item {
                 "ip" => KeyPart::Ip,
                 "api_key" => KeyPart::ApiKey,
@@ -161,13 +168,13 @@ impl Validator<'_> {
                         KeyPart::Header(name.to_ascii_lowercase())
                     }
                     _ => {
-                        self.err(Some(by.span()), key, format!("\"{item}\" is not a key part (write \"ip\", \"api_key\", \"route\", \"global\" or \"header:<name>\")"));
+                        self.err(span, key, format!("\"{item}\" is not a key part (write \"ip\", \"api_key\", \"route\", \"global\" or \"header:<name>\")"));
                         return None;
                     }
                 },
             };
             if parts.contains(&part) {
-                self.err(Some(by.span()), key, format!("\"{item}\" is named twice"));
+                self.err(span, key, format!("\"{item}\" is named twice"));
                 return None;
             }
             parts.push(part);
