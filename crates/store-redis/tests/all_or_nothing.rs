@@ -89,11 +89,7 @@ async fn check_only_charges_nothing_and_starts_no_block() {
         assert!(a.lease.is_none());
     }
     for _ in 0..2 {
-        assert!(store
-            .decide(&layers, 1, Mode::Charge)
-            .await
-            .unwrap()
-            .is_admitted());
+        assert!(admitted(&store, &layers).await);
     }
     let d = store.decide(&layers, 1, Mode::CheckOnly).await.unwrap();
     let RemoteDecision::Refused(r) = d else {
@@ -302,11 +298,7 @@ async fn withdraw_gives_a_window_charge_back_whoever_came_since() {
     else {
         panic!("fresh")
     };
-    assert!(store
-        .decide(&layers, 1, Mode::Charge)
-        .await
-        .unwrap()
-        .is_admitted());
+    assert!(admitted(&store, &layers).await);
     assert_eq!(remaining(&store, &layers).await, vec![0]);
     store.withdraw(&layers, first).await.unwrap();
     assert_eq!(remaining(&store, &layers).await, vec![1]);

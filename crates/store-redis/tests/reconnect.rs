@@ -24,11 +24,7 @@ async fn the_first_decision_after_redis_restarts_is_decided_by_it() {
     let store = redis.store().await;
     let limit = remote(&fixed("a", 100, SECOND));
     let layers = [Layer::enforced(&limit, key("caller"))];
-    assert!(store
-        .decide(&layers, 1, Mode::Charge)
-        .await
-        .unwrap()
-        .is_admitted());
+    assert!(admitted(&store, &layers).await);
     // Restarted at once: the store's connection is still the dead one's.
     redis.kill();
     let mut redis = RedisServer::start_on(port);
@@ -134,11 +130,7 @@ async fn a_connection_that_falls_silent_is_replaced() {
     let (_redis, relay, store) = relayed().await;
     let limit = remote(&fixed("a", 1000, SECOND));
     let layers = [Layer::enforced(&limit, key("caller"))];
-    assert!(store
-        .decide(&layers, 1, Mode::Charge)
-        .await
-        .unwrap()
-        .is_admitted());
+    assert!(admitted(&store, &layers).await);
     relay.silence();
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut timeouts = 0;
@@ -269,11 +261,7 @@ async fn a_decision_redis_reaches_after_its_deadline_charges_nothing() {
     let limit = remote(&fixed("once-an-hour", 1, Duration::from_secs(3600)));
     // A first answer shows the store Redis's clock.
     let other = [Layer::enforced(&limit, key("someone else"))];
-    assert!(store
-        .decide(&other, 1, Mode::Charge)
-        .await
-        .unwrap()
-        .is_admitted());
+    assert!(admitted(&store, &other).await);
     let layers = [Layer::enforced(&limit, key("caller"))];
     let stall = stall_for_a_second(&redis).await;
     let late = store.decide(&layers, 1, Mode::Charge).await;

@@ -37,27 +37,15 @@ async fn script_flush_is_survived_by_reloading_transparently() {
     let store = server.store().await;
     let limit = remote(&fixed("a", 5, SECOND));
     let layers = [Layer::enforced(&limit, key("caller"))];
-    assert!(store
-        .decide(&layers, 1, Mode::Charge)
-        .await
-        .unwrap()
-        .is_admitted());
+    assert!(admitted(&store, &layers).await);
     let _: () = redis::cmd("SCRIPT")
         .arg("FLUSH")
         .query_async(&mut server.admin().await)
         .await
         .unwrap();
-    assert!(store
-        .decide(&layers, 1, Mode::Charge)
-        .await
-        .unwrap()
-        .is_admitted());
+    assert!(admitted(&store, &layers).await);
     assert_eq!(server.calls("script|load"), 2);
-    assert!(store
-        .decide(&layers, 1, Mode::Charge)
-        .await
-        .unwrap()
-        .is_admitted());
+    assert!(admitted(&store, &layers).await);
     assert_eq!(server.calls("script|load"), 2, "reloaded once only");
 }
 

@@ -5,7 +5,7 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use sluice_limiter::{Algorithm, Key, KeyHasher, Limit, Nanos};
-use sluice_store_redis::{RedisStore, RemoteLimit, StoreOptions};
+use sluice_store_redis::{Layer, Mode, RedisStore, RemoteLimit, StoreOptions};
 
 pub const SEC: u64 = 1_000_000_000;
 /// A start time well past the epoch, on a whole minute.
@@ -39,6 +39,15 @@ impl Connect for RedisServer {
             .await
             .expect("admin connection")
     }
+}
+
+/// Whether a charging decision over `layers` (cost 1) is admitted; a store error fails the test.
+pub async fn admitted(store: &RedisStore, layers: &[Layer<'_>]) -> bool {
+    store
+        .decide(layers, 1, Mode::Charge)
+        .await
+        .expect("the store decides")
+        .is_admitted()
 }
 
 pub fn nz(n: u32) -> NonZeroU32 {
