@@ -195,14 +195,20 @@ impl Conn {
             .map_err(Error::Unanswered)?;
         let mut answered = false;
         loop {
+            // Bytes of the answer known to hold no whole head: it is parsed again only once a
+            // line has ended after them, so a head trickled a byte at a time costs a parse per
+            // line, not per byte (at most 100 fields, so about a hundred parses of 408 KiB at
+            // worst, where per byte it would be tens of gigabytes scanned).
+            let mut checked = 0;
             let head = loop {
                 // (Nothing to parse before the first read: a kept connection's buffer is empty.)
-                if self.start != self.end {
+                if self.buffered()[checked..].contains(&b'\n') {
                     if let Some((len, head)) = parse_head(self.buffered(), head_only)? {
                         self.start += len;
                         break head;
                     }
                 }
+                checked = self.end - self.start;
                 answered |= self.start != self.end;
                 if self.end - self.start >= MAX_HEAD {
                     return Err(Error::Malformed("larger than 408 KiB"));
@@ -247,6 +253,8 @@ fn encode(dst: &mut Vec<u8>, parts: &http::request::Parts) {
 
 /// Parses a response head at the start of `buf`: `None` until it is whole.
 fn parse_head(buf: &[u8], head_only: bool) -> Result<Option<(usize, Head)>, Error> {
+    #[cfg(test)]
+    tests::PARSES.with(|n| n.set(n.get() + 1));
     let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut res = httparse::Response::new(&mut []);
     let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
@@ -790,6 +798,11 @@ fn trailer_fields(section: &[u8]) -> Result<Option<HeaderMap>, &'static str> {
 mod tests {
     use super::*;
 
+    thread_local! {
+        /// Calls of `parse_head` on this thread.
+        pub(super) static PARSES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
     fn head(text: &str) -> Result<Option<(usize, Head)>, Error> {
         parse_head(text.as_bytes(), false)
     }
@@ -1139,6 +1152,28 @@ mod tests {
             let (_, body, kept) = run(bad, bytewise, false).await;
             assert!(body.is_err() && !kept, "{body:?}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_head_trickled_a_byte_at_a_time_is_parsed_once_a_line() {
+        let mut head = b"HTTP/1.1 200 OK\r\n".to_vec();
+        for i in 0..40 {
+            head.extend_from_slice(format!("x-field-{i}: {}\r\n", "v".repeat(40)).as_bytes());
+        }
+        head.extend_from_slice(b"content-length: 2\r\n\r\nok");
+        let lines = head.iter().filter(|&&b| b == b'\n').count();
+        let response: &'static [u8] = head.leak();
+        PARSES.with(|n| n.set(0));
+        assert_eq!(
+            run(response, true, false).await,
+            (200, Ok("ok".into()), true)
+        );
+        let parses = PARSES.with(|n| n.get());
+        assert!(
+            (1..=lines).contains(&parses),
+            "{parses} parses of a head of {lines} lines, {} bytes",
+            response.len()
+        );
     }
 
     #[tokio::test]
