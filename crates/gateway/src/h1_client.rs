@@ -115,8 +115,9 @@ enum Chunk {
     /// Expecting the CRLF after a chunk's data.
     DataEnd,
     /// After the last chunk: trailer fields until an empty line, passed on as the body's
-    /// trailers (HTTP/2 clients get them; hyper's HTTP/1.1 server side drops them).
-    Trailers,
+    /// trailers (HTTP/2 clients get them; hyper's HTTP/1.1 server side drops them). Holds how
+    /// many of the buffered bytes are whole lines already looked at.
+    Trailers(usize),
 }
 
 /// A parsed response head, with what the connection needs to know of it.
@@ -529,7 +530,7 @@ impl Streaming {
                     at += len;
                     if size == 0 {
                         // Trailer fields: passed on by streaming.
-                        match trailers_end(&conn.rbuf[at..conn.end])? {
+                        match trailers_end(&conn.rbuf[at..conn.end], &mut 0)? {
                             Some(2) => at += 2,
                             _ => return Ok(None),
                         }
@@ -687,7 +688,7 @@ impl Streaming {
                     Ok(Some((len, size))) => {
                         conn.start += len;
                         self.framing = Framing::Chunked(if size == 0 {
-                            Chunk::Trailers
+                            Chunk::Trailers(0)
                         } else {
                             Chunk::Data(size)
                         });
@@ -703,30 +704,34 @@ impl Streaming {
                     self.framing = Framing::Chunked(Chunk::Size);
                     continue;
                 }
-                Framing::Chunked(Chunk::Trailers) => match trailers_end(conn.buffered()) {
-                    Err(what) => return self.fail(bad(what)),
-                    Ok(Some(len)) => {
-                        let fields = match trailer_fields(&conn.buffered()[..len]) {
-                            Err(what) => return self.fail(bad(what)),
-                            Ok(fields) => fields,
-                        };
-                        conn.start += len;
-                        self.framing = Framing::Length(0);
-                        self.finish();
-                        match fields {
-                            None => continue,
-                            Some(fields) => return Poll::Ready(Some(Ok(Frame::trailers(fields)))),
+                Framing::Chunked(Chunk::Trailers(mut checked)) => {
+                    match trailers_end(conn.buffered(), &mut checked) {
+                        Err(what) => return self.fail(bad(what)),
+                        Ok(Some(len)) => {
+                            let fields = match trailer_fields(&conn.buffered()[..len]) {
+                                Err(what) => return self.fail(bad(what)),
+                                Ok(fields) => fields,
+                            };
+                            conn.start += len;
+                            self.framing = Framing::Length(0);
+                            self.finish();
+                            match fields {
+                                None => continue,
+                                Some(fields) => {
+                                    return Poll::Ready(Some(Ok(Frame::trailers(fields))))
+                                }
+                            }
                         }
+                        Ok(None) => self.framing = Framing::Chunked(Chunk::Trailers(checked)),
                     }
-                    Ok(None) => {}
-                },
+                }
                 Framing::Length(_)
                 | Framing::Chunked(Chunk::Data(_) | Chunk::DataEnd)
                 | Framing::Close => {}
             }
             // More bytes needed.
             let close = self.framing == Framing::Close;
-            let max = if self.framing == Framing::Chunked(Chunk::Trailers) {
+            let max = if matches!(self.framing, Framing::Chunked(Chunk::Trailers(_))) {
                 MAX_TRAILERS + READ_BUF
             } else {
                 READ_BUF
@@ -755,16 +760,17 @@ impl Streaming {
 }
 
 /// Where a trailer section ends in `buf` (just past its empty line): `None` until it does.
-fn trailers_end(buf: &[u8]) -> Result<Option<usize>, &'static str> {
-    let mut at = 0;
-    while let Some(lf) = buf[at..].iter().position(|&b| b == b'\n') {
-        let line = &buf[at..at + lf];
-        at += lf + 1;
-        if at > MAX_TRAILERS {
+/// Looks from `*at`, the end of the whole lines already looked at, and moves it past the
+/// lines it finds, so that a section trickled a byte at a time is read once, not once a byte.
+fn trailers_end(buf: &[u8], at: &mut usize) -> Result<Option<usize>, &'static str> {
+    while let Some(lf) = buf[*at..].iter().position(|&b| b == b'\n') {
+        let line = &buf[*at..*at + lf];
+        *at += lf + 1;
+        if *at > MAX_TRAILERS {
             return Err("trailer section too long");
         }
         match line {
-            b"\r" => return Ok(Some(at)),
+            b"\r" => return Ok(Some(*at)),
             [.., b'\r'] => {}
             _ => return Err("trailer line not ended by CRLF"),
         }
@@ -977,13 +983,21 @@ mod tests {
 
     #[test]
     fn trailers_end_at_their_empty_line_and_are_bounded() {
-        assert_eq!(trailers_end(b"\r\nnext"), Ok(Some(2)));
-        assert_eq!(trailers_end(b"a: 1\r\nb: 2\r\n\r\n"), Ok(Some(14)));
-        assert_eq!(trailers_end(b"a: 1\r\nb:"), Ok(None));
-        assert!(trailers_end(b"a: 1\n\r\n").is_err());
+        let end = |buf: &[u8]| trailers_end(buf, &mut 0);
+        assert_eq!(end(b"\r\nnext"), Ok(Some(2)));
+        assert_eq!(end(b"a: 1\r\nb: 2\r\n\r\n"), Ok(Some(14)));
+        assert_eq!(end(b"a: 1\r\nb:"), Ok(None));
+        assert!(end(b"a: 1\n\r\n").is_err());
         let long = format!("a: {}\r\n", "x".repeat(MAX_TRAILERS));
-        assert!(trailers_end(long.as_bytes()).is_err());
-        assert!(trailers_end(&long.as_bytes()[..MAX_TRAILERS + 1]).is_err());
+        assert!(end(long.as_bytes()).is_err());
+        assert!(end(&long.as_bytes()[..MAX_TRAILERS + 1]).is_err());
+        // Looking again once more has arrived starts at the first line not yet whole.
+        let mut at = 0;
+        assert_eq!(trailers_end(b"a: 1\r\nb:", &mut at), Ok(None));
+        assert_eq!(at, 6);
+        assert_eq!(trailers_end(b"a: 1\r\nb: 2\r", &mut at), Ok(None));
+        assert_eq!(at, 6);
+        assert_eq!(trailers_end(b"a: 1\r\nb: 2\r\n\r\n", &mut at), Ok(Some(14)));
         let fields = trailer_fields(b"grpc-status: 0\r\nx-b: 1\r\n\r\n")
             .unwrap()
             .unwrap();
