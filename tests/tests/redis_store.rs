@@ -650,8 +650,18 @@ async fn with_redis_down_and_deny_a_missing_path_is_still_a_404() {
     redis.kill();
     // The store cannot decide: a routed request is refused (deny), a missing path is not
     // told to retry what does not exist.
-    assert_eq!(get(gw.main, "/v1/search", &[]).await.status, 503);
+    let refused = get(gw.main, "/v1/search", &[]).await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(refused.json()["policy"], "quota-store");
     let missing = get(gw.main, "/missing", &[]).await;
     assert_eq!(missing.status, 404);
     assert_eq!(missing.json()["status"], 404);
+    // The access log says why each was not decided, with the policy the 503's body names.
+    for answer in [&refused, &missing] {
+        let id = answer.header("x-request-id");
+        assert!(!id.is_empty());
+        let line = gw.wait_log(id, |v| v["request_id"] == id).await;
+        assert_eq!(line["decision"], "STORE_UNAVAILABLE", "{line}");
+        assert_eq!(line["policy"], "quota-store", "{line}");
+    }
 }

@@ -270,7 +270,8 @@ pub(crate) async fn handle(
                 // A shared store that cannot decide (`on_error = "deny"`) has nothing to
                 // protect from a request no route matches: it gets its 404.
                 Err(Stop::StoreUnavailable) if route.is_none() => {
-                    break 'walk Problem::not_found().into_response(&shared.problem_base)
+                    log.outcome(Outcome::StoreUnavailable, &shared.quota);
+                    break 'walk Problem::not_found().into_response(&shared.problem_base);
                 }
                 Err(stop) => break 'walk stopped(shared, index, stop, (&reports, cost), log),
             };
@@ -398,7 +399,7 @@ fn stopped(
             res
         }
         Stop::StoreUnavailable => {
-            log.outcome(Outcome::Overloaded, &shared.quota);
+            log.outcome(Outcome::StoreUnavailable, &shared.quota);
             let retry_after = overload_retry_after(shared.overload_retry_after);
             Problem::store_unavailable(retry_after).into_response(&shared.problem_base)
         }

@@ -131,6 +131,9 @@ pub(crate) enum Outcome {
     Rejected(LimitId),
     RejectedDryRun(LimitId),
     Overloaded,
+    /// The shared store could not decide and `on_error = "deny"`: the `quota-store` 503, or a
+    /// plain 404 for a request no route matches.
+    StoreUnavailable,
 }
 
 /// A request that is not admitted.
