@@ -193,10 +193,14 @@ fn trim(b: &[u8]) -> &[u8] {
     b.trim_ascii()
 }
 
+/// The token of `Bearer <token>`. RFC 9110 puts one space after the scheme; a tab (or
+/// several blanks) is taken too, since servers that split the value on whitespace accept it
+/// and a caller must not step outside its key's limits by spelling the separator otherwise.
 fn bearer(v: &[u8]) -> Option<&[u8]> {
     let v = trim(v);
     let (scheme, rest) = v.split_at_checked(6)?;
-    (scheme.eq_ignore_ascii_case(b"bearer") && rest.first() == Some(&b' ')).then(|| trim(rest))
+    (scheme.eq_ignore_ascii_case(b"bearer") && matches!(rest.first(), Some(b' ' | b'\t')))
+        .then(|| trim(rest))
 }
 
 /// Every value of `name` in a query string, percent-decoded.
@@ -425,6 +429,26 @@ mod tests {
             id.ip_bucket(ip("2001:db8:1:2::1")),
             id.ip_bucket(ip("2001:db8:1:3::1"))
         );
+    }
+
+    #[test]
+    fn a_bearer_token_is_read_whatever_blanks_follow_the_scheme() {
+        let id = identify(&[]);
+        let uri: Uri = "/x".parse().unwrap();
+        for value in [
+            "Bearer tok",
+            "bearer\ttok",
+            "BEARER  \t tok ",
+            " Bearer tok",
+        ] {
+            let h = headers(&[("authorization", value)]);
+            let key = id.api_key(&h, &uri).unwrap();
+            assert_eq!(key.as_deref(), Some(&b"tok"[..]), "{value:?}");
+        }
+        for value in ["Bearertok", "Basic dG9r", "Bearer", "Bearer \t "] {
+            let h = headers(&[("authorization", value)]);
+            assert_eq!(id.api_key(&h, &uri).unwrap(), None, "{value:?}");
+        }
     }
 
     #[test]
