@@ -279,6 +279,47 @@ async fn shutdown_grace_bounds_the_drain() {
     up.release(1);
 }
 
+/// A request a `delay` limit holds past the end of the shutdown grace is answered 503 (with
+/// `Retry-After`) when draining starts, rather than cut without an answer when the process
+/// exits; one whose hold ends within the grace is forwarded.
+#[tokio::test]
+async fn held_requests_that_would_outlast_the_grace_get_503_when_draining_starts() {
+    let up = MockUpstream::start().await;
+    // One request every 4 s from this address, held up to 10 s; a grace of 6 s.
+    let limits = "[[limits]]\nname = \"slow\"\nby = \"ip\"\nquota = 1\nwindow = \"4s\"\nmode = \"delay\"\nmax_delay = \"10s\"\n";
+    let mut gw = Sluice::start(&format!("{}{limits}", config(&up.url(), 8, "10s", "6s")));
+    assert_eq!(get(gw.main, "/a", &[]).await.status, 200);
+    // Two more, held about 4 and 8 s.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(gw.main).await.unwrap();
+        s.write_all(b"GET /a HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        held.push(s);
+    }
+    // Both are held: a fourth would wait about 12 s, past max_delay.
+    assert_eq!(get(gw.main, "/a", &[]).await.status, 429);
+    gw.terminate();
+    let mut answers = Vec::new();
+    for mut s in held {
+        let (_, answer) = read_until_closed(&mut s, Duration::from_secs(15))
+            .await
+            .expect("the connection ends");
+        answers.push(String::from_utf8_lossy(&answer).into_owned());
+    }
+    answers.sort();
+    assert!(answers[0].starts_with("HTTP/1.1 200"), "{}", answers[0]);
+    let late = &answers[1];
+    assert!(late.starts_with("HTTP/1.1 503"), "{late}");
+    assert!(
+        late.to_ascii_lowercase().contains("\r\nretry-after: "),
+        "{late}"
+    );
+    assert!(late.contains("\"policy\":\"server-capacity\""), "{late}");
+    assert_eq!(gw.wait_exit(Duration::from_secs(15)).await.code(), Some(0));
+}
+
 /// `max_connections`: at the cap the gateway stops accepting, so a new connection waits in the
 /// listen backlog until an open one ends (here idle ones, closed by their header timeout), and
 /// the admin listener, which is not counted, still answers its probes.

@@ -1028,6 +1028,36 @@ async fn a_503_tells_a_caller_a_delay_limit_would_hold_that_nothing_is_left(stor
     assert_eq!(slow.await.unwrap().status, 200);
 }
 
+both_stores!(a_held_request_takes_no_place_in_flight_while_it_waits);
+/// A caller sending faster than its rate is slowed, and the gateway is not filled by it: its
+/// held request takes no place in `max_in_flight` while it waits, so that others are served
+/// and readiness holds (a 503 and a failing probe are for a full gateway, not a fast caller).
+async fn a_held_request_takes_no_place_in_flight_while_it_waits(store: TestStore) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = MockUpstream::start().await;
+    // One request every 2 s per key, held up to 3 s; one place in flight.
+    let limits = "[[limits]]\nname = \"slow\"\nby = \"api_key\"\nquota = 1\nwindow = \"2s\"\nmode = \"delay\"\nmax_delay = \"3s\"\n";
+    let gw = InProcess::start(&store.apply(&config(&up.url(), 1, limits)), Duration::ZERO).await;
+    assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+    // The next is held about 2 s; it is sent whole before anything else.
+    let mut held = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    let head = "GET /v1/items HTTP/1.1\r\nhost: x\r\nx-api-key: k\r\nconnection: close\r\n\r\n";
+    held.write_all(head.as_bytes()).await.unwrap();
+    // It is held: one more would wait about 4 s, past max_delay.
+    let probe = call(gw.main, "/v1/items", "k").await;
+    assert_eq!(probe.status, 429, "{}", probe.text());
+    assert_eq!(get(gw.admin, "/ready", &[]).await.status, 200);
+    let other = call(gw.main, "/v1/items", "other").await;
+    assert_eq!(other.status, 200, "{}", other.text());
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), held.read_to_end(&mut answer))
+        .await
+        .expect("the held request is answered")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
 both_stores!(requests_no_route_matches_are_counted_by_the_per_caller_limits_of_every_route);
 async fn requests_no_route_matches_are_counted_by_the_per_caller_limits_of_every_route(
     store: TestStore,

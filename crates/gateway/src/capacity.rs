@@ -2,7 +2,9 @@
 //! or draining. Readiness reads the same numbers, so it fails exactly when admissions would.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+
+use tokio::time::Instant;
 
 /// Counts in-flight requests against `max_in_flight`.
 #[derive(Debug)]
@@ -17,6 +19,10 @@ struct Inner {
     draining: AtomicBool,
     /// Woken when the last in-flight slot is released while draining.
     drained: tokio::sync::Notify,
+    /// When the shutdown grace ends, once draining has started.
+    grace_ends: OnceLock<Instant>,
+    /// Woken when draining starts.
+    draining_started: tokio::sync::Notify,
 }
 
 /// One admitted request's slot; released when dropped (response body finished, client gone).
@@ -33,6 +39,8 @@ impl Capacity {
                 max,
                 draining: AtomicBool::new(false),
                 drained: tokio::sync::Notify::new(),
+                grace_ends: OnceLock::new(),
+                draining_started: tokio::sync::Notify::new(),
             }),
         }
     }
@@ -70,8 +78,27 @@ impl Capacity {
         self.inner.in_flight.load(Ordering::Acquire)
     }
 
-    pub(crate) fn start_draining(&self) {
+    /// Fails readiness from now on; work still in flight has until `grace_ends`.
+    pub(crate) fn start_draining(&self, grace_ends: Instant) {
+        let _ = self.inner.grace_ends.set(grace_ends);
         self.inner.draining.store(true, Ordering::Release);
+        self.inner.draining_started.notify_waiters();
+    }
+
+    /// Resolves once draining has started with a grace that ends before `moment`; never
+    /// otherwise. A request held until `moment` would be cut at exit without an answer.
+    pub(crate) async fn draining_before(&self, moment: Instant) {
+        loop {
+            // Registered before the check, so a start in between still wakes it.
+            let started = self.inner.draining_started.notified();
+            if let Some(&end) = self.inner.grace_ends.get() {
+                if end < moment {
+                    return;
+                }
+                std::future::pending::<()>().await;
+            }
+            started.await;
+        }
     }
 
     pub(crate) fn is_draining(&self) -> bool {
@@ -104,6 +131,7 @@ impl Drop for InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn full_gateway_refuses_and_turns_unready_until_a_slot_is_released() {
@@ -122,7 +150,7 @@ mod tests {
     async fn drained_waits_for_the_last_slot_once_draining() {
         let cap = Arc::new(Capacity::new(2));
         let (a, b) = (cap.try_acquire().unwrap(), cap.try_acquire().unwrap());
-        cap.start_draining();
+        cap.start_draining(Instant::now());
         let waiter = {
             let cap = cap.clone();
             tokio::spawn(async move { cap.drained().await })
@@ -137,11 +165,39 @@ mod tests {
             .unwrap();
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn draining_before_a_moment_resolves_only_for_a_grace_that_ends_before_it() {
+        let cap = Arc::new(Capacity::new(2));
+        let now = Instant::now();
+        let (soon, late) = (now + Duration::from_secs(5), now + Duration::from_secs(20));
+        let before = |moment| {
+            let cap = cap.clone();
+            tokio::spawn(async move { cap.draining_before(moment).await })
+        };
+        let (soon, late) = (before(soon), before(late));
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(!soon.is_finished() && !late.is_finished(), "not draining");
+        cap.start_draining(Instant::now() - Duration::from_secs(50));
+        tokio::time::timeout(Duration::from_secs(1), late)
+            .await
+            .expect("the grace ends before the late moment")
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!soon.is_finished(), "the grace ends after the early moment");
+        // Already draining when asked.
+        assert!(tokio::time::timeout(
+            Duration::from_secs(1),
+            cap.draining_before(now + Duration::from_secs(11))
+        )
+        .await
+        .is_ok());
+    }
+
     #[test]
     fn draining_fails_readiness_without_refusing_in_flight_work() {
         let cap = Capacity::new(2);
         let slot = cap.try_acquire().unwrap();
-        cap.start_draining();
+        cap.start_draining(Instant::now());
         assert!(!cap.is_ready());
         drop(slot);
         assert_eq!(cap.in_flight(), 0);

@@ -207,7 +207,9 @@ impl Gateway {
             let shared = shared.clone();
             async move {
                 shutdown.await;
-                shared.capacity.start_draining();
+                shared
+                    .capacity
+                    .start_draining(tokio::time::Instant::now() + shutdown_grace);
                 tracing::info!(
                     in_flight = shared.capacity.in_flight(),
                     grace_ms = shutdown_grace.as_millis() as u64,

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sluice_limiter::{Admission, Decision, LimitId, Limiter, Refusal, Slots};
 
-use super::{Held, Layers, Notes, Outcome, Pass, Quota, Refused, Reports, Stop};
+use super::{wait_out, Held, Layers, Notes, Outcome, Pass, Quota, Refused, Reports, Stop};
 use crate::access_log::AccessLog;
 use crate::capacity::{Capacity, InFlight};
 
@@ -20,28 +20,44 @@ impl Quota {
         slot: Option<InFlight>,
         notes: Notes<'_>,
     ) -> Result<Pass, Stop> {
-        let (result, hold) = self.decide_in_memory(layers, cost, capacity, slot, notes.reports);
-        if let Some(hold) = hold {
-            self.hold(hold, notes.log).await;
+        match self.decide_in_memory(layers, cost, capacity, slot, notes.reports) {
+            Decided::Now(result) => result,
+            Decided::Later(hold) => self.hold(hold, capacity, notes.log).await,
         }
-        result
     }
 
     /// Holds an admitted request until it passes, its outcome already in `log` (so that one
-    /// whose client leaves is logged as such). If it is dropped meanwhile, its charges are
-    /// withdrawn ([`Limiter::withdraw`]: a token bucket gets its charge back only if nobody
-    /// queued behind it).
-    pub(super) async fn hold(&self, hold: Hold, log: &mut AccessLog) {
+    /// whose client leaves is logged as such), then gives it its place in `max_in_flight`:
+    /// a held request takes none, so that a caller sending faster than its rate fills no
+    /// place that others need (nor fails readiness). If the gateway is full when the hold
+    /// ends, or starts draining with a grace that ends before it, the request is answered
+    /// 503 at that moment. If it is not passed (503, or dropped when its client leaves), its
+    /// charges are withdrawn ([`Limiter::withdraw`]: a token bucket gets its charge back only
+    /// if nobody queued behind it).
+    pub(super) async fn hold(
+        &self,
+        hold: Hold,
+        capacity: &Capacity,
+        log: &mut AccessLog,
+    ) -> Result<Pass, Stop> {
         log.outcome(hold.outcome, self);
         let mut withdraw = Withdraw {
             limiter: &self.limiter,
             admissions: hold.admissions,
         };
-        tokio::time::sleep(hold.wait).await;
+        if !wait_out(capacity, hold.wait).await {
+            return Err(Stop::Overloaded);
+        }
+        let slot = capacity.try_acquire().ok_or(Stop::Overloaded)?;
         withdraw.admissions.clear(); // it passes: the charges stay
+        Ok(Pass {
+            slot,
+            held: hold.held,
+            outcome: hold.outcome,
+        })
     }
 
-    /// One decision in memory, and how long to hold the request before it passes: `delay`
+    /// One decision in memory, or how long to hold the request before it passes: `delay`
     /// limits admit a request that passes within their `max_delay` and charge it now, as of
     /// when it will pass, so it keeps its place (and is decided once). Not async: most
     /// requests are not held, and no future then carries the decision's state.
@@ -52,18 +68,18 @@ impl Quota {
         capacity: &Capacity,
         slot: Option<InFlight>,
         reports: &mut Reports,
-    ) -> (Result<Pass, Stop>, Option<Hold>) {
+    ) -> Decided {
         let now = self.clock.now();
         self.limiter
             .decide_with(&layers.enforced, cost, now, |decision| match decision {
                 Decision::Admitted(admission) => {
-                    // A held request is in-flight work: a full gateway cannot hold more.
+                    // A full gateway answers 503 now, to a request it would hold too.
                     let Some(slot) = slot.or_else(|| capacity.try_acquire()) else {
                         self.limiter.refund(admission);
                         // A 503 tells the caller what it has, nothing having been charged.
                         let figures = self.limiter.figures(&layers.enforced, now);
                         reports.extend(figures.map(|r| (r.limit, r)));
-                        return (Err(Stop::Overloaded), None);
+                        return Decided::Now(Err(Stop::Overloaded));
                     };
                     reports.extend(admission.reports(&self.limiter).map(|r| (r.limit, r)));
                     let wait = admission.wait();
@@ -76,26 +92,29 @@ impl Quota {
                         _lease: None,
                     };
                     let outcome = Outcome::of(dry_refused, held_back);
-                    let pass = Pass {
-                        slot,
-                        held,
-                        outcome,
-                    };
-                    // Rare (held requests only): the charges are kept to withdraw them.
-                    let hold = held_back.then(|| Hold {
+                    if !held_back {
+                        return Decided::Now(Ok(Pass {
+                            slot,
+                            held,
+                            outcome,
+                        }));
+                    }
+                    // Held: its place in `max_in_flight` is taken when the hold ends. Rare, so
+                    // the charges are kept here, to withdraw them if it does not pass.
+                    drop(slot);
+                    Decided::Later(Hold {
                         wait,
                         outcome,
+                        held,
                         admissions: std::iter::once(admission.take())
                             .chain(dry_admission)
                             .collect(),
-                    });
-                    (Ok(pass), hold)
+                    })
                 }
                 Decision::Refused(refusal) => {
-                    let refused = Stop::Quota(Box::new(self.refused(refusal)));
-                    (Err(refused), None)
+                    Decided::Now(Err(Stop::Quota(Box::new(self.refused(refusal)))))
                 }
-                Decision::CostTooLarge(c) => (Err(Stop::CostTooLarge(c.limit())), None),
+                Decision::CostTooLarge(c) => Decided::Now(Err(Stop::CostTooLarge(c.limit()))),
             })
     }
 
@@ -132,11 +151,22 @@ impl Quota {
     }
 }
 
+/// What a decision in memory says.
+#[derive(Debug)]
+pub(super) enum Decided {
+    /// Admitted to pass now (with its place in `max_in_flight`), or not admitted.
+    Now(Result<Pass, Stop>),
+    /// Admitted by `delay` limits to pass after a hold.
+    Later(Hold),
+}
+
 /// A request admitted by `delay` limits ahead of time: how long to hold it, and its charges.
 #[derive(Debug)]
 pub(super) struct Hold {
     pub(super) wait: Duration,
-    outcome: Outcome,
+    pub(super) outcome: Outcome,
+    /// Its concurrency slots, taken at admission.
+    held: Held,
     /// The enforced limits' admission, then the dry-run limits' if they admitted it.
     admissions: Vec<Admission>,
 }

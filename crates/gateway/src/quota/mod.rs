@@ -23,6 +23,7 @@ use smallvec::SmallVec;
 
 use crate::access_log::AccessLog;
 use crate::capacity::{Capacity, InFlight};
+use memory::Decided;
 use remote::Remote;
 
 /// Inline capacity for a request's limits; more spill to the heap.
@@ -328,16 +329,10 @@ impl Quota {
             None => {
                 // `admit_in_memory` written out rather than awaited: an inner future on this,
                 // the common path, cost about 300 instructions per request (callgrind).
-                let (result, hold) =
-                    self.decide_in_memory(layers, cost, capacity, None, notes.reports);
-                let Some(hold) = hold else {
-                    return result;
-                };
-                Box::pin(async move {
-                    self.hold(hold, notes.log).await;
-                    result
-                })
-                .await
+                match self.decide_in_memory(layers, cost, capacity, None, notes.reports) {
+                    Decided::Now(result) => result,
+                    Decided::Later(hold) => Box::pin(self.hold(hold, capacity, notes.log)).await,
+                }
             }
             Some(remote) => Box::pin(remote.admit(self, layers, cost, capacity, notes)).await,
         }
@@ -382,6 +377,17 @@ fn key_of(
     Some(hasher.key(&bytes))
 }
 
+/// Waits out a `delay` hold of `wait`: `false` as soon as the gateway starts draining with a
+/// grace that ends first (the request is answered 503 then, rather than cut without an
+/// answer when the process exits).
+async fn wait_out(capacity: &Capacity, wait: Duration) -> bool {
+    let release = tokio::time::Instant::now() + wait;
+    tokio::select! {
+        () = tokio::time::sleep_until(release) => true,
+        () = capacity.draining_before(release) => false,
+    }
+}
+
 fn part(p: &KeyPart) -> Part {
     match p {
         KeyPart::Ip => Part::Ip,
@@ -398,8 +404,7 @@ fn part(p: &KeyPart) -> Part {
 /// every route that counts each caller apart (by IP, API key, header) and refuses. Not one
 /// by `route` (there is none) nor `global` (it guards the upstreams, which a 404 never
 /// reaches: a scanner would spend everyone's quota); not `concurrency` (a 404 is answered at
-/// once); not `delay` (holding a request for a path that does not exist helps nobody, and
-/// held requests fill `max_in_flight`).
+/// once); not `delay` (holding a request for a path that does not exist helps nobody).
 fn counts_unrouted(l: &config::Limit, parts: &[Part]) -> bool {
     l.routes.is_none()
         && l.algorithm != config::Algorithm::Concurrency
@@ -578,8 +583,9 @@ mode = "dry_run"
         assert_eq!(keys(&quota, "192.0.2.1", b"a", 1), other_route);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_held_request_dropped_while_held_has_its_dry_run_charges_withdrawn_too() {
+    /// A `delay` limit of one token refilled every 500 ms, held at most 750 ms, and a
+    /// dry-run window of two, both by API key; the limiter's clock stands still.
+    async fn held_quota() -> (Quota, Arc<sluice_limiter::ManualClock>) {
         let limits = r#"
 [[limits]]
 name = "smooth"
@@ -602,37 +608,110 @@ mode = "dry_run"
         let clock = Arc::new(sluice_limiter::ManualClock::new(sluice_limiter::Nanos(
             1_700_000_000_000_000_000,
         )));
-        let quota = Quota::new(&config, clock).await.unwrap();
-        let capacity = Capacity::new(64);
-        let headers = HeaderMap::new();
-        let caller = Caller {
+        (Quota::new(&config, clock.clone()).await.unwrap(), clock)
+    }
+
+    fn caller_k(headers: &HeaderMap) -> Caller<'_> {
+        Caller {
             ip: "192.0.2.1".parse().unwrap(),
             api_key: Some(b"k"),
             route: 0,
-            headers: &headers,
-        };
-        let layers = quota.layers(&caller);
-        let decide = || {
-            let mut reports = Reports::new();
-            quota.decide_in_memory(&layers, 1, &capacity, None, &mut reports)
-        };
-        let (first, hold) = decide();
-        assert!(first.is_ok() && hold.is_none(), "the bucket's one token");
-        let (second, hold) = decide();
-        assert!(second.is_ok());
-        // Held 500 ms; its client leaves after 10.
-        let hold = hold.expect("held");
+            headers,
+        }
+    }
+
+    fn log() -> AccessLog {
         let req = http::Request::get("/one").body(()).unwrap();
-        let mut log = AccessLog::start(&req, caller.ip, &http::HeaderValue::from_static("id"));
-        let held = quota.hold(hold, &mut log);
+        AccessLog::start(
+            &req,
+            [192, 0, 2, 1].into(),
+            &http::HeaderValue::from_static("id"),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_held_request_dropped_while_held_has_its_dry_run_charges_withdrawn_too() {
+        let (quota, _) = held_quota().await;
+        let capacity = Capacity::new(64);
+        let headers = HeaderMap::new();
+        let layers = quota.layers(&caller_k(&headers));
+        let decide = || quota.decide_in_memory(&layers, 1, &capacity, None, &mut Reports::new());
+        let first = decide();
+        assert!(
+            matches!(first, Decided::Now(Ok(_))),
+            "the bucket's one token"
+        );
+        let Decided::Later(hold) = decide() else {
+            panic!("held")
+        };
+        // Held 500 ms; its client leaves after 10.
+        let mut log = log();
+        let held = quota.hold(hold, &capacity, &mut log);
         let left = tokio::time::timeout(Duration::from_millis(10), held).await;
         assert!(left.is_err(), "still held when its client left");
-        drop(second);
         // Both its charges came back: the bucket's (nobody queued behind it) and the dry-run
         // window's, which would otherwise refuse this third request (its quota is two).
-        let (third, hold) = decide();
-        let third = third.unwrap();
+        let Decided::Later(third) = decide() else {
+            panic!("held")
+        };
         assert_eq!(third.outcome, Outcome::Delayed);
-        assert_eq!(hold.map(|h| h.wait), Some(Duration::from_millis(500)));
+        assert_eq!(third.wait, Duration::from_millis(500));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_held_request_takes_its_place_in_flight_when_it_passes_or_is_answered_503() {
+        let (quota, clock) = held_quota().await;
+        let capacity = Capacity::new(1);
+        let headers = HeaderMap::new();
+        let layers = quota.layers(&caller_k(&headers));
+        let decide = || quota.decide_in_memory(&layers, 1, &capacity, None, &mut Reports::new());
+        let Decided::Now(Ok(first)) = decide() else {
+            panic!("the bucket's one token")
+        };
+        drop(first);
+        // Held: the one place stays free, and the gateway ready, while it waits.
+        let Decided::Later(hold) = decide() else {
+            panic!("held")
+        };
+        assert_eq!((capacity.in_flight(), capacity.is_ready()), (0, true));
+        // Someone else takes the place; when the hold ends the gateway is full: 503, and the
+        // held request's charges come back (the next one waits 500 ms, not 1,000).
+        let other = capacity.try_acquire().expect("free");
+        let start = tokio::time::Instant::now();
+        let answer = quota.hold(hold, &capacity, &mut log()).await;
+        assert!(matches!(answer, Err(Stop::Overloaded)), "{answer:?}");
+        assert_eq!(start.elapsed(), Duration::from_millis(500));
+        drop(other);
+        let Decided::Later(hold) = decide() else {
+            panic!("held")
+        };
+        assert_eq!(hold.wait, Duration::from_millis(500), "charges withdrawn");
+        // A place free when the hold ends: it passes, and holds the place.
+        let pass = quota
+            .hold(hold, &capacity, &mut log())
+            .await
+            .expect("passes");
+        assert_eq!(pass.outcome, Outcome::Delayed);
+        assert_eq!(capacity.in_flight(), 1);
+        drop(pass);
+        clock.advance(Duration::from_millis(500));
+        // Draining: a hold that ends within the grace is waited out; one that would end after
+        // it is answered 503 at once rather than cut at exit, its charges withdrawn.
+        let Decided::Later(hold) = decide() else {
+            panic!("held")
+        };
+        assert_eq!(hold.wait, Duration::from_millis(500));
+        capacity.start_draining(tokio::time::Instant::now() + Duration::from_millis(200));
+        let start = tokio::time::Instant::now();
+        let answer = quota.hold(hold, &capacity, &mut log()).await;
+        assert!(matches!(answer, Err(Stop::Overloaded)), "{answer:?}");
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        let Decided::Later(hold) = decide() else {
+            panic!("held")
+        };
+        assert_eq!(hold.wait, Duration::from_millis(500), "charges withdrawn");
+        let capacity = Capacity::new(1);
+        capacity.start_draining(tokio::time::Instant::now() + Duration::from_secs(10));
+        assert!(quota.hold(hold, &capacity, &mut log()).await.is_ok());
     }
 }

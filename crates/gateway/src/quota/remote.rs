@@ -17,7 +17,7 @@ use sluice_store_redis::{
 use smallvec::SmallVec;
 
 use super::breaker::{Breaker, Gate};
-use super::{Held, Layers, Notes, Outcome, Pass, Quota, Refused, Stop};
+use super::{wait_out, Held, Layers, Notes, Outcome, Pass, Quota, Refused, Stop};
 use crate::capacity::{Capacity, InFlight};
 use crate::once_a_second::OnceASecond;
 
@@ -154,15 +154,23 @@ impl Remote {
                     ..Held::default()
                 };
                 let outcome = Outcome::of(dry_refused, !a.hold.is_zero());
-                // A `delay` limit charged it ahead, in the script: hold it, as in memory, and
-                // withdraw its charges if its client leaves meanwhile.
-                if !a.hold.is_zero() {
+                // A `delay` limit charged it ahead, in the script: hold it, as in memory,
+                // outside `max_in_flight`, and withdraw its charges if it does not pass (its
+                // client leaves, the gateway is full when the hold ends, or drains first).
+                let slot = if a.hold.is_zero() {
+                    slot
+                } else {
+                    drop(slot);
                     notes.log.outcome(outcome, quota);
                     let hold = a.hold;
                     let mut withdraw = Withdraw::new(store, &remote, a);
-                    tokio::time::sleep(hold).await;
+                    if !wait_out(capacity, hold).await {
+                        return Err(Stop::Overloaded);
+                    }
+                    let slot = capacity.try_acquire().ok_or(Stop::Overloaded)?;
                     withdraw.admission = None; // it passes: the charges stay
-                }
+                    slot
+                };
                 Ok(Pass {
                     slot,
                     held,
