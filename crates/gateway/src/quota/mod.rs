@@ -270,11 +270,11 @@ impl Quota {
     }
 
     /// A header some limit counts callers by that `headers` holds twice with different
-    /// values. Such a request is refused, as one with two API keys is: the limit would count
-    /// the first value, and an upstream may read the last.
+    /// values (empty ones aside). Such a request is refused, as one with two API keys is: the
+    /// limit would count the first value, and an upstream may read the last.
     pub(crate) fn ambiguous_key_header(&self, headers: &HeaderMap) -> Option<&HeaderName> {
         self.key_headers.iter().find(|h| {
-            let mut values = headers.get_all(*h).iter();
+            let mut values = header_values(headers, h);
             values
                 .next()
                 .is_some_and(|first| values.any(|v| v != first))
@@ -370,7 +370,7 @@ fn key_of(
             (Part::Global, _) => b"",
             (Part::Ip, Some((ip, _))) => ip,
             (Part::ApiKey, Some((_, c))) => c.api_key?,
-            (Part::Header(h), Some((_, c))) => c.headers.get(h)?.as_bytes(),
+            (Part::Header(h), Some((_, c))) => header_values(c.headers, h).next()?,
             (Part::Ip | Part::ApiKey | Part::Header(_), None) => return None,
         });
     }
@@ -386,6 +386,20 @@ async fn wait_out(capacity: &Capacity, wait: Duration) -> bool {
         () = tokio::time::sleep_until(release) => true,
         () = capacity.draining_before(release) => false,
     }
+}
+
+/// The values of header `name` that can count a caller: trimmed, empty ones left out (as an
+/// empty API key is no key), so that an empty value puts a request outside the limit rather
+/// than into one bucket shared by every caller who sends it empty.
+fn header_values<'h>(
+    headers: &'h HeaderMap,
+    name: &HeaderName,
+) -> impl Iterator<Item = &'h [u8]> + 'h {
+    headers
+        .get_all(name)
+        .into_iter()
+        .map(|v| v.as_bytes().trim_ascii())
+        .filter(|v| !v.is_empty())
 }
 
 fn part(p: &KeyPart) -> Part {
@@ -543,9 +557,27 @@ mode = "dry_run"
         };
         let found = quota.ambiguous_key_header(&headers(&["a", "b"]));
         assert_eq!(found.map(HeaderName::as_str), Some("x-tenant"));
-        for fine in [&[][..], &["a"], &["a", "a"]] {
+        for fine in [&[][..], &["a"], &["a", "a"], &["a", ""], &["", " a "]] {
             assert_eq!(quota.ambiguous_key_header(&headers(fine)), None, "{fine:?}");
         }
+        // An empty value is no value, as an empty API key is no key: such a request is outside
+        // both limits, not in one bucket with every caller who sends the header empty.
+        let keyed = |values: &[&str]| {
+            let headers = headers(values);
+            let caller = Caller {
+                ip: "192.0.2.1".parse().unwrap(),
+                api_key: None,
+                route: 0,
+                headers: &headers,
+            };
+            let layers = quota.layers(&caller);
+            layers.enforced.to_vec()
+        };
+        assert_eq!(keyed(&["a"]).len(), 2);
+        assert_eq!(keyed(&[""]), []);
+        assert_eq!(keyed(&[" "]), []);
+        assert_eq!(keyed(&["", "a"]), keyed(&["a"]));
+        assert_eq!(keyed(&[" a "]), keyed(&["a"]));
     }
 
     #[tokio::test]
