@@ -813,3 +813,15 @@ fn count_unrouted_can_be_turned_off_and_takes_only_a_boolean() {
         "{e}"
     );
 }
+
+#[test]
+fn a_bucket_that_takes_over_100_years_to_fill_is_refused() {
+    let limit = |burst: u32| {
+        format!("[[limits]]\nname = \"huge\"\nby = \"ip\"\nquota = 1\nwindow = \"36500d\"\nburst = {burst}\n")
+    };
+    assert!(parse(&limit(1), Path::new("c.toml")).is_ok());
+    assert_eq!(
+        errors(&limit(4_294_967_295)),
+        ["c.toml:6:9: limits[0].burst: a bucket of 4294967295 refilled 1 per 36500d takes more than 36500d (100 years) to fill: lower the burst or shorten the window"]
+    );
+}

@@ -131,6 +131,16 @@ impl Validator<'_> {
         if algorithm != Algorithm::Concurrency && window.is_none() {
             return None;
         }
+        // A bucket's full refill time is its `w` in `RateLimit-Policy`: beyond the longest
+        // duration accepted anywhere, the field could not say it.
+        if let (Algorithm::TokenBucket { burst }, Some(w), Some(q)) = (algorithm, window, quota) {
+            let refill = w.as_nanos() * u128::from(burst.get()) / u128::from(q.get());
+            if refill > super::MAX_DURATION.as_nanos() {
+                let span = l.burst.as_ref().map_or(l.quota.span(), |b| b.span());
+                self.err(Some(span), &key(if l.burst.is_some() { "burst" } else { "quota" }), format!("a bucket of {burst} refilled {q} per {} takes more than 36500d (100 years) to fill: lower the burst or shorten the window", l.window.as_ref().map_or("", |w| w.get_ref().as_str())));
+                return None;
+            }
+        }
         Some(Limit {
             name: l.name.get_ref().clone(),
             by: by?,
