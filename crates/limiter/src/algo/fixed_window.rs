@@ -80,13 +80,17 @@ impl Algo for FixedWindow {
         }
     }
 
+    /// The end of the counted window; with nothing counted, its start: a state of a later
+    /// window (charged ahead for a held request, which was then withdrawn) also says that the
+    /// windows before it are spent, and must outlive them.
     fn expiry(&self, state: u128) -> u64 {
         let (index, count) = unpack(state);
-        if count == 0 {
-            0
+        let end = if count == 0 {
+            index
         } else {
-            index.saturating_add(1).saturating_mul(self.window)
-        }
+            index.saturating_add(1)
+        };
+        end.saturating_mul(self.window)
     }
 
     fn remaining(&self, state: u128, now: u64) -> u32 {
@@ -160,6 +164,29 @@ mod tests {
                 state: pack(3, 2),
                 tag: 3
             }
+        );
+    }
+
+    #[test]
+    fn a_later_windows_state_emptied_by_a_withdrawal_keeps_this_window_spent_until_it_starts() {
+        let fw = FixedWindow::new(2, SEC);
+        // Window 10 is spent; a held request was charged in window 11, then withdrawn.
+        let back = fw.undo(pack(11, 1), 1, 11);
+        assert_eq!(back, pack(11, 0));
+        assert_eq!(
+            fw.remaining(back, 10 * SEC + 5),
+            0,
+            "window 10 is still spent"
+        );
+        assert_eq!(
+            fw.expiry(back),
+            11 * SEC,
+            "kept (not swept as fresh) until window 11"
+        );
+        assert_eq!(
+            fw.expiry(pack(9, 0)),
+            9 * SEC,
+            "an empty past window is fresh"
         );
     }
 
