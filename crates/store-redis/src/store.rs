@@ -521,15 +521,24 @@ impl HeldLeases {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(&n);
     }
 
-    fn snapshot(&self) -> Vec<Arc<LeaseSlots>> {
+    fn snapshot(&self) -> Vec<(u64, Arc<LeaseSlots>)> {
         let held = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        held.values().cloned().collect()
+        held.iter().map(|(n, s)| (*n, Arc::clone(s))).collect()
+    }
+
+    fn contains(&self, n: u64) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&n)
     }
 }
 
 /// Every third of the lease TTL, renews every lease held at that moment, until every store
 /// clone is dropped. A renewal that fails is tried again a third later: a lease outlives two
-/// missed renewals.
+/// missed renewals. A renewal also puts back a lease Redis no longer has (its data lost in a
+/// restart, a failover or a flush, or the lease expired while Redis could not be reached),
+/// so that a request still running counts again within a third of the TTL.
 async fn renewer(link: Weak<Link>, options: StoreOptions, held: Weak<HeldLeases>) {
     let every = options.lease_ttl / 3;
     loop {
@@ -540,7 +549,13 @@ async fn renewer(link: Weak<Link>, options: StoreOptions, held: Weak<HeldLeases>
         let Some(mut conn) = link.upgrade().map(|l| l.conn()) else {
             return;
         };
-        for slots in leases {
+        for (n, slots) in leases {
+            // Released since the snapshot (its request ended): not put back. (A release that
+            // reaches Redis between this look and the renewal is undone by it, and that slot
+            // stays taken until the TTL ends: a window of microseconds, once per renewal.)
+            if !held.upgrade().is_some_and(|h| h.contains(n)) {
+                continue;
+            }
             let mut cmd = redis::cmd("EVAL");
             cmd.arg(RENEW)
                 .arg(slots.keys.len())
@@ -553,16 +568,18 @@ async fn renewer(link: Weak<Link>, options: StoreOptions, held: Weak<HeldLeases>
     }
 }
 
-/// The renewal script: in each key (a concurrency ZSET, see `script.rs`) that still holds
-/// member `ARGV[1]`, its expiry becomes Redis's `TIME` plus `ARGV[2]` microseconds, and the key
-/// lives at least as long. A lease that was released or has expired is not brought back.
+/// The renewal script: in each key (a concurrency ZSET, see `script.rs`), member `ARGV[1]`
+/// expires at Redis's `TIME` plus `ARGV[2]` microseconds, put back if it is missing, and the
+/// key lives at least as long. A key of another type is left alone.
 const RENEW: &str = r"
 local t = redis.call('TIME')
 local now = t[1] * 1000000 + t[2]
 local ttl = tonumber(ARGV[2])
 local renewed = 0
 for _, key in ipairs(KEYS) do
-  if redis.call('ZADD', key, 'XX', 'CH', now + ttl, ARGV[1]) == 1 then
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'zset' or kind == 'none' then
+    redis.call('ZADD', key, now + ttl, ARGV[1])
     redis.call('PEXPIRE', key, math.ceil(ttl / 1000))
     renewed = renewed + 1
   end

@@ -215,6 +215,54 @@ async fn held_lease_is_renewed_past_its_ttl() {
     }
 }
 
+/// A held lease that Redis loses with its data (a restart without persistence, a flush) is
+/// put back by the next renewal, so a request still running counts again; a released one is
+/// not brought back.
+#[tokio::test]
+async fn a_held_lease_redis_lost_is_put_back_by_the_next_renewal() {
+    let server = RedisServer::start();
+    let options = StoreOptions {
+        timeout: Duration::from_secs(2),
+        lease_ttl: Duration::from_millis(600),
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&server.url(), options).await.unwrap();
+    let limit = remote(&concurrency("c", 1));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    let held = store.decide(&layers, 1, Mode::Charge).await.unwrap();
+    assert!(held.is_admitted());
+    assert!(!would_hold(&store, &layers).await.is_some());
+    assert_eq!(server.cli(&["FLUSHALL"]).trim(), "OK");
+    assert!(
+        would_hold(&store, &layers).await.is_some(),
+        "the flush took the lease"
+    );
+    // Real time: renewals come every third of the TTL.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while would_hold(&store, &layers).await.is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the lost lease was not put back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(held);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !would_hold(&store, &layers).await.is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the dropped lease was not released"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Two renewal periods later it is still free: released leases are not renewed.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        would_hold(&store, &layers).await.is_some(),
+        "a released lease came back"
+    );
+}
+
 #[tokio::test]
 async fn refusing_dry_run_layer_does_not_refuse_the_request() {
     let server = RedisServer::start();
