@@ -231,7 +231,7 @@ async fn a_held_lease_redis_lost_is_put_back_by_the_next_renewal() {
     let layers = [Layer::enforced(&limit, key("caller"))];
     let held = store.decide(&layers, 1, Mode::Charge).await.unwrap();
     assert!(held.is_admitted());
-    assert!(!would_hold(&store, &layers).await.is_some());
+    assert!(would_hold(&store, &layers).await.is_none());
     assert_eq!(server.cli(&["FLUSHALL"]).trim(), "OK");
     assert!(
         would_hold(&store, &layers).await.is_some(),
@@ -248,7 +248,7 @@ async fn a_held_lease_redis_lost_is_put_back_by_the_next_renewal() {
     }
     drop(held);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while !would_hold(&store, &layers).await.is_some() {
+    while would_hold(&store, &layers).await.is_none() {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the dropped lease was not released"
