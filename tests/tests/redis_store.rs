@@ -502,9 +502,42 @@ async fn local_fallback_enforces_quota_divided_by_instances() {
     gw.wait_log("the start-up warning", |v| {
         v["message"]
             .as_str()
-            .is_some_and(|m| m.contains("unreachable at start-up"))
+            .is_some_and(|m| m.contains("cannot be used at start-up"))
     })
     .await;
+}
+
+/// A Redis that refuses the password: the gateway starts (following `on_error`) and says why,
+/// at start-up and while it keeps trying, instead of reporting a silence.
+#[tokio::test]
+async fn a_wrong_redis_password_is_named_in_the_warnings() {
+    let redis = RedisServer::start();
+    assert_eq!(
+        redis.cli(&["CONFIG", "SET", "requirepass", "right"]).trim(),
+        "OK"
+    );
+    let up = MockUpstream::start().await;
+    let url = format!("redis://:wrong@127.0.0.1:{}", redis.port);
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&url, "deny", "25ms"),
+        64,
+        KEY_QUOTA_30,
+    ));
+    assert_eq!(call(gw.main, "/v1/items", "k").await.status, 503);
+    for what in ["cannot be used at start-up", "still cannot be used"] {
+        let line = gw
+            .wait_log(what, |v| {
+                v["message"].as_str().is_some_and(|m| m.contains(what))
+            })
+            .await;
+        let error = line["error"].as_str().unwrap_or_default();
+        assert!(error.contains("authentication failed"), "{line}");
+        assert!(
+            !line.to_string().contains("wrong"),
+            "the password is shown: {line}"
+        );
+    }
 }
 
 /// A route that costs a limit's whole burst stays servable under the local fallback: the

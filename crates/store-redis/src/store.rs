@@ -211,9 +211,10 @@ impl RedisStore {
             let sha = load(&mut conn).await?;
             Ok::<_, StoreError>((conn, sha))
         };
-        let (conn, sha) = tokio::time::timeout(options.connect_timeout, start)
-            .await
-            .map_err(|_| StoreError::Timeout(options.connect_timeout))??;
+        let (conn, sha) = match tokio::time::timeout(options.connect_timeout, start).await {
+            Ok(started) => started?,
+            Err(_) => return Err(why_not(&client, options.connect_timeout).await),
+        };
         let link = Arc::new(Link {
             client,
             config,
@@ -502,6 +503,21 @@ impl RedisClock {
                 if !expired && sample >= offset && now.duration_since(at) < OFFSET_KEPT => {}
             _ => *best = Some((sample, now)),
         }
+    }
+}
+
+/// Why a connection could not be made in time. The connection manager retries what fails
+/// (its first try's error is lost in its back-off), so one plain try says it, when Redis
+/// answers at all: a wrong password or user (`WRONGPASS`), one missing (`NOAUTH`), a database
+/// that does not exist. Otherwise the silence is the reason.
+async fn why_not(client: &redis::Client, within: Duration) -> StoreError {
+    let attempt = async {
+        let mut conn = client.get_multiplexed_async_connection().await?;
+        redis::cmd("PING").query_async::<String>(&mut conn).await
+    };
+    match tokio::time::timeout(within, attempt).await {
+        Ok(Err(e)) => StoreError::Redis(e),
+        Ok(Ok(_)) | Err(_) => StoreError::Timeout(within),
     }
 }
 

@@ -275,3 +275,39 @@ async fn a_decision_redis_reaches_after_its_deadline_charges_nothing() {
         "the late decision was charged: {after:?}"
     );
 }
+
+/// A Redis that answers but refuses the connection says why: the error names the wrong
+/// password or the missing database, rather than a silence.
+#[tokio::test]
+async fn a_wrong_password_or_database_is_named_not_taken_for_silence() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let port = url.rsplit(':').next().unwrap();
+    assert_eq!(
+        server
+            .cli(&["CONFIG", "SET", "requirepass", "right"])
+            .trim(),
+        "OK"
+    );
+    let options = StoreOptions::default();
+    let refused = |url: String| async move {
+        match RedisStore::connect(&url, options).await {
+            Ok(_) => panic!("{url} connected"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let wrong = refused(format!("redis://:wrong@127.0.0.1:{port}")).await;
+    assert!(wrong.contains("authentication failed"), "{wrong}");
+    let missing = refused(format!("redis://127.0.0.1:{port}")).await;
+    assert!(
+        missing.contains("NOAUTH") || missing.contains("auth"),
+        "{missing}"
+    );
+    let no_db = refused(format!("redis://:right@127.0.0.1:{port}/99")).await;
+    assert!(no_db.contains("DB index"), "{no_db}");
+    assert!(
+        RedisStore::connect(&format!("redis://:right@127.0.0.1:{port}"), options)
+            .await
+            .is_ok()
+    );
+}

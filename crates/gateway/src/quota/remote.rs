@@ -60,7 +60,7 @@ impl Remote {
                 let _ = store.set(s);
             }
             Err(e) => {
-                tracing::warn!(url = %config::redact_url(&cfg.url), error = %e, on_error = ?cfg.on_error, "Redis is unreachable at start-up; starting anyway and following on_error until it answers");
+                tracing::warn!(url = %config::redact_url(&cfg.url), error = %e, on_error = ?cfg.on_error, "Redis cannot be used at start-up; starting anyway and following on_error until it can");
                 tokio::spawn(reconnect(store.clone(), cfg.url.clone(), options));
             }
         }
@@ -234,14 +234,30 @@ impl std::fmt::Debug for Remote {
     }
 }
 
-/// Tries to connect every cool-down until it succeeds.
+/// Tries to connect every cool-down until it succeeds. Says why it failed whenever the
+/// reason changes (the start-up warning gave the first), and at most once a minute while it
+/// stays the same: a wrong password is not an outage to wait out in silence.
 async fn reconnect(cell: Arc<OnceLock<RedisStore>>, url: String, options: StoreOptions) {
+    let mut last: Option<(String, tokio::time::Instant)> = None;
     loop {
         tokio::time::sleep(COOL_DOWN).await;
-        if let Ok(store) = RedisStore::connect(&url, options).await {
-            tracing::info!(url = %config::redact_url(&url), "Redis answers; shared limits are enforced again");
-            let _ = cell.set(store);
-            return;
+        match RedisStore::connect(&url, options).await {
+            Ok(store) => {
+                tracing::info!(url = %config::redact_url(&url), "Redis answers; shared limits are enforced again");
+                let _ = cell.set(store);
+                return;
+            }
+            Err(e) => {
+                let why = e.to_string();
+                let now = tokio::time::Instant::now();
+                let quiet = last.as_ref().is_some_and(|(said, at)| {
+                    *said == why && now.duration_since(*at) < Duration::from_secs(60)
+                });
+                if !quiet {
+                    tracing::warn!(url = %config::redact_url(&url), error = %why, "Redis still cannot be used; following on_error");
+                    last = Some((why, now));
+                }
+            }
         }
     }
 }
