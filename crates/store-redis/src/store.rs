@@ -205,10 +205,21 @@ impl RedisStore {
             .set_connection_timeout(options.connect_timeout)
             .set_number_of_retries(1)
             .set_max_delay(1_000);
+        let clock = Arc::new(RedisClock::default());
         let start = async {
             let mut conn =
                 ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
             let sha = load(&mut conn).await?;
+            // Redis's clock, so that the first decisions carry their deadlines too (a stalled
+            // Redis that reaches them late then charges nothing, as it does later decisions).
+            let sent = clock.local_micros();
+            let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await?;
+            clock.sample(
+                sent,
+                secs * 1_000_000 + micros,
+                tokio::time::Instant::now(),
+                false,
+            );
             Ok::<_, StoreError>((conn, sha))
         };
         let (conn, sha) = match tokio::time::timeout(options.connect_timeout, start).await {
@@ -239,7 +250,7 @@ impl RedisStore {
             options,
             instance: rand::random(),
             leases: Arc::new(AtomicU64::new(0)),
-            clock: Arc::new(RedisClock::default()),
+            clock,
             held,
             calls,
         })
@@ -285,7 +296,7 @@ impl RedisStore {
         let code = if mode == Mode::Charge { "d" } else { "c" };
         let sent = self.clock.local_micros();
         // Past this (Redis's clock), this request is no longer waited for: Redis then
-        // charges nothing for it. Unknown until a first answer has shown Redis's clock.
+        // charges nothing for it. (Redis's clock is read when the store connects.)
         let deadline = match now {
             None => self.clock.deadline(sent, self.options.timeout),
             Some(_) => None,
@@ -493,6 +504,12 @@ impl RedisClock {
             [0..=2, rest @ ..] if rest.len() >= 5 => (rest[4], false),
             _ => return,
         };
+        self.sample(sent, redis_now, now, expired);
+    }
+
+    /// Learns that Redis's clock read `redis_now` (us) for a request sent at `sent`; whether
+    /// that request was `expired` when Redis reached it.
+    fn sample(&self, sent: i64, redis_now: i64, now: tokio::time::Instant, expired: bool) {
         if redis_now <= 0 {
             return;
         }
