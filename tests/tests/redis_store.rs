@@ -458,6 +458,31 @@ async fn redis_killed_under_load_with_allow_answers_without_5xx() {
     assert!(during.iter().all(|(s, ..)| *s == 200), "{during:?}");
 }
 
+/// Under `on_error = "allow"` a request Redis could not decide passes, and the access log
+/// tells it from one that was counted.
+#[tokio::test]
+async fn a_request_passed_unchecked_under_allow_says_so_in_the_access_log() {
+    let mut redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), "allow", "25ms"),
+        64,
+        KEY_QUOTA_30,
+    ));
+    let checked = call(gw.main, "/v1/items", "k").await;
+    assert_eq!(checked.status, 200);
+    redis.kill();
+    let unchecked = call(gw.main, "/v1/items", "k").await;
+    assert_eq!(unchecked.status, 200);
+    for (answer, decision) in [(&checked, "PASSED"), (&unchecked, "UNCHECKED")] {
+        let id = answer.header("x-request-id");
+        assert!(!id.is_empty());
+        let line = gw.wait_log(id, |v| v["request_id"] == id).await;
+        assert_eq!(line["decision"], decision, "{line}");
+    }
+}
+
 #[tokio::test]
 async fn redis_killed_under_load_with_local_answers_without_5xx() {
     let during = redis_killed_under_load("local").await;

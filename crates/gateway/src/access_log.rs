@@ -90,13 +90,14 @@ impl AccessLog {
             Outcome::RejectedDryRun(id) => ("REJECTED_DRY_RUN", Some(id)),
             Outcome::Overloaded => ("OVERLOADED", None),
             Outcome::StoreUnavailable => ("STORE_UNAVAILABLE", None),
+            Outcome::Unchecked => ("UNCHECKED", None),
         };
         l.decision = Some(word);
         // The policy the answer's problem body names (a 404's names none, but the line says
         // why its request was not counted).
         l.policy = match (outcome, policy) {
             (Outcome::Overloaded, _) => Some(Arc::from("server-capacity")),
-            (Outcome::StoreUnavailable, _) => Some(Arc::from("quota-store")),
+            (Outcome::StoreUnavailable | Outcome::Unchecked, _) => Some(Arc::from("quota-store")),
             (_, Some(id)) => Some(quota.info(id).name.clone()),
             _ => None,
         };

@@ -135,6 +135,8 @@ pub(crate) enum Outcome {
     /// The shared store could not decide and `on_error = "deny"`: the `quota-store` 503, or a
     /// plain 404 for a request no route matches.
     StoreUnavailable,
+    /// The shared store could not decide and `on_error = "allow"`: passed unchecked.
+    Unchecked,
 }
 
 /// A request that is not admitted.

@@ -202,7 +202,7 @@ impl Remote {
                 Some(slot) => Ok(Pass {
                     slot,
                     held: Held::default(),
-                    outcome: Outcome::Passed,
+                    outcome: Outcome::Unchecked,
                 }),
                 None => Err(Stop::Overloaded),
             },
