@@ -1028,6 +1028,30 @@ async fn a_503_tells_a_caller_a_delay_limit_would_hold_that_nothing_is_left(stor
     assert_eq!(slow.await.unwrap().status, 200);
 }
 
+/// A limit's table of callers is bounded by `max_keys`: past it, new callers evict others,
+/// and the gateway says so rather than forget their counts in silence.
+#[tokio::test]
+async fn a_full_table_of_callers_is_warned_about() {
+    let up = MockUpstream::start().await;
+    let limit = "[[limits]]\nname = \"per-key\"\nby = \"api_key\"\nquota = 100\nwindow = \"1h\"\nmax_keys = 4\n";
+    let gw = Sluice::start(&config(&up.url(), 64, limit));
+    for i in 0..12 {
+        let key = format!("caller-{i}");
+        assert_eq!(call(gw.main, "/v1/items", &key).await.status, 200);
+    }
+    let line = gw
+        .wait_log("the warning", |v| {
+            v["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("table of callers is full"))
+        })
+        .await;
+    assert_eq!(line["policy"], "per-key", "{line}");
+    assert_eq!(line["max_keys"], 4, "{line}");
+    let evicted = line["evicted"].as_u64().unwrap();
+    assert!((1..=8).contains(&evicted), "{line}");
+}
+
 both_stores!(a_held_request_takes_no_place_in_flight_while_it_waits);
 /// A caller sending faster than its rate is slowed, and the gateway is not filled by it: its
 /// held request takes no place in `max_in_flight` while it waits, so that others are served

@@ -204,6 +204,9 @@ pub struct Limit {
     pub mode: Mode,
     /// After a refusal, refuse the same key for this long.
     pub block_for: Option<Duration>,
+    /// The most callers (keys) this instance remembers for the limit; past it, new ones
+    /// evict others (approximately the least recently seen).
+    pub max_keys: NonZeroU32,
 }
 
 impl Limit {

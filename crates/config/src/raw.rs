@@ -121,6 +121,7 @@ pub(crate) struct RawLimit {
     pub mode: Option<S<String>>,
     pub max_delay: Option<S<String>>,
     pub block_for: Option<S<String>>,
+    pub max_keys: Option<S<i64>>,
 }
 
 /// A string, or a list of strings each with its place in the file (so that an error in one

@@ -825,3 +825,19 @@ fn a_bucket_that_takes_over_100_years_to_fill_is_refused() {
         ["c.toml:6:9: limits[0].burst: a bucket of 4294967295 refilled 1 per 36500d takes more than 36500d (100 years) to fill: lower the burst or shorten the window"]
     );
 }
+
+#[test]
+fn max_keys_defaults_to_a_million_and_is_a_count() {
+    let limit = "[[limits]]\nname = \"k\"\nby = \"api_key\"\nquota = 5\nwindow = \"1m\"\n";
+    let c = parse(limit, Path::new("c.toml")).unwrap();
+    assert_eq!(c.limits[0].max_keys.get(), 1_000_000);
+    let c = parse(&format!("{limit}max_keys = 50000\n"), Path::new("c.toml")).unwrap();
+    assert_eq!(c.limits[0].max_keys.get(), 50_000);
+    let e = errors(&format!("{limit}max_keys = 0\n"));
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert!(
+        e[0].starts_with("c.toml:6:12: limits[0].max_keys: "),
+        "{}",
+        e[0]
+    );
+}

@@ -127,6 +127,10 @@ impl Validator<'_> {
         if l.block_for.is_some() && block_for.is_none() {
             return None;
         }
+        let max_keys = match &l.max_keys {
+            Some(m) => self.positive_u32(m, &key("max_keys"))?,
+            None => NonZeroU32::new(1_000_000).expect("not zero"),
+        };
         let algorithm = algorithm?;
         if algorithm != Algorithm::Concurrency && window.is_none() {
             return None;
@@ -150,6 +154,7 @@ impl Validator<'_> {
             routes,
             mode: mode?,
             block_for,
+            max_keys,
         })
     }
 

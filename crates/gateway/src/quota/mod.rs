@@ -58,6 +58,8 @@ pub(crate) struct Quota {
     /// rolling change that adds a route; hashed once, so a key costs 16 bytes of it whatever
     /// the name's length).
     route_parts: Vec<[u8; 16]>,
+    /// Evictions already warned about, per limit, and when the last warning was.
+    evictions: std::sync::Mutex<(Vec<u64>, Option<std::time::Instant>)>,
 }
 
 /// What the gateway needs to know about a limit beyond its counters.
@@ -239,6 +241,7 @@ impl Quota {
                 }
             }
         }
+        let evictions = std::sync::Mutex::new((vec![0; limits.len()], None));
         Ok(Self {
             limiter,
             remote,
@@ -248,6 +251,7 @@ impl Quota {
             by_route,
             key_headers,
             route_parts,
+            evictions,
         })
     }
 
@@ -340,9 +344,41 @@ impl Quota {
         }
     }
 
-    /// Removes keys that returned to their fresh state (each table at most once per window).
+    /// Removes keys that returned to their fresh state (each table at most once per window),
+    /// and says when a table is full.
     pub(crate) fn sweep(&self) -> usize {
-        self.limiter.sweep(self.clock.now())
+        let swept = self.limiter.sweep(self.clock.now());
+        self.warn_of_evictions();
+        swept
+    }
+
+    /// Warns, at most once a minute, of each limit whose table of callers is full, so that
+    /// new callers evict others (approximately the least recently seen) and what those were
+    /// counted (a spent quota, a block) is forgotten: a full table never refuses, but it should
+    /// not forget in silence.
+    fn warn_of_evictions(&self) {
+        let mut guard = self.evictions.lock().unwrap_or_else(|e| e.into_inner());
+        let (seen, warned) = &mut *guard;
+        if warned.is_some_and(|at| at.elapsed() < std::time::Duration::from_secs(60)) {
+            return;
+        }
+        for (info, seen) in self.limits.iter().zip(seen.iter_mut()) {
+            let Some(id) = self.limiter.id(&info.name) else {
+                continue;
+            };
+            let stats = self.limiter.stats(id);
+            if stats.evictions > *seen {
+                tracing::warn!(
+                    policy = &*info.name,
+                    evicted = stats.evictions - *seen,
+                    keys = stats.keys,
+                    max_keys = info.config.max_keys.get(),
+                    "a limit's table of callers is full: new callers evict others, whose counts and blocks are forgotten; raise its max_keys"
+                );
+                *seen = stats.evictions;
+                *warned = Some(std::time::Instant::now());
+            }
+        }
     }
 }
 
@@ -470,6 +506,9 @@ fn compile(l: &config::Limit, divide_by: u32, floor: u32) -> Limit {
         Some(b) => limit.with_block_for(b).expect("validated block_for"),
         None => limit,
     };
+    let limit = limit
+        .with_max_keys(l.max_keys.get() as usize)
+        .expect("validated max_keys");
     match l.mode {
         Mode::Delay { max_delay } => limit
             .with_max_delay(max_delay)
