@@ -59,7 +59,7 @@ pub(crate) struct Quota {
     /// the name's length).
     route_parts: Vec<[u8; 16]>,
     /// Evictions already warned about, per limit, and when the last warning was.
-    evictions: std::sync::Mutex<(Vec<u64>, Option<std::time::Instant>)>,
+    evictions: std::sync::Mutex<(Vec<u64>, Option<tokio::time::Instant>)>,
 }
 
 /// What the gateway needs to know about a limit beyond its counters.
@@ -376,7 +376,7 @@ impl Quota {
                     "a limit's table of callers is full: new callers evict others, whose counts and blocks are forgotten; raise its max_keys"
                 );
                 *seen = stats.evictions;
-                *warned = Some(std::time::Instant::now());
+                *warned = Some(tokio::time::Instant::now());
             }
         }
     }
