@@ -182,12 +182,7 @@ async fn dropped_lease_frees_its_slot_and_an_unreleased_lease_expires() {
 #[tokio::test]
 async fn held_lease_is_renewed_past_its_ttl() {
     let server = RedisServer::start();
-    let options = StoreOptions {
-        timeout: Duration::from_secs(2),
-        lease_ttl: Duration::from_millis(300),
-        ..StoreOptions::default()
-    };
-    let store = RedisStore::connect(&server.url(), options).await.unwrap();
+    let store = with_lease_ttl(&server, Duration::from_millis(300)).await;
     let limit = remote(&concurrency("c", 1));
     let layers = [Layer::enforced(&limit, key("caller"))];
     let held = store.decide(&layers, 1, Mode::Charge).await.unwrap();
@@ -200,17 +195,25 @@ async fn held_lease_is_renewed_past_its_ttl() {
         "the held lease expired: {refused:?}"
     );
     drop(held);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
-    while !store
-        .decide(&layers, 1, Mode::CheckOnly)
-        .await
-        .unwrap()
-        .is_admitted()
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the dropped lease was not released"
-        );
+    until(&store, &layers, true, "the dropped lease was released").await;
+}
+
+/// A store whose concurrency leases live `lease_ttl` unless renewed (every third of it).
+async fn with_lease_ttl(server: &RedisServer, lease_ttl: Duration) -> RedisStore {
+    let options = StoreOptions {
+        timeout: Duration::from_secs(2),
+        lease_ttl,
+        ..StoreOptions::default()
+    };
+    RedisStore::connect(&server.url(), options).await.unwrap()
+}
+
+/// Waits (at most 5 s, in real time: Redis's clock scores leases) until a request of `layers`
+/// would be admitted (`free`) or would not.
+async fn until(store: &RedisStore, layers: &[Layer<'_>], free: bool, what: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while would_hold(store, layers).await.is_some() != free {
+        assert!(tokio::time::Instant::now() < deadline, "not so: {what}");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -221,12 +224,7 @@ async fn held_lease_is_renewed_past_its_ttl() {
 #[tokio::test]
 async fn a_held_lease_redis_lost_is_put_back_by_the_next_renewal() {
     let server = RedisServer::start();
-    let options = StoreOptions {
-        timeout: Duration::from_secs(2),
-        lease_ttl: Duration::from_millis(600),
-        ..StoreOptions::default()
-    };
-    let store = RedisStore::connect(&server.url(), options).await.unwrap();
+    let store = with_lease_ttl(&server, Duration::from_millis(600)).await;
     let limit = remote(&concurrency("c", 1));
     let layers = [Layer::enforced(&limit, key("caller"))];
     let held = store.decide(&layers, 1, Mode::Charge).await.unwrap();
@@ -237,24 +235,10 @@ async fn a_held_lease_redis_lost_is_put_back_by_the_next_renewal() {
         would_hold(&store, &layers).await.is_some(),
         "the flush took the lease"
     );
-    // Real time: renewals come every third of the TTL.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while would_hold(&store, &layers).await.is_some() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the lost lease was not put back"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // Renewals come every third of the TTL.
+    until(&store, &layers, false, "the lost lease was put back").await;
     drop(held);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while would_hold(&store, &layers).await.is_none() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the dropped lease was not released"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until(&store, &layers, true, "the dropped lease was released").await;
     // Two renewal periods later it is still free: released leases are not renewed.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
