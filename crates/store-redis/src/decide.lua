@@ -144,10 +144,10 @@ local function flush(L)
   elseif b > 0 then
     fresh = (a + 1) * L[11]
   end
-  -- A fixed window's state for a later window (charged ahead) also says that the windows
-  -- before it are spent: it lives until that window starts, even with nothing counted in it
-  -- (its one held request withdrawn), or the spent window would read as fresh.
-  if algo == 'f' and a * L[11] > fresh then fresh = a * L[11] end
+  -- A window's state for a later window (charged ahead) also says that the windows before
+  -- it are spent: it lives until that window starts, even with nothing counted in it (its
+  -- one held request withdrawn), or a spent window would read as fresh.
+  if algo ~= 'g' and a * L[11] > fresh then fresh = a * L[11] end
   local until_ = fresh
   if blk > until_ then until_ = blk end
   if until_ <= now then call('DEL', L[1]); return end

@@ -337,23 +337,33 @@ async fn withdraw_gives_a_window_charge_back_whoever_came_since() {
 }
 
 #[tokio::test]
-async fn withdrawing_a_request_held_for_the_next_window_leaves_this_one_spent() {
+async fn withdrawing_a_request_held_for_a_later_window_leaves_the_windows_before_it_spent() {
     let server = RedisServer::start();
     let store = server.store().await;
-    let held = fixed("f", 2, HOUR).with_max_delay(2 * HOUR).unwrap();
-    let limit = remote(&held);
-    let layers = [Layer::enforced(&limit, key("caller"))];
-    assert!(admitted(&store, &layers).await);
-    assert!(admitted(&store, &layers).await);
-    let RemoteDecision::Admitted(third) = store.decide(&layers, 1, Mode::Charge).await.unwrap()
-    else {
-        panic!("held for the next window")
-    };
-    let hold = third.hold;
-    assert!(!hold.is_zero());
-    // Its client leaves. This window is still spent: the next request is held for the next
-    // window too, not admitted at once (the state charged ahead was the only mark of that).
-    store.withdraw(&layers, third).await.unwrap();
-    let next = would_hold(&store, &layers).await;
-    assert!(about(next, hold), "{next:?} against {hold:?}");
+    let limits = [
+        fixed("f", 1, HOUR).with_max_delay(3 * HOUR).unwrap(),
+        sliding("s", 1, HOUR).with_max_delay(3 * HOUR).unwrap(),
+    ];
+    for held in limits {
+        let limit = remote(&held);
+        let layers = [Layer::enforced(&limit, key("caller"))];
+        assert!(admitted(&store, &layers).await);
+        let RemoteDecision::Admitted(second) =
+            store.decide(&layers, 1, Mode::Charge).await.unwrap()
+        else {
+            panic!("held for a later window")
+        };
+        let hold = second.hold;
+        assert!(!hold.is_zero(), "{}", held.name());
+        // Its client leaves. The windows before the one it was charged in are still spent:
+        // the next request is held as long, not admitted at once (the state charged ahead was
+        // the only mark of that).
+        store.withdraw(&layers, second).await.unwrap();
+        let next = would_hold(&store, &layers).await;
+        assert!(
+            about(next, hold),
+            "{}: {next:?} against {hold:?}",
+            held.name()
+        );
+    }
 }

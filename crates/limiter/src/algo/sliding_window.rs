@@ -102,6 +102,9 @@ impl Algo for SlidingWindow {
         }
     }
 
+    /// When the counts stop weighing on any estimate; with nothing counted, the start of the
+    /// state's window: a state of a later window (charged ahead for a held request, which was
+    /// then withdrawn) also says that the windows before it are spent, and must outlive them.
     fn expiry(&self, state: u128) -> u64 {
         let (index, previous, current) = unpack(state);
         let windows_left = if current > 0 {
@@ -109,9 +112,6 @@ impl Algo for SlidingWindow {
         } else {
             u64::from(previous > 0)
         };
-        if windows_left == 0 {
-            return 0;
-        }
         index
             .saturating_add(windows_left)
             .saturating_mul(self.window)
@@ -221,6 +221,30 @@ mod tests {
         // A full-quota request must wait for the window after next.
         assert_eq!(sw.wait(state, 10, 55 * SEC), Some(15 * SEC));
         assert_eq!(sw.expiry(state), 70 * SEC);
+    }
+
+    #[test]
+    fn a_later_windows_state_emptied_by_a_withdrawal_keeps_the_windows_before_it_spent() {
+        let sw = SlidingWindow::new(1, SEC);
+        // Window 10 is spent (quota 1); a held request was charged two windows ahead, in 12
+        // (in 11 the one of 10 still weighs), then withdrawn.
+        let back = sw.undo(pack(12, 0, 1), 1, 12);
+        assert_eq!(unpack(back), (12, 0, 0));
+        assert_eq!(
+            sw.remaining(back, 11 * SEC + 5),
+            0,
+            "window 11 is still spent"
+        );
+        assert_eq!(
+            sw.expiry(back),
+            12 * SEC,
+            "kept (not swept as fresh) until window 12"
+        );
+        assert_eq!(
+            sw.expiry(pack(9, 0, 0)),
+            9 * SEC,
+            "an empty past window is fresh"
+        );
     }
 
     #[test]
