@@ -1082,6 +1082,54 @@ async fn a_held_request_takes_no_place_in_flight_while_it_waits(store: TestStore
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
+both_stores!(a_held_request_the_full_gateway_refuses_at_the_end_of_its_hold_gets_its_charge_back);
+/// A held request whose hold ends while the gateway is full is answered 503, its charges
+/// withdrawn, and its RateLimit fields say what the caller has after the withdrawal.
+async fn a_held_request_the_full_gateway_refuses_at_the_end_of_its_hold_gets_its_charge_back(
+    store: TestStore,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = MockUpstream::start().await;
+    // A token every 500 ms, one at most, held up to 750 ms; and a count of 100 an hour. One
+    // place in flight.
+    let limits = format!(
+        "{}[[limits]]\nname = \"count\"\nby = \"api_key\"\nalgorithm = \"fixed_window\"\nquota = 100\nwindow = \"1h\"\n",
+        smooth_delay_limit("750ms")
+    );
+    let gw = InProcess::start(&store.apply(&config(&up.url(), 1, &limits)), Duration::ZERO).await;
+    assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+    // The next is held about 500 ms.
+    let mut held = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    let head = "GET /v1/items HTTP/1.1\r\nhost: x\r\nx-api-key: k\r\nconnection: close\r\n\r\n";
+    held.write_all(head.as_bytes()).await.unwrap();
+    assert_eq!(
+        call(gw.main, "/v1/items", "k").await.status,
+        429,
+        "it is held"
+    );
+    // A slow request without a key takes the one place until the hold has ended.
+    let main = gw.main;
+    let slow = tokio::spawn(async move { get(main, "/hold", &[]).await });
+    up.wait_holding(1).await;
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), held.read_to_end(&mut answer))
+        .await
+        .expect("the held request is answered")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer).to_ascii_lowercase();
+    assert!(answer.starts_with("http/1.1 503"), "{answer}");
+    // Its charges are back: the count has 99 left, as after the first request alone (its
+    // own figures at admission said 98).
+    assert!(answer.contains(", \"count\";r=99;"), "{answer}");
+    up.release(1);
+    assert_eq!(slow.await.unwrap().status, 200);
+    assert_eq!(
+        call(gw.main, "/v1/items", "k").await.status,
+        200,
+        "nothing was charged"
+    );
+}
+
 both_stores!(requests_no_route_matches_are_counted_by_the_per_caller_limits_of_every_route);
 async fn requests_no_route_matches_are_counted_by_the_per_caller_limits_of_every_route(
     store: TestStore,

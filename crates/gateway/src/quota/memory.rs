@@ -6,7 +6,6 @@ use std::time::Duration;
 use sluice_limiter::{Admission, Decision, LimitId, Limiter, Refusal, Slots};
 
 use super::{wait_out, Held, Layers, Notes, Outcome, Pass, Quota, Refused, Reports, Stop};
-use crate::access_log::AccessLog;
 use crate::capacity::{Capacity, InFlight};
 
 impl Quota {
@@ -22,7 +21,7 @@ impl Quota {
     ) -> Result<Pass, Stop> {
         match self.decide_in_memory(layers, cost, capacity, slot, notes.reports) {
             Decided::Now(result) => result,
-            Decided::Later(hold) => self.hold(hold, capacity, notes.log).await,
+            Decided::Later(hold) => self.hold(hold, layers, capacity, notes).await,
         }
     }
 
@@ -37,18 +36,28 @@ impl Quota {
     pub(super) async fn hold(
         &self,
         hold: Hold,
+        layers: &Layers,
         capacity: &Capacity,
-        log: &mut AccessLog,
+        notes: Notes<'_>,
     ) -> Result<Pass, Stop> {
-        log.outcome(hold.outcome, self);
+        notes.log.outcome(hold.outcome, self);
         let mut withdraw = Withdraw {
             limiter: &self.limiter,
             admissions: hold.admissions,
         };
-        if !wait_out(capacity, hold.wait).await {
+        let slot = if wait_out(capacity, hold.wait).await {
+            capacity.try_acquire()
+        } else {
+            None
+        };
+        let Some(slot) = slot else {
+            // A 503 tells the caller what it has, its charges withdrawn.
+            drop(withdraw);
+            let figures = self.limiter.figures(&layers.enforced, self.clock.now());
+            notes.reports.clear();
+            notes.reports.extend(figures.map(|r| (r.limit, r)));
             return Err(Stop::Overloaded);
-        }
-        let slot = capacity.try_acquire().ok_or(Stop::Overloaded)?;
+        };
         withdraw.admissions.clear(); // it passes: the charges stay
         Ok(Pass {
             slot,

@@ -337,7 +337,9 @@ impl Quota {
                 // the common path, cost about 300 instructions per request (callgrind).
                 match self.decide_in_memory(layers, cost, capacity, None, notes.reports) {
                     Decided::Now(result) => result,
-                    Decided::Later(hold) => Box::pin(self.hold(hold, capacity, notes.log)).await,
+                    Decided::Later(hold) => {
+                        Box::pin(self.hold(hold, layers, capacity, notes)).await
+                    }
                 }
             }
             Some(remote) => Box::pin(remote.admit(self, layers, cost, capacity, notes)).await,
@@ -718,8 +720,12 @@ mode = "dry_run"
             panic!("held")
         };
         // Held 500 ms; its client leaves after 10.
-        let mut log = log();
-        let held = quota.hold(hold, &capacity, &mut log);
+        let (mut log, mut reports) = (log(), Reports::new());
+        let notes = Notes {
+            reports: &mut reports,
+            log: &mut log,
+        };
+        let held = quota.hold(hold, &layers, &capacity, notes);
         let left = tokio::time::timeout(Duration::from_millis(10), held).await;
         assert!(left.is_err(), "still held when its client left");
         // Both its charges came back: the bucket's (nobody queued behind it) and the dry-run
@@ -751,18 +757,27 @@ mode = "dry_run"
         // held request's charges come back (the next one waits 500 ms, not 1,000).
         let other = capacity.try_acquire().expect("free");
         let start = tokio::time::Instant::now();
-        let answer = quota.hold(hold, &capacity, &mut log()).await;
+        let (answer, reports) = hold_out(&quota, hold, &layers, &capacity).await;
         assert!(matches!(answer, Err(Stop::Overloaded)), "{answer:?}");
         assert_eq!(start.elapsed(), Duration::from_millis(500));
+        // Its figures are the caller's as they stand after the withdrawal (the limiter's clock
+        // stands still): the first request's token comes back in 500 ms, not the 1,000 its
+        // own charge had made it (the dry-run limit is not shown).
+        assert_eq!(reports.len(), 1, "{reports:?}");
+        let smooth = reports[0].1;
+        assert_eq!(
+            (smooth.remaining, smooth.reset),
+            (0, Some(Duration::from_millis(500)))
+        );
         drop(other);
         let Decided::Later(hold) = decide() else {
             panic!("held")
         };
         assert_eq!(hold.wait, Duration::from_millis(500), "charges withdrawn");
         // A place free when the hold ends: it passes, and holds the place.
-        let pass = quota
-            .hold(hold, &capacity, &mut log())
+        let pass = hold_out(&quota, hold, &layers, &capacity)
             .await
+            .0
             .expect("passes");
         assert_eq!(pass.outcome, Outcome::Delayed);
         assert_eq!(capacity.in_flight(), 1);
@@ -776,7 +791,7 @@ mode = "dry_run"
         assert_eq!(hold.wait, Duration::from_millis(500));
         capacity.start_draining(tokio::time::Instant::now() + Duration::from_millis(200));
         let start = tokio::time::Instant::now();
-        let answer = quota.hold(hold, &capacity, &mut log()).await;
+        let (answer, _) = hold_out(&quota, hold, &layers, &capacity).await;
         assert!(matches!(answer, Err(Stop::Overloaded)), "{answer:?}");
         assert_eq!(start.elapsed(), Duration::ZERO);
         let Decided::Later(hold) = decide() else {
@@ -785,6 +800,22 @@ mode = "dry_run"
         assert_eq!(hold.wait, Duration::from_millis(500), "charges withdrawn");
         let capacity = Capacity::new(1);
         capacity.start_draining(tokio::time::Instant::now() + Duration::from_secs(10));
-        assert!(quota.hold(hold, &capacity, &mut log()).await.is_ok());
+        assert!(hold_out(&quota, hold, &layers, &capacity).await.0.is_ok());
+    }
+
+    /// Holds `hold` out: the answer, and the figures for its headers.
+    async fn hold_out(
+        quota: &Quota,
+        hold: memory::Hold,
+        layers: &Layers,
+        capacity: &Capacity,
+    ) -> (Result<Pass, Stop>, Reports) {
+        let (mut log, mut reports) = (log(), Reports::new());
+        let notes = Notes {
+            reports: &mut reports,
+            log: &mut log,
+        };
+        let answer = quota.hold(hold, layers, capacity, notes).await;
+        (answer, reports)
     }
 }

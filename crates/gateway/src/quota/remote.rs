@@ -164,10 +164,31 @@ impl Remote {
                     notes.log.outcome(outcome, quota);
                     let hold = a.hold;
                     let mut withdraw = Withdraw::new(store, &remote, a);
-                    if !wait_out(capacity, hold).await {
+                    let slot = if wait_out(capacity, hold).await {
+                        capacity.try_acquire()
+                    } else {
+                        None
+                    };
+                    let Some(slot) = slot else {
+                        // A 503 tells the caller what it has, its charges withdrawn: one more
+                        // call, on this rare path, to read the figures after the withdrawal
+                        // (the admission's stay if Redis cannot say).
+                        if let Some(withdrawn) = withdraw.start() {
+                            let _ = withdrawn.await;
+                        }
+                        if let Ok(d) = store.decide(&remote, cost, Mode::CheckOnly).await {
+                            let now = match &d {
+                                RemoteDecision::Admitted(a) => Some(&a.reports[..]),
+                                RemoteDecision::Refused(r) => Some(&r.reports[..]),
+                                RemoteDecision::CostTooLarge { .. } => None,
+                            };
+                            if let Some(now) = now {
+                                notes.reports.clear();
+                                notes.reports.extend(figures(layers, now));
+                            }
+                        }
                         return Err(Stop::Overloaded);
-                    }
-                    let slot = capacity.try_acquire().ok_or(Stop::Overloaded)?;
+                    };
                     withdraw.admission = None; // it passes: the charges stay
                     slot
                 };
@@ -315,26 +336,31 @@ impl Withdraw {
     }
 }
 
+impl Withdraw {
+    /// Withdraws the charges now, in a task of its own (so that it is done even if whoever
+    /// waits for it goes away): the task, to wait for it.
+    fn start(&mut self) -> Option<tokio::task::JoinHandle<()>> {
+        let admission = self.admission.take()?;
+        let (store, owned) = (self.store.clone(), std::mem::take(&mut self.layers));
+        let handle = tokio::runtime::Handle::try_current().ok()?;
+        Some(handle.spawn(async move {
+            let layers: Vec<Layer<'_>> = owned
+                .iter()
+                .map(|(limit, key, dry_run)| match dry_run {
+                    true => Layer::dry_run(limit, *key),
+                    false => Layer::enforced(limit, *key),
+                })
+                .collect();
+            if let Err(e) = store.withdraw(&layers, admission).await {
+                tracing::debug!(error = %e, "could not withdraw a held request's charges");
+            }
+        }))
+    }
+}
+
 impl Drop for Withdraw {
     fn drop(&mut self) {
-        let Some(admission) = self.admission.take() else {
-            return;
-        };
-        let (store, owned) = (self.store.clone(), std::mem::take(&mut self.layers));
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            handle.spawn(async move {
-                let layers: Vec<Layer<'_>> = owned
-                    .iter()
-                    .map(|(limit, key, dry_run)| match dry_run {
-                        true => Layer::dry_run(limit, *key),
-                        false => Layer::enforced(limit, *key),
-                    })
-                    .collect();
-                if let Err(e) = store.withdraw(&layers, admission).await {
-                    tracing::debug!(error = %e, "could not withdraw an abandoned held request's charges");
-                }
-            });
-        }
+        self.start();
     }
 }
 
