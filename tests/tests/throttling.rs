@@ -1130,6 +1130,38 @@ async fn a_held_request_the_full_gateway_refuses_at_the_end_of_its_hold_gets_its
     );
 }
 
+both_stores!(at_max_held_a_delay_limit_refuses_what_it_would_hold);
+/// Held requests are bounded by `gateway.max_held`: past it, a `delay` limit refuses what it
+/// would hold, with 429 and the wait, as an enforcing limit does (not 503: the caller is the
+/// one over its rate).
+async fn at_max_held_a_delay_limit_refuses_what_it_would_hold(store: TestStore) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = MockUpstream::start().await;
+    let limits = "[[limits]]\nname = \"paced\"\nby = \"api_key\"\nquota = 1\nwindow = \"1s\"\nmode = \"delay\"\nmax_delay = \"5s\"\n";
+    let text = config(&up.url(), 64, limits)
+        .replace("max_in_flight = 64", "max_in_flight = 64\nmax_held = 1");
+    let gw = InProcess::start(&store.apply(&text), Duration::ZERO).await;
+    assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+    // The next is held about 1 s, in the one place there is.
+    let mut held = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    let head = "GET /v1/items HTTP/1.1\r\nhost: x\r\nx-api-key: k\r\nconnection: close\r\n\r\n";
+    held.write_all(head.as_bytes()).await.unwrap();
+    // One more would be held about 2 s: no room.
+    let refused = call(gw.main, "/v1/items", "k").await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(refused.json()["policy"], "paced");
+    let wait: u64 = refused.header("retry-after").parse().unwrap();
+    assert!((1..=2).contains(&wait), "Retry-After {wait}");
+    assert_eq!(get(gw.admin, "/ready", &[]).await.status, 200);
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), held.read_to_end(&mut answer))
+        .await
+        .expect("the held request is answered")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
 both_stores!(requests_no_route_matches_are_counted_by_the_per_caller_limits_of_every_route);
 async fn requests_no_route_matches_are_counted_by_the_per_caller_limits_of_every_route(
     store: TestStore,

@@ -35,6 +35,8 @@ pub struct Gateway {
     pub listen: SocketAddr,
     /// Admitted, unfinished requests at which the gateway is full.
     pub max_in_flight: NonZeroUsize,
+    /// Requests held by `delay` limits at once; past it, such limits refuse what they would hold.
+    pub max_held: NonZeroUsize,
     /// Client connections open at once on the main listener (`None`: half the process's
     /// open-files limit, decided at start).
     pub max_connections: Option<NonZeroUsize>,

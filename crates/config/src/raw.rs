@@ -34,6 +34,7 @@ pub(crate) struct RawConfig {
 pub(crate) struct RawGateway {
     pub listen: Option<S<String>>,
     pub max_in_flight: Option<S<i64>>,
+    pub max_held: Option<S<i64>>,
     pub max_connections: Option<S<i64>>,
     pub health_path: Option<S<String>>,
     pub header_timeout: Option<S<String>>,

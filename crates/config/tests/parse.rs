@@ -25,6 +25,7 @@ fn shipped_with(from: &str, to: &str) -> String {
 fn shipped_config_is_accepted_as_written() {
     let c = parse(SHIPPED, Path::new("config/sluice.toml")).expect("shipped config is valid");
     assert_eq!(c.gateway.max_in_flight.get(), 256);
+    assert_eq!(c.gateway.max_held.get(), 1024);
     assert_eq!(c.gateway.health_path.as_deref(), Some("/health"));
     assert_eq!(c.gateway.overload_retry_after.max, Duration::from_secs(5));
     assert_eq!(c.routes.len(), 3);

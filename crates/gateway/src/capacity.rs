@@ -23,6 +23,15 @@ struct Inner {
     grace_ends: OnceLock<Instant>,
     /// Woken when draining starts.
     draining_started: tokio::sync::Notify,
+    /// Requests held by `delay` limits now, and the most there may be (`gateway.max_held`).
+    held: AtomicUsize,
+    max_held: usize,
+}
+
+/// A held request's place among `max_held`; given back when dropped.
+#[derive(Debug)]
+pub(crate) struct HeldPlace {
+    inner: Arc<Inner>,
 }
 
 /// One admitted request's slot; released when dropped (response body finished, client gone).
@@ -33,6 +42,11 @@ pub(crate) struct InFlight {
 
 impl Capacity {
     pub(crate) fn new(max: usize) -> Self {
+        Self::with_max_held(max, usize::MAX)
+    }
+
+    /// With at most `max_held` requests held by `delay` limits at once.
+    pub(crate) fn with_max_held(max: usize, max_held: usize) -> Self {
         Self {
             inner: Arc::new(Inner {
                 in_flight: AtomicUsize::new(0),
@@ -41,6 +55,8 @@ impl Capacity {
                 drained: tokio::sync::Notify::new(),
                 grace_ends: OnceLock::new(),
                 draining_started: tokio::sync::Notify::new(),
+                held: AtomicUsize::new(0),
+                max_held,
             }),
         }
     }
@@ -67,6 +83,22 @@ impl Capacity {
                 Err(seen) => current = seen,
             }
         }
+    }
+
+    /// A place for a request held by a `delay` limit, or `None` at `max_held`. Held requests
+    /// take no place in flight (a caller over its rate must not fill the gateway for others),
+    /// but they are bounded: each holds its request's head and a connection or stream.
+    pub(crate) fn try_hold(&self) -> Option<HeldPlace> {
+        let inner = &self.inner;
+        inner
+            .held
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
+                (n < inner.max_held).then_some(n + 1)
+            })
+            .ok()?;
+        Some(HeldPlace {
+            inner: inner.clone(),
+        })
     }
 
     /// Ready means: not draining and not full. Nothing else fails readiness.
@@ -116,6 +148,12 @@ impl Capacity {
             }
             released.await;
         }
+    }
+}
+
+impl Drop for HeldPlace {
+    fn drop(&mut self) {
+        self.inner.held.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

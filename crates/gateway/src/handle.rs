@@ -92,7 +92,10 @@ impl Shared {
             identify,
             quota,
             identity_headers,
-            capacity: Capacity::new(config.gateway.max_in_flight.get()),
+            capacity: Capacity::with_max_held(
+                config.gateway.max_in_flight.get(),
+                config.gateway.max_held.get(),
+            ),
             unrouted_capacity: Capacity::new(usize::MAX),
             connections: ConnectionCap::new(match config.gateway.max_connections {
                 Some(n) => {

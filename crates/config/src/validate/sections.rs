@@ -40,6 +40,13 @@ impl Validator<'_> {
                 .and_then(|n| NonZeroUsize::new(n.get() as usize)),
         }
         .unwrap_or(NonZeroUsize::MIN);
+        let max_held = match &raw.max_held {
+            None => NonZeroUsize::new(1024),
+            Some(v) => self
+                .positive_u32(v, "gateway.max_held")
+                .and_then(|n| NonZeroUsize::new(n.get() as usize)),
+        }
+        .unwrap_or(NonZeroUsize::MIN);
         let max_connections = raw.max_connections.as_ref().and_then(|v| {
             self.positive_u32(v, "gateway.max_connections")
                 .and_then(|n| NonZeroUsize::new(n.get() as usize))
@@ -84,6 +91,7 @@ impl Validator<'_> {
         Gateway {
             listen,
             max_in_flight,
+            max_held,
             max_connections,
             health_path,
             header_timeout,

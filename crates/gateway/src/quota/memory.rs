@@ -6,7 +6,7 @@ use std::time::Duration;
 use sluice_limiter::{Admission, Decision, LimitId, Limiter, Refusal, Slots};
 
 use super::{wait_out, Held, Layers, Notes, Outcome, Pass, Quota, Refused, Reports, Stop};
-use crate::capacity::{Capacity, InFlight};
+use crate::capacity::{Capacity, HeldPlace, InFlight};
 
 impl Quota {
     /// Quota, then capacity (refunding the quota when full), and the wait of a request held
@@ -90,9 +90,21 @@ impl Quota {
                         reports.extend(figures.map(|r| (r.limit, r)));
                         return Decided::Now(Err(Stop::Overloaded));
                     };
-                    reports.extend(admission.reports(&self.limiter).map(|r| (r.limit, r)));
                     let wait = admission.wait();
                     let held_back = !wait.is_zero();
+                    // At `max_held`, a `delay` limit refuses what it would hold, as an
+                    // enforcing one does: charged nothing, told when it would pass.
+                    let place = match held_back.then(|| capacity.try_hold()) {
+                        Some(None) => {
+                            self.limiter.refund(admission);
+                            let figures = self.limiter.figures(&layers.enforced, now);
+                            let figures = figures.map(|r| (r.limit, r)).collect();
+                            return Decided::Now(Err(self.no_room_to_hold(figures, wait)));
+                        }
+                        Some(Some(place)) => Some(place),
+                        None => None,
+                    };
+                    reports.extend(admission.reports(&self.limiter).map(|r| (r.limit, r)));
                     let (dry_run, dry_refused, dry_admission) =
                         self.dry_run_in_memory(layers, cost, held_back);
                     let held = Held {
@@ -115,6 +127,7 @@ impl Quota {
                         wait,
                         outcome,
                         held,
+                        _place: place,
                         admissions: std::iter::once(admission.take())
                             .chain(dry_admission)
                             .collect(),
@@ -176,6 +189,8 @@ pub(super) struct Hold {
     pub(super) outcome: Outcome,
     /// Its concurrency slots, taken at admission.
     held: Held,
+    /// Its place among `max_held`, until the hold ends.
+    _place: Option<HeldPlace>,
     /// The enforced limits' admission, then the dry-run limits' if they admitted it.
     admissions: Vec<Admission>,
 }

@@ -346,6 +346,28 @@ impl Quota {
         }
     }
 
+    /// The 429 of a request a `delay` limit would hold for `wait` when `max_held` requests are
+    /// held already, with the caller's `figures`: named after the `delay` limit whose quota
+    /// comes back last (the one that holds it longest).
+    pub(super) fn no_room_to_hold(&self, figures: Reports, wait: Duration) -> Stop {
+        let delay = |id: &LimitId| matches!(self.info(*id).config.mode, Mode::Delay { .. });
+        let limit = figures
+            .iter()
+            .filter(|(id, _)| delay(id))
+            .max_by_key(|(_, r)| r.reset)
+            .or(figures.first())
+            .map(|(id, _)| *id);
+        let Some(limit) = limit else {
+            return Stop::Overloaded; // no figures at all: cannot happen for a held request
+        };
+        Stop::Quota(Box::new(Refused {
+            limit,
+            wait: Some(wait),
+            reason: RefusalReason::Exhausted,
+            reports: figures,
+        }))
+    }
+
     /// Removes keys that returned to their fresh state (each table at most once per window),
     /// and says when a table is full.
     pub(crate) fn sweep(&self) -> usize {

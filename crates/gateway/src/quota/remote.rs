@@ -161,9 +161,18 @@ impl Remote {
                     slot
                 } else {
                     drop(slot);
-                    notes.log.outcome(outcome, quota);
                     let hold = a.hold;
+                    let place = capacity.try_hold();
+                    let refused = place
+                        .is_none()
+                        .then(|| figures(layers, &a.reports).collect());
                     let mut withdraw = Withdraw::new(store, &remote, a);
+                    if let Some(figures) = refused {
+                        // At `max_held`: refused as an enforcing limit would (its charges
+                        // withdrawn; its figures, as of its admission, are the 429's).
+                        return Err(quota.no_room_to_hold(figures, hold));
+                    }
+                    notes.log.outcome(outcome, quota);
                     let slot = if wait_out(capacity, hold).await {
                         capacity.try_acquire()
                     } else {
@@ -190,6 +199,7 @@ impl Remote {
                         return Err(Stop::Overloaded);
                     };
                     withdraw.admission = None; // it passes: the charges stay
+                    drop(place);
                     slot
                 };
                 Ok(Pass {
