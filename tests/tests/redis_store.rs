@@ -533,10 +533,11 @@ async fn local_fallback_enforces_quota_divided_by_instances() {
 }
 
 /// A Redis that refuses the password: the gateway starts (following `on_error`) and says why,
-/// at start-up and while it keeps trying, instead of reporting a silence.
+/// at start-up, and again while it keeps trying when the reason changes (Redis gone), instead
+/// of reporting a silence.
 #[tokio::test]
 async fn a_wrong_redis_password_is_named_in_the_warnings() {
-    let redis = RedisServer::start();
+    let mut redis = RedisServer::start();
     assert_eq!(
         redis.cli(&["CONFIG", "SET", "requirepass", "right"]).trim(),
         "OK"
@@ -550,19 +551,24 @@ async fn a_wrong_redis_password_is_named_in_the_warnings() {
         KEY_QUOTA_30,
     ));
     assert_eq!(call(gw.main, "/v1/items", "k").await.status, 503);
-    for what in ["cannot be used at start-up", "still cannot be used"] {
-        let line = gw
-            .wait_log(what, |v| {
-                v["message"].as_str().is_some_and(|m| m.contains(what))
-            })
-            .await;
-        let error = line["error"].as_str().unwrap_or_default();
-        assert!(error.contains("authentication failed"), "{line}");
-        assert!(
-            !line.to_string().contains("wrong"),
-            "the password is shown: {line}"
-        );
-    }
+    let said = |what: &'static str| {
+        move |v: &serde_json::Value| v["message"].as_str().is_some_and(|m| m.contains(what))
+    };
+    let line = gw
+        .wait_log("the start-up warning", said("cannot be used at start-up"))
+        .await;
+    let error = line["error"].as_str().unwrap_or_default();
+    assert!(error.contains("authentication failed"), "{line}");
+    assert!(
+        !line.to_string().contains("wrong"),
+        "the password is shown: {line}"
+    );
+    redis.kill();
+    let line = gw
+        .wait_log("the new reason", said("still cannot be used"))
+        .await;
+    let error = line["error"].as_str().unwrap_or_default();
+    assert!(!error.contains("authentication failed"), "{line}");
 }
 
 /// A route that costs a limit's whole burst stays servable under the local fallback: the

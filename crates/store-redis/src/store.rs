@@ -209,6 +209,9 @@ impl RedisStore {
         let start = async {
             let mut conn =
                 ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+            // A small command first: a Redis that wants a password answers it NOAUTH, where
+            // the script's 25 KB would get only "unauthenticated bulk length" and a close.
+            let _: String = redis::cmd("PING").query_async(&mut conn).await?;
             let sha = load(&mut conn).await?;
             // Redis's clock, so that the first decisions carry their deadlines too (a stalled
             // Redis that reaches them late then charges nothing, as it does later decisions).

@@ -307,10 +307,7 @@ async fn a_wrong_password_or_database_is_named_not_taken_for_silence() {
     let wrong = refused(format!("redis://:wrong@127.0.0.1:{port}")).await;
     assert!(wrong.contains("authentication failed"), "{wrong}");
     let missing = refused(format!("redis://127.0.0.1:{port}")).await;
-    assert!(
-        missing.contains("NOAUTH") || missing.contains("auth"),
-        "{missing}"
-    );
+    assert!(missing.contains("NOAUTH"), "{missing}");
     let no_db = refused(format!("redis://:right@127.0.0.1:{port}/99")).await;
     assert!(no_db.contains("DB index"), "{no_db}");
     assert!(

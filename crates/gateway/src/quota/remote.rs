@@ -61,7 +61,12 @@ impl Remote {
             }
             Err(e) => {
                 tracing::warn!(url = %config::redact_url(&cfg.url), error = %e, on_error = ?cfg.on_error, "Redis cannot be used at start-up; starting anyway and following on_error until it can");
-                tokio::spawn(reconnect(store.clone(), cfg.url.clone(), options));
+                tokio::spawn(reconnect(
+                    store.clone(),
+                    cfg.url.clone(),
+                    options,
+                    e.to_string(),
+                ));
             }
         }
         Ok(Self {
@@ -266,10 +271,15 @@ impl std::fmt::Debug for Remote {
 }
 
 /// Tries to connect every cool-down until it succeeds. Says why it failed whenever the
-/// reason changes (the start-up warning gave the first), and at most once a minute while it
-/// stays the same: a wrong password is not an outage to wait out in silence.
-async fn reconnect(cell: Arc<OnceLock<RedisStore>>, url: String, options: StoreOptions) {
-    let mut last: Option<(String, tokio::time::Instant)> = None;
+/// reason changes (the start-up warning gave the `first`), and once a minute while it stays
+/// the same: a wrong password is not an outage to wait out in silence.
+async fn reconnect(
+    cell: Arc<OnceLock<RedisStore>>,
+    url: String,
+    options: StoreOptions,
+    first: String,
+) {
+    let mut last = (first, tokio::time::Instant::now());
     loop {
         tokio::time::sleep(COOL_DOWN).await;
         match RedisStore::connect(&url, options).await {
@@ -281,12 +291,10 @@ async fn reconnect(cell: Arc<OnceLock<RedisStore>>, url: String, options: StoreO
             Err(e) => {
                 let why = e.to_string();
                 let now = tokio::time::Instant::now();
-                let quiet = last.as_ref().is_some_and(|(said, at)| {
-                    *said == why && now.duration_since(*at) < Duration::from_secs(60)
-                });
-                if !quiet {
+                let (said, at) = &last;
+                if *said != why || now.duration_since(*at) >= Duration::from_secs(60) {
                     tracing::warn!(url = %config::redact_url(&url), error = %why, "Redis still cannot be used; following on_error");
-                    last = Some((why, now));
+                    last = (why, now);
                 }
             }
         }
