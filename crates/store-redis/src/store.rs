@@ -582,10 +582,12 @@ async fn renewer(link: Weak<Link>, options: StoreOptions, held: Weak<HeldLeases>
         let Some(leases) = held.upgrade().map(|h| h.snapshot()) else {
             return;
         };
-        let Some(mut conn) = link.upgrade().map(|l| l.conn()) else {
-            return;
-        };
         for (n, slots) in leases {
+            // The connection of the moment, for each lease: a release goes out on the current
+            // one, and a renewal must not overtake it on a connection since replaced.
+            let Some(mut conn) = link.upgrade().map(|l| l.conn()) else {
+                return;
+            };
             // Released since the snapshot (its request ended): not put back. (A release that
             // reaches Redis between this look and the renewal is undone by it, and that slot
             // stays taken until the TTL ends: a window of microseconds, once per renewal.)
