@@ -571,6 +571,48 @@ async fn a_wrong_redis_password_is_named_in_the_warnings() {
     assert!(!error.contains("authentication failed"), "{line}");
 }
 
+/// A held request whose client leaves as the gateway stops has its charges withdrawn before
+/// the process exits: the withdrawal runs in a task of its own, which the exit waits for.
+#[tokio::test]
+async fn a_withdrawal_started_as_the_gateway_stops_is_not_lost() {
+    use tokio::io::AsyncWriteExt;
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let limit = "[[limits]]\nname = \"slow\"\nby = \"api_key\"\nquota = 1\nwindow = \"10s\"\nmode = \"delay\"\nmax_delay = \"15s\"\n";
+    let mut gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "2s"),
+        64,
+        limit,
+    ));
+    assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+    // The next is held about 10 s (within the 30 s grace).
+    let mut held = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    let head = "GET /v1/items HTTP/1.1\r\nhost: x\r\nx-api-key: k\r\n\r\n";
+    held.write_all(head.as_bytes()).await.unwrap();
+    assert_eq!(
+        call(gw.main, "/v1/items", "k").await.status,
+        429,
+        "it is held: one more would wait about 20 s"
+    );
+    gw.terminate();
+    gw.wait_draining().await;
+    drop(held); // its client leaves: the last connection, so the gateway exits
+    assert_eq!(gw.wait_exit(Duration::from_secs(10)).await.code(), Some(0));
+    // The bucket in Redis is as the first request left it (full again in about 10 s), not as
+    // the held one did (about 20 s).
+    let key = redis.cli(&["--scan", "--pattern", "sluice:slow:*"]);
+    let ahead = "local t = redis.call('TIME') \
+                 local a = struct.unpack('<xd', redis.call('GET', KEYS[1])) \
+                 return tostring(a - (t[1] * 1000000 + t[2]))";
+    let ahead = redis.cli(&["EVAL", ahead, "1", key.trim()]);
+    let ahead: f64 = ahead.trim().parse().unwrap_or_else(|_| panic!("{ahead:?}"));
+    assert!(
+        (5e6..15e6).contains(&ahead),
+        "the bucket is full again in {ahead} us"
+    );
+}
+
 /// A route that costs a limit's whole burst stays servable under the local fallback: the
 /// limit's share is never less than that cost (burst 4 over two instances would be 2, and
 /// every request on the route a 500 while Redis is away).

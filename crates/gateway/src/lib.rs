@@ -239,6 +239,7 @@ impl Gateway {
         finished &= tokio::time::timeout_at(deadline, shared.capacity.drained())
             .await
             .is_ok();
+        shared.quota.settle(settle_within(deadline)).await;
         if !finished {
             tracing::warn!(
                 in_flight = shared.capacity.in_flight(),
@@ -302,11 +303,23 @@ impl Worker {
             .is_ok();
         // This thread's tunnels run on its runtime, which ends when this returns: wait for
         // them too (for every thread's, which is simpler and no longer than the grace).
-        finished
+        let finished = finished
             && tokio::time::timeout_at(deadline, shared.capacity.drained())
                 .await
-                .is_ok()
+                .is_ok();
+        // So do the writes its last requests started in the shared store.
+        shared.quota.settle(settle_within(deadline)).await;
+        finished
     }
+}
+
+/// How long a stopping thread waits for the releases and withdrawals its last requests started
+/// in the shared store (they run on its runtime, which ends with it): what is left of the
+/// grace, and a second even when the grace is spent (they are a round trip or two).
+fn settle_within(deadline: tokio::time::Instant) -> Duration {
+    deadline
+        .saturating_duration_since(tokio::time::Instant::now())
+        .max(Duration::from_secs(1))
 }
 
 /// Every second, on the blocking pool, removes keys that returned to their fresh state (the

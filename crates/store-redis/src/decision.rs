@@ -177,7 +177,9 @@ impl Drop for Lease {
 /// outage. Removing a lease is idempotent.
 pub(crate) fn release_later(store: RedisStore, slots: Arc<LeaseSlots>) {
     if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        let running = store.background_write();
         handle.spawn(async move {
+            let _running = running;
             for wait in RELEASE_RETRIES {
                 tokio::time::sleep(wait).await;
                 if store.release(&slots).await.is_ok() {

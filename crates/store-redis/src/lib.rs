@@ -28,4 +28,4 @@ pub use decision::{
 };
 pub use error::StoreError;
 pub use limit::{LimitTooLarge, RemoteLimit};
-pub use store::{Layer, Mode, RedisStore, StoreOptions};
+pub use store::{BackgroundWrite, Layer, Mode, RedisStore, StoreOptions};

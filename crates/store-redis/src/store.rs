@@ -9,7 +9,7 @@
 //! request that arrives while Redis is idle is sent at once.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -170,6 +170,9 @@ pub struct RedisStore {
     clock: Arc<RedisClock>,
     /// The leases held now, renewed by one task (see [`renewer`]).
     held: Arc<HeldLeases>,
+    /// Writes still running in tasks of their own (releases, withdrawals), for a shutdown
+    /// to wait for.
+    background: Arc<Background>,
     /// To the batcher (see the module's doc); it stops when every clone is dropped.
     calls: mpsc::UnboundedSender<Call>,
 }
@@ -255,8 +258,29 @@ impl RedisStore {
             leases: Arc::new(AtomicU64::new(0)),
             clock,
             held,
+            background: Arc::default(),
             calls,
         })
+    }
+
+    /// Marks a write that runs in a task of its own (a release, a withdrawal) until the
+    /// returned guard is dropped, so that [`RedisStore::settle`] waits for it.
+    pub fn background_write(&self) -> BackgroundWrite {
+        self.background.running.fetch_add(1, Ordering::AcqRel);
+        BackgroundWrite(Arc::clone(&self.background))
+    }
+
+    /// Resolves once no background write is running: a shutdown waits for this (bounded by
+    /// its caller), so that a release or withdrawal started just before is not dropped with
+    /// the runtime.
+    pub async fn settle(&self) {
+        loop {
+            let idle = self.background.idle.notified();
+            if self.background.running.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            idle.await;
+        }
     }
 
     /// Decides a request of `cost` against every layer in one round trip, at Redis's clock.
@@ -538,6 +562,26 @@ async fn why_not(client: &redis::Client, within: Duration) -> StoreError {
     match tokio::time::timeout(within, attempt).await {
         Ok(Err(e)) => StoreError::Redis(e),
         Ok(Ok(_)) | Err(_) => StoreError::Timeout(within),
+    }
+}
+
+/// Writes running in tasks of their own.
+#[derive(Debug, Default)]
+struct Background {
+    running: AtomicUsize,
+    /// Woken when the last one ends.
+    idle: tokio::sync::Notify,
+}
+
+/// A background write, running until dropped (see [`RedisStore::background_write`]).
+#[derive(Debug)]
+pub struct BackgroundWrite(Arc<Background>);
+
+impl Drop for BackgroundWrite {
+    fn drop(&mut self) {
+        if self.0.running.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
     }
 }
 

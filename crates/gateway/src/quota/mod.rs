@@ -346,6 +346,14 @@ impl Quota {
         }
     }
 
+    /// At shutdown: waits (at most `within`) for writes to the shared store still running in
+    /// the background, such as the withdrawal of a held request whose client just left.
+    pub(crate) async fn settle(&self, within: Duration) {
+        if let Some(remote) = &self.remote {
+            remote.settle(within).await;
+        }
+    }
+
     /// The 429 of a request a `delay` limit would hold for `wait` when `max_held` requests are
     /// held already, with the caller's `figures`: named after the `delay` limit whose quota
     /// comes back last (the one that holds it longest).

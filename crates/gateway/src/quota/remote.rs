@@ -251,6 +251,14 @@ impl Remote {
         }
     }
 
+    /// Waits (at most `within`) for the store's background writes (releases of leases,
+    /// withdrawals of held requests' charges) to finish, so that a shutdown does not drop them.
+    pub(super) async fn settle(&self, within: Duration) {
+        if let Some(store) = self.store.get() {
+            let _ = tokio::time::timeout(within, store.settle()).await;
+        }
+    }
+
     /// Counts every fallback; says so at most once a second.
     fn note_fallback(&self, why: &dyn Display) {
         let total = self.fallbacks.fetch_add(1, Ordering::Relaxed) + 1;
@@ -361,7 +369,9 @@ impl Withdraw {
         let admission = self.admission.take()?;
         let (store, owned) = (self.store.clone(), std::mem::take(&mut self.layers));
         let handle = tokio::runtime::Handle::try_current().ok()?;
+        let running = store.background_write();
         Some(handle.spawn(async move {
+            let _running = running;
             let layers: Vec<Layer<'_>> = owned
                 .iter()
                 .map(|(limit, key, dry_run)| match dry_run {
