@@ -22,8 +22,8 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
         .map_or_else(|| "half the open-files limit".to_owned(), |n| n.to_string());
     let _ = writeln!(
         out,
-        "listen {} (admin {}), max_in_flight {}, max_connections {connections}, request bodies {body}",
-        g.listen, config.admin.listen, g.max_in_flight
+        "listen {} (admin {}), max_in_flight {}, max_held {}, max_connections {connections}, request bodies {body}",
+        g.listen, config.admin.listen, g.max_in_flight, g.max_held
     );
     if let Some(health) = &g.health_path {
         let _ = writeln!(
