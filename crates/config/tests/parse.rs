@@ -139,9 +139,9 @@ fn empty_lists_that_would_switch_something_off_silently_are_refused() {
     assert_eq!(
         errors(&text),
         [
-            "c.toml:21:11: identity.api_key: an empty list finds no key, so every limit by \"api_key\" would count nobody; leave the key out for the default [\"header:x-api-key\", \"bearer\"]",
-            "c.toml:44:11: routes[1].methods: an empty list matches no request; leave the key out for every method",
-            "c.toml:70:10: limits[2].routes: an empty list limits no route; leave the key out for every route",
+            "c.toml:22:11: identity.api_key: an empty list finds no key, so every limit by \"api_key\" would count nobody; leave the key out for the default [\"header:x-api-key\", \"bearer\"]",
+            "c.toml:45:11: routes[1].methods: an empty list matches no request; leave the key out for every method",
+            "c.toml:71:10: limits[2].routes: an empty list limits no route; leave the key out for every route",
         ]
     );
 }
