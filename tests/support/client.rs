@@ -98,6 +98,39 @@ pub async fn raw_get(addr: SocketAddr, target: &str, headers: &[(&str, &str)]) -
     }
 }
 
+/// A request sent whole, its answer read later: `GET path` with an `X-Api-Key` of `key` (and
+/// `Connection: close`) written on a new connection, before the caller sends anything else.
+#[derive(Debug)]
+pub struct Pending(TcpStream);
+
+impl Pending {
+    pub async fn send(addr: SocketAddr, path: &str, key: &str) -> Pending {
+        use tokio::io::AsyncWriteExt;
+        let mut stream = TcpStream::connect(addr)
+            .await
+            .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+        let head = format!(
+            "GET {path} HTTP/1.1\r\nhost: x\r\nx-api-key: {key}\r\nconnection: close\r\n\r\n"
+        );
+        stream
+            .write_all(head.as_bytes())
+            .await
+            .expect("send the head");
+        Pending(stream)
+    }
+
+    /// The raw answer, read until the gateway closes the connection (at most 10 s).
+    pub async fn answer(mut self) -> String {
+        use tokio::io::AsyncReadExt;
+        let mut raw = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), self.0.read_to_end(&mut raw))
+            .await
+            .expect("answered within 10 s")
+            .expect("read the answer");
+        String::from_utf8_lossy(&raw).into_owned()
+    }
+}
+
 /// A client that gives up waiting: sends `GET path` with an `X-Api-Key` of `key` on a new
 /// connection, reads nothing, and closes the connection `after` later.
 pub async fn send_and_leave(addr: SocketAddr, path: &str, key: &str, after: Duration) {

@@ -10,7 +10,7 @@ pub mod process;
 pub mod redis;
 pub mod upstream;
 
-pub use client::{get, raw_get, send, send_and_leave, Reply};
+pub use client::{get, raw_get, send, send_and_leave, Pending, Reply};
 pub use inproc::InProcess;
 pub use process::Sluice;
 pub use upstream::MockUpstream;

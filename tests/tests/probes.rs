@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use sluice_tests::{get, MockUpstream, Sluice};
+use sluice_tests::{get, MockUpstream, Pending, Sluice};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -287,26 +287,21 @@ async fn held_requests_that_would_outlast_the_grace_get_503_when_draining_starts
     let up = MockUpstream::start().await;
     // One request every 4 s from this address, held up to 10 s; a grace of 6 s.
     let limits = "[[limits]]\nname = \"slow\"\nby = \"ip\"\nquota = 1\nwindow = \"4s\"\nmode = \"delay\"\nmax_delay = \"10s\"\n";
-    let mut gw = Sluice::start(&format!("{}{limits}", config(&up.url(), 8, "10s", "6s")));
+    // One serving thread: requests are decided in the order they were sent.
+    let cfg = format!("{}{limits}", config(&up.url(), 8, "10s", "6s"));
+    let mut gw = Sluice::start_with_args(&cfg, &["--threads", "1"]);
     assert_eq!(get(gw.main, "/a", &[]).await.status, 200);
     // Two more, held about 4 and 8 s.
     let mut held = Vec::new();
     for _ in 0..2 {
-        let mut s = TcpStream::connect(gw.main).await.unwrap();
-        s.write_all(b"GET /a HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-            .await
-            .unwrap();
-        held.push(s);
+        held.push(Pending::send(gw.main, "/a", "k").await);
     }
     // Both are held: a fourth would wait about 12 s, past max_delay.
     assert_eq!(get(gw.main, "/a", &[]).await.status, 429);
     gw.terminate();
     let mut answers = Vec::new();
-    for mut s in held {
-        let (_, answer) = read_until_closed(&mut s, Duration::from_secs(15))
-            .await
-            .expect("the connection ends");
-        answers.push(String::from_utf8_lossy(&answer).into_owned());
+    for pending in held {
+        answers.push(pending.answer().await);
     }
     answers.sort();
     assert!(answers[0].starts_with("HTTP/1.1 200"), "{}", answers[0]);

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sluice_tests::inproc::InProcess;
 use sluice_tests::redis::{RedisServer, HASH_SECRET};
-use sluice_tests::{get, send_and_leave, smooth_delay_limit, MockUpstream, Reply, Sluice};
+use sluice_tests::{get, send_and_leave, smooth_delay_limit, MockUpstream, Pending, Reply, Sluice};
 use tokio::time::Instant;
 
 fn config(upstream: &str, store: &str, max_in_flight: u32, limits: &str) -> String {
@@ -575,21 +575,21 @@ async fn a_wrong_redis_password_is_named_in_the_warnings() {
 /// the process exits: the withdrawal runs in a task of its own, which the exit waits for.
 #[tokio::test]
 async fn a_withdrawal_started_as_the_gateway_stops_is_not_lost() {
-    use tokio::io::AsyncWriteExt;
     let redis = RedisServer::start();
     let up = MockUpstream::start().await;
     let limit = "[[limits]]\nname = \"slow\"\nby = \"api_key\"\nquota = 1\nwindow = \"10s\"\nmode = \"delay\"\nmax_delay = \"15s\"\n";
-    let mut gw = start(&config(
+    let cfg = config(
         &up.url(),
         &redis_store(&redis.url(), "deny", "2s"),
         64,
         limit,
-    ));
+    );
+    // One serving thread: requests are decided in the order they were sent.
+    let env = [("SLUICE_HASH_SECRET", HASH_SECRET)];
+    let mut gw = Sluice::start_with(&cfg, &["--threads", "1"], &env);
     assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
     // The next is held about 10 s (within the 30 s grace).
-    let mut held = tokio::net::TcpStream::connect(gw.main).await.unwrap();
-    let head = "GET /v1/items HTTP/1.1\r\nhost: x\r\nx-api-key: k\r\n\r\n";
-    held.write_all(head.as_bytes()).await.unwrap();
+    let held = Pending::send(gw.main, "/v1/items", "k").await;
     assert_eq!(
         call(gw.main, "/v1/items", "k").await.status,
         429,

@@ -8,7 +8,9 @@ use std::time::Duration;
 use futures_like::join_all;
 use sluice_tests::inproc::InProcess;
 use sluice_tests::redis::RedisServer;
-use sluice_tests::{get, raw_get, send_and_leave, smooth_delay_limit, MockUpstream, Reply, Sluice};
+use sluice_tests::{
+    get, raw_get, send_and_leave, smooth_delay_limit, MockUpstream, Pending, Reply, Sluice,
+};
 
 mod futures_like {
     /// Awaits spawned tasks in order.
@@ -1057,28 +1059,20 @@ both_stores!(a_held_request_takes_no_place_in_flight_while_it_waits);
 /// held request takes no place in `max_in_flight` while it waits, so that others are served
 /// and readiness holds (a 503 and a failing probe are for a full gateway, not a fast caller).
 async fn a_held_request_takes_no_place_in_flight_while_it_waits(store: TestStore) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let up = MockUpstream::start().await;
     // One request every 2 s per key, held up to 3 s; one place in flight.
     let limits = "[[limits]]\nname = \"slow\"\nby = \"api_key\"\nquota = 1\nwindow = \"2s\"\nmode = \"delay\"\nmax_delay = \"3s\"\n";
     let gw = InProcess::start(&store.apply(&config(&up.url(), 1, limits)), Duration::ZERO).await;
     assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
     // The next is held about 2 s; it is sent whole before anything else.
-    let mut held = tokio::net::TcpStream::connect(gw.main).await.unwrap();
-    let head = "GET /v1/items HTTP/1.1\r\nhost: x\r\nx-api-key: k\r\nconnection: close\r\n\r\n";
-    held.write_all(head.as_bytes()).await.unwrap();
+    let held = Pending::send(gw.main, "/v1/items", "k").await;
     // It is held: one more would wait about 4 s, past max_delay.
     let probe = call(gw.main, "/v1/items", "k").await;
     assert_eq!(probe.status, 429, "{}", probe.text());
     assert_eq!(get(gw.admin, "/ready", &[]).await.status, 200);
     let other = call(gw.main, "/v1/items", "other").await;
     assert_eq!(other.status, 200, "{}", other.text());
-    let mut answer = Vec::new();
-    tokio::time::timeout(Duration::from_secs(10), held.read_to_end(&mut answer))
-        .await
-        .expect("the held request is answered")
-        .unwrap();
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = held.answer().await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
@@ -1088,7 +1082,6 @@ both_stores!(a_held_request_the_full_gateway_refuses_at_the_end_of_its_hold_gets
 async fn a_held_request_the_full_gateway_refuses_at_the_end_of_its_hold_gets_its_charge_back(
     store: TestStore,
 ) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let up = MockUpstream::start().await;
     // A token every 500 ms, one at most, held up to 750 ms; and a count of 100 an hour. One
     // place in flight.
@@ -1099,9 +1092,7 @@ async fn a_held_request_the_full_gateway_refuses_at_the_end_of_its_hold_gets_its
     let gw = InProcess::start(&store.apply(&config(&up.url(), 1, &limits)), Duration::ZERO).await;
     assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
     // The next is held about 500 ms.
-    let mut held = tokio::net::TcpStream::connect(gw.main).await.unwrap();
-    let head = "GET /v1/items HTTP/1.1\r\nhost: x\r\nx-api-key: k\r\nconnection: close\r\n\r\n";
-    held.write_all(head.as_bytes()).await.unwrap();
+    let held = Pending::send(gw.main, "/v1/items", "k").await;
     assert_eq!(
         call(gw.main, "/v1/items", "k").await.status,
         429,
@@ -1111,12 +1102,7 @@ async fn a_held_request_the_full_gateway_refuses_at_the_end_of_its_hold_gets_its
     let main = gw.main;
     let slow = tokio::spawn(async move { get(main, "/hold", &[]).await });
     up.wait_holding(1).await;
-    let mut answer = Vec::new();
-    tokio::time::timeout(Duration::from_secs(10), held.read_to_end(&mut answer))
-        .await
-        .expect("the held request is answered")
-        .unwrap();
-    let answer = String::from_utf8_lossy(&answer).to_ascii_lowercase();
+    let answer = held.answer().await.to_ascii_lowercase();
     assert!(answer.starts_with("http/1.1 503"), "{answer}");
     // Its charges are back: the count has 99 left, as after the first request alone (its
     // own figures at admission said 98).
@@ -1135,7 +1121,6 @@ both_stores!(at_max_held_a_delay_limit_refuses_what_it_would_hold);
 /// would hold, with 429 and the wait, as an enforcing limit does (not 503: the caller is the
 /// one over its rate).
 async fn at_max_held_a_delay_limit_refuses_what_it_would_hold(store: TestStore) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let up = MockUpstream::start().await;
     let limits = "[[limits]]\nname = \"paced\"\nby = \"api_key\"\nquota = 1\nwindow = \"1s\"\nmode = \"delay\"\nmax_delay = \"5s\"\n";
     let text = config(&up.url(), 64, limits)
@@ -1143,9 +1128,7 @@ async fn at_max_held_a_delay_limit_refuses_what_it_would_hold(store: TestStore) 
     let gw = InProcess::start(&store.apply(&text), Duration::ZERO).await;
     assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
     // The next is held about 1 s, in the one place there is.
-    let mut held = tokio::net::TcpStream::connect(gw.main).await.unwrap();
-    let head = "GET /v1/items HTTP/1.1\r\nhost: x\r\nx-api-key: k\r\nconnection: close\r\n\r\n";
-    held.write_all(head.as_bytes()).await.unwrap();
+    let held = Pending::send(gw.main, "/v1/items", "k").await;
     // One more would be held about 2 s: no room.
     let refused = call(gw.main, "/v1/items", "k").await;
     assert_eq!(refused.status, 429, "{}", refused.text());
@@ -1153,12 +1136,7 @@ async fn at_max_held_a_delay_limit_refuses_what_it_would_hold(store: TestStore) 
     let wait: u64 = refused.header("retry-after").parse().unwrap();
     assert!((1..=2).contains(&wait), "Retry-After {wait}");
     assert_eq!(get(gw.admin, "/ready", &[]).await.status, 200);
-    let mut answer = Vec::new();
-    tokio::time::timeout(Duration::from_secs(10), held.read_to_end(&mut answer))
-        .await
-        .expect("the held request is answered")
-        .unwrap();
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = held.answer().await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
