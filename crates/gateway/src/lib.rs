@@ -239,7 +239,7 @@ impl Gateway {
         finished &= tokio::time::timeout_at(deadline, shared.capacity.drained())
             .await
             .is_ok();
-        shared.quota.settle(settle_within(deadline)).await;
+        shared.quota.settle(settle_until(deadline)).await;
         if !finished {
             tracing::warn!(
                 in_flight = shared.capacity.in_flight(),
@@ -308,18 +308,18 @@ impl Worker {
                 .await
                 .is_ok();
         // So do the writes its last requests started in the shared store.
-        shared.quota.settle(settle_within(deadline)).await;
+        shared.quota.settle(settle_until(deadline)).await;
         finished
     }
 }
 
-/// How long a stopping thread waits for the releases and withdrawals its last requests started
-/// in the shared store (they run on its runtime, which ends with it): what is left of the
-/// grace, and a second even when the grace is spent (they are a round trip or two).
-fn settle_within(deadline: tokio::time::Instant) -> Duration {
-    deadline
-        .saturating_duration_since(tokio::time::Instant::now())
-        .max(Duration::from_secs(1))
+/// Until when a stopping thread waits for the releases and withdrawals its last requests
+/// started in the shared store (they run on its runtime, which ends with it): the end of the
+/// grace, and a second past it, so that those of requests that ended as the grace did still go
+/// out. One cut-off for every thread (their deadlines are moments apart), so that the main
+/// thread, which waits for the others first, does not add a second of its own.
+fn settle_until(deadline: tokio::time::Instant) -> tokio::time::Instant {
+    deadline + Duration::from_secs(1)
 }
 
 /// Every second, on the blocking pool, removes keys that returned to their fresh state (the

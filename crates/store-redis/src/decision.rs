@@ -181,8 +181,10 @@ pub(crate) fn release_later(store: RedisStore, slots: Arc<LeaseSlots>) {
         handle.spawn(async move {
             let _running = running;
             for wait in RELEASE_RETRIES {
-                tokio::time::sleep(wait).await;
-                if store.release(&slots).await.is_ok() {
+                // A shutdown waiting for this cuts the waits short: one more try, then no more.
+                let closing = store.closing();
+                store.retry_after(wait).await;
+                if store.release(&slots).await.is_ok() || closing {
                     return;
                 }
             }

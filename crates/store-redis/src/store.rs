@@ -272,8 +272,11 @@ impl RedisStore {
 
     /// Resolves once no background write is running: a shutdown waits for this (bounded by
     /// its caller), so that a release or withdrawal started just before is not dropped with
-    /// the runtime.
+    /// the runtime. From then on a release that fails is not tried again later: the store is
+    /// closing, and its retries' waits would only hold up the exit.
     pub async fn settle(&self) {
+        self.background.closing.store(true, Ordering::Release);
+        self.background.closing_now.notify_waiters();
         loop {
             let idle = self.background.idle.notified();
             if self.background.running.load(Ordering::Acquire) == 0 {
@@ -571,6 +574,28 @@ struct Background {
     running: AtomicUsize,
     /// Woken when the last one ends.
     idle: tokio::sync::Notify,
+    /// Set (and woken) when a shutdown waits for them: no more retries.
+    closing: AtomicBool,
+    closing_now: tokio::sync::Notify,
+}
+
+impl RedisStore {
+    /// Whether a shutdown is waiting for the background writes (see [`RedisStore::settle`]).
+    pub(crate) fn closing(&self) -> bool {
+        self.background.closing.load(Ordering::Acquire)
+    }
+
+    /// Waits `wait`, or less if a shutdown starts waiting for the background writes meanwhile.
+    pub(crate) async fn retry_after(&self, wait: Duration) {
+        let closing = self.background.closing_now.notified();
+        if self.closing() {
+            return;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            () = closing => {}
+        }
+    }
 }
 
 /// A background write, running until dropped (see [`RedisStore::background_write`]).

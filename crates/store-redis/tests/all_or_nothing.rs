@@ -367,3 +367,23 @@ async fn withdrawing_a_request_held_for_a_later_window_leaves_the_windows_before
         );
     }
 }
+
+/// A shutdown waits for the releases still running ([`RedisStore::settle`]); with Redis gone,
+/// it does not wait out their retries (0.25, 1 and 5 s apart): one more try, then they stop.
+#[tokio::test]
+async fn settling_waits_for_releases_but_not_for_their_retries() {
+    let mut server = RedisServer::start();
+    let options = StoreOptions {
+        timeout: Duration::from_millis(200),
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&server.url(), options).await.unwrap();
+    let limit = remote(&concurrency("c", 1));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    let held = store.decide(&layers, 1, Mode::Charge).await.unwrap();
+    assert!(held.is_admitted());
+    server.kill();
+    drop(held); // its release fails, and would be tried again over about 6 s
+    let settled = tokio::time::timeout(Duration::from_secs(5), store.settle()).await;
+    assert!(settled.is_ok(), "the exit waited out the release's retries");
+}

@@ -346,11 +346,11 @@ impl Quota {
         }
     }
 
-    /// At shutdown: waits (at most `within`) for writes to the shared store still running in
-    /// the background, such as the withdrawal of a held request whose client just left.
-    pub(crate) async fn settle(&self, within: Duration) {
+    /// At shutdown: waits (at most `until` then) for writes to the shared store still running
+    /// in the background, such as the withdrawal of a held request whose client just left.
+    pub(crate) async fn settle(&self, until: tokio::time::Instant) {
         if let Some(remote) = &self.remote {
-            remote.settle(within).await;
+            remote.settle(until).await;
         }
     }
 

@@ -251,11 +251,11 @@ impl Remote {
         }
     }
 
-    /// Waits (at most `within`) for the store's background writes (releases of leases,
+    /// Waits (at most `until` then) for the store's background writes (releases of leases,
     /// withdrawals of held requests' charges) to finish, so that a shutdown does not drop them.
-    pub(super) async fn settle(&self, within: Duration) {
+    pub(super) async fn settle(&self, until: tokio::time::Instant) {
         if let Some(store) = self.store.get() {
-            let _ = tokio::time::timeout(within, store.settle()).await;
+            let _ = tokio::time::timeout_at(until, store.settle()).await;
         }
     }
 
