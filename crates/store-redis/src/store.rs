@@ -286,6 +286,23 @@ impl RedisStore {
         }
     }
 
+    /// Whether a shutdown is waiting for the background writes (see [`RedisStore::settle`]).
+    pub(crate) fn closing(&self) -> bool {
+        self.background.closing.load(Ordering::Acquire)
+    }
+
+    /// Waits `wait`, or less if a shutdown starts waiting for the background writes meanwhile.
+    pub(crate) async fn retry_after(&self, wait: Duration) {
+        let closing = self.background.closing_now.notified();
+        if self.closing() {
+            return;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            () = closing => {}
+        }
+    }
+
     /// Decides a request of `cost` against every layer in one round trip, at Redis's clock.
     pub async fn decide(
         &self,
@@ -577,25 +594,6 @@ struct Background {
     /// Set (and woken) when a shutdown waits for them: no more retries.
     closing: AtomicBool,
     closing_now: tokio::sync::Notify,
-}
-
-impl RedisStore {
-    /// Whether a shutdown is waiting for the background writes (see [`RedisStore::settle`]).
-    pub(crate) fn closing(&self) -> bool {
-        self.background.closing.load(Ordering::Acquire)
-    }
-
-    /// Waits `wait`, or less if a shutdown starts waiting for the background writes meanwhile.
-    pub(crate) async fn retry_after(&self, wait: Duration) {
-        let closing = self.background.closing_now.notified();
-        if self.closing() {
-            return;
-        }
-        tokio::select! {
-            () = tokio::time::sleep(wait) => {}
-            () = closing => {}
-        }
-    }
 }
 
 /// A background write, running until dropped (see [`RedisStore::background_write`]).

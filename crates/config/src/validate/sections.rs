@@ -33,20 +33,8 @@ impl Validator<'_> {
 
     pub(super) fn gateway(&mut self, raw: &RawGateway) -> Gateway {
         let listen = self.socket_addr(&raw.listen, "gateway.listen", DEFAULT_LISTEN);
-        let max_in_flight = match &raw.max_in_flight {
-            None => NonZeroUsize::new(256),
-            Some(v) => self
-                .positive_u32(v, "gateway.max_in_flight")
-                .and_then(|n| NonZeroUsize::new(n.get() as usize)),
-        }
-        .unwrap_or(NonZeroUsize::MIN);
-        let max_held = match &raw.max_held {
-            None => NonZeroUsize::new(1024),
-            Some(v) => self
-                .positive_u32(v, "gateway.max_held")
-                .and_then(|n| NonZeroUsize::new(n.get() as usize)),
-        }
-        .unwrap_or(NonZeroUsize::MIN);
+        let max_in_flight = self.count(&raw.max_in_flight, "gateway.max_in_flight", 256);
+        let max_held = self.count(&raw.max_held, "gateway.max_held", 1024);
         let max_connections = raw.max_connections.as_ref().and_then(|v| {
             self.positive_u32(v, "gateway.max_connections")
                 .and_then(|n| NonZeroUsize::new(n.get() as usize))
@@ -103,6 +91,15 @@ impl Validator<'_> {
             count_unrouted: raw.count_unrouted.unwrap_or(true),
             min_body_rate,
         }
+    }
+
+    /// A count (1 to 4294967295), `default` when left out (and after an error, reported).
+    fn count(&mut self, v: &Option<S<i64>>, key: &str, default: usize) -> NonZeroUsize {
+        let n = match v {
+            None => Some(default),
+            Some(v) => self.positive_u32(v, key).map(|n| n.get() as usize),
+        };
+        n.and_then(NonZeroUsize::new).unwrap_or(NonZeroUsize::MIN)
     }
 
     fn min_body_rate(&mut self, raw: &RawGateway) -> Option<MinBodyRate> {

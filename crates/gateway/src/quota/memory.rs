@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sluice_limiter::{Admission, Decision, LimitId, Limiter, Refusal, Slots};
 
-use super::{wait_out, Held, Layers, Notes, Outcome, Pass, Quota, Refused, Reports, Stop};
+use super::{place_after_hold, Held, Layers, Notes, Outcome, Pass, Quota, Refused, Reports, Stop};
 use crate::capacity::{Capacity, HeldPlace, InFlight};
 
 impl Quota {
@@ -45,12 +45,7 @@ impl Quota {
             limiter: &self.limiter,
             admissions: hold.admissions,
         };
-        let slot = if wait_out(capacity, hold.wait).await {
-            capacity.try_acquire()
-        } else {
-            None
-        };
-        let Some(slot) = slot else {
+        let Some(slot) = place_after_hold(capacity, hold.wait).await else {
             // A 503 tells the caller what it has, its charges withdrawn.
             drop(withdraw);
             let figures = self.limiter.figures(&layers.enforced, self.clock.now());
@@ -94,15 +89,16 @@ impl Quota {
                     let held_back = !wait.is_zero();
                     // At `max_held`, a `delay` limit refuses what it would hold, as an
                     // enforcing one does: charged nothing, told when it would pass.
-                    let place = match held_back.then(|| capacity.try_hold()) {
-                        Some(None) => {
+                    let place = if held_back {
+                        let Some(place) = capacity.try_hold() else {
                             self.limiter.refund(admission);
                             let figures = self.limiter.figures(&layers.enforced, now);
                             let figures = figures.map(|r| (r.limit, r)).collect();
                             return Decided::Now(Err(self.no_room_to_hold(figures, wait)));
-                        }
-                        Some(Some(place)) => Some(place),
-                        None => None,
+                        };
+                        Some(place)
+                    } else {
+                        None
                     };
                     reports.extend(admission.reports(&self.limiter).map(|r| (r.limit, r)));
                     let (dry_run, dry_refused, dry_admission) =

@@ -447,14 +447,14 @@ fn key_of(
     Some(hasher.key(&bytes))
 }
 
-/// Waits out a `delay` hold of `wait`: `false` as soon as the gateway starts draining with a
-/// grace that ends first (the request is answered 503 then, rather than cut without an
-/// answer when the process exits).
-async fn wait_out(capacity: &Capacity, wait: Duration) -> bool {
+/// Waits out a `delay` hold of `wait`, then takes the request's place in `max_in_flight`:
+/// `None` if the gateway is full then, or as soon as it starts draining with a grace that ends
+/// first (the request is answered 503 then, rather than cut without an answer at exit).
+async fn place_after_hold(capacity: &Capacity, wait: Duration) -> Option<InFlight> {
     let release = tokio::time::Instant::now() + wait;
     tokio::select! {
-        () = tokio::time::sleep_until(release) => true,
-        () = capacity.draining_before(release) => false,
+        () = tokio::time::sleep_until(release) => capacity.try_acquire(),
+        () = capacity.draining_before(release) => None,
     }
 }
 

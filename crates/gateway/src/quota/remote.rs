@@ -17,7 +17,7 @@ use sluice_store_redis::{
 use smallvec::SmallVec;
 
 use super::breaker::{Breaker, Gate};
-use super::{wait_out, Held, Layers, Notes, Outcome, Pass, Quota, Refused, Stop};
+use super::{place_after_hold, Held, Layers, Notes, Outcome, Pass, Quota, Refused, Stop};
 use crate::capacity::{Capacity, InFlight};
 use crate::once_a_second::OnceASecond;
 
@@ -178,12 +178,7 @@ impl Remote {
                         return Err(quota.no_room_to_hold(figures, hold));
                     }
                     notes.log.outcome(outcome, quota);
-                    let slot = if wait_out(capacity, hold).await {
-                        capacity.try_acquire()
-                    } else {
-                        None
-                    };
-                    let Some(slot) = slot else {
+                    let Some(slot) = place_after_hold(capacity, hold).await else {
                         // A 503 tells the caller what it has, its charges withdrawn: one more
                         // call, on this rare path, to read the figures after the withdrawal
                         // (the admission's stay if Redis cannot say).
