@@ -1104,6 +1104,12 @@ async fn a_held_request_the_full_gateway_refuses_at_the_end_of_its_hold_gets_its
     up.wait_holding(1).await;
     let answer = held.answer().await.to_ascii_lowercase();
     assert!(answer.starts_with("http/1.1 503"), "{answer}");
+    // Its body promises only what holds after a hold: a token bucket's charge stays when a
+    // later request is held behind it.
+    assert!(
+        answer.contains("this request's charge was withdrawn, unless another of your requests"),
+        "{answer}"
+    );
     // Its charges are back: the count has 99 left, as after the first request alone (its
     // own figures at admission said 98).
     assert!(answer.contains(", \"count\";r=99;"), "{answer}");

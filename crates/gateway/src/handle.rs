@@ -406,10 +406,12 @@ fn stopped(
             let retry_after = overload_retry_after(shared.overload_retry_after);
             Problem::store_unavailable(retry_after).into_response(&shared.problem_base)
         }
-        Stop::Overloaded => {
+        Stop::Overloaded | Stop::OverloadedAfterHold => {
             log.outcome(Outcome::Overloaded, &shared.quota);
-            let mut res = Problem::overloaded(overload_retry_after(shared.overload_retry_after))
-                .into_response(&shared.problem_base);
+            let retry_after = overload_retry_after(shared.overload_retry_after);
+            let after_hold = matches!(stop, Stop::OverloadedAfterHold);
+            let mut res =
+                Problem::overloaded(retry_after, after_hold).into_response(&shared.problem_base);
             advertise(shared, route, res.headers_mut(), reports, cost);
             res
         }

@@ -156,12 +156,21 @@ impl Problem {
     }
 
     /// The gateway is full. Names no queue depth or limit: that would tell callers how hard to push.
-    pub(crate) fn overloaded(retry_after: u64) -> Self {
+    /// `after_hold`: found full when a `delay` limit's hold ended, the request's charges
+    /// withdrawn, except a token bucket's that a later request of the caller is held behind (it
+    /// keeps the moment it was given), so the body promises no more than that.
+    pub(crate) fn overloaded(retry_after: u64, after_hold: bool) -> Self {
+        let detail = if after_hold {
+            "Retry after the delay in Retry-After. This request's charge was withdrawn, unless \
+             another of your requests is held behind it; the RateLimit fields show what you have."
+        } else {
+            "Retry after the delay in Retry-After. Your quota was not charged."
+        };
         let mut p = Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "server-overloaded",
             "The service is at capacity",
-            "Retry after the delay in Retry-After. Your quota was not charged.",
+            detail,
         );
         p.retry_after = Some(retry_after);
         p.extra.push(("policy", Member::Text("server-capacity")));
@@ -386,7 +395,7 @@ mod tests {
     #[test]
     fn overload_body_matches_the_contract() {
         let json: Value =
-            serde_json::from_slice(&Problem::overloaded(3).to_json("https://x/p/")).unwrap();
+            serde_json::from_slice(&Problem::overloaded(3, false).to_json("https://x/p/")).unwrap();
         assert_eq!(json["type"], "https://x/p/server-overloaded");
         assert_eq!(json["status"], 503);
         assert_eq!(json["policy"], "server-capacity");
@@ -395,11 +404,19 @@ mod tests {
             json["detail"],
             "Retry after the delay in Retry-After. Your quota was not charged."
         );
+        // After a hold, a token bucket's charge can stay (a later request is held behind it):
+        // the body does not promise what may not be so.
+        let json: Value =
+            serde_json::from_slice(&Problem::overloaded(3, true).to_json("https://x/p/")).unwrap();
+        assert_eq!(json["policy"], "server-capacity");
+        let detail = json["detail"].as_str().unwrap();
+        assert!(!detail.contains("not charged"), "{detail}");
+        assert!(detail.contains("unless another of your requests is held behind it"));
     }
 
     #[test]
     fn response_carries_type_cache_and_retry_headers() {
-        let res = Problem::overloaded(4).into_response("urn:x:");
+        let res = Problem::overloaded(4, false).into_response("urn:x:");
         assert_eq!(res.status(), 503);
         assert_eq!(res.headers()[CONTENT_TYPE], "application/problem+json");
         assert_eq!(res.headers()[CACHE_CONTROL], "no-store");

@@ -51,7 +51,7 @@ impl Quota {
             let figures = self.limiter.figures(&layers.enforced, self.clock.now());
             notes.reports.clear();
             notes.reports.extend(figures.map(|r| (r.limit, r)));
-            return Err(Stop::Overloaded);
+            return Err(Stop::OverloadedAfterHold);
         };
         withdraw.admissions.clear(); // it passes: the charges stay
         Ok(Pass {

@@ -151,6 +151,9 @@ pub(crate) enum Stop {
     CostTooLarge(LimitId),
     /// 503: the gateway is full; nothing was charged.
     Overloaded,
+    /// 503: the gateway was full when a held request's hold ended; its charges were withdrawn,
+    /// except a token bucket's that a later request of the same caller is held behind.
+    OverloadedAfterHold,
     /// 503: the shared store cannot decide and `on_error = "deny"`; nothing was charged.
     StoreUnavailable,
 }
@@ -788,7 +791,10 @@ mode = "dry_run"
         let other = capacity.try_acquire().expect("free");
         let start = tokio::time::Instant::now();
         let (answer, reports) = hold_out(&quota, hold, &layers, &capacity).await;
-        assert!(matches!(answer, Err(Stop::Overloaded)), "{answer:?}");
+        assert!(
+            matches!(answer, Err(Stop::OverloadedAfterHold)),
+            "{answer:?}"
+        );
         assert_eq!(start.elapsed(), Duration::from_millis(500));
         // Its figures are the caller's as they stand after the withdrawal (the limiter's clock
         // stands still): the first request's token comes back in 500 ms, not the 1,000 its
@@ -822,7 +828,10 @@ mode = "dry_run"
         capacity.start_draining(tokio::time::Instant::now() + Duration::from_millis(200));
         let start = tokio::time::Instant::now();
         let (answer, _) = hold_out(&quota, hold, &layers, &capacity).await;
-        assert!(matches!(answer, Err(Stop::Overloaded)), "{answer:?}");
+        assert!(
+            matches!(answer, Err(Stop::OverloadedAfterHold)),
+            "{answer:?}"
+        );
         assert_eq!(start.elapsed(), Duration::ZERO);
         let Decided::Later(hold) = decide() else {
             panic!("held")

@@ -196,7 +196,7 @@ impl Remote {
                                 notes.reports.extend(figures(layers, now));
                             }
                         }
-                        return Err(Stop::Overloaded);
+                        return Err(Stop::OverloadedAfterHold);
                     };
                     withdraw.admission = None; // it passes: the charges stay
                     drop(place);
