@@ -613,6 +613,49 @@ async fn a_withdrawal_started_as_the_gateway_stops_is_not_lost() {
     );
 }
 
+/// Requests still running when the shutdown grace ends are cut while the gateway can still
+/// release their concurrency leases in Redis, over HTTP/1.1 and HTTP/2 alike: the caller's
+/// slots are free at once for the instances that go on, not after the leases' 60 s expiry.
+#[tokio::test]
+async fn requests_cut_at_the_end_of_the_grace_release_their_leases_in_redis() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let limit =
+        "[[limits]]\nname = \"conc\"\nby = \"api_key\"\nalgorithm = \"concurrency\"\nquota = 4\n";
+    let cfg = config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "2s"),
+        64,
+        limit,
+    )
+    .replace(
+        "max_in_flight = 64",
+        "max_in_flight = 64\nshutdown_grace = \"1s\"",
+    );
+    let env = [("SLUICE_HASH_SECRET", HASH_SECRET)];
+    let mut gw = Sluice::start_with(&cfg, &["--threads", "2"], &env);
+    // Two requests the upstream holds past the grace: one over each protocol.
+    let h1 = Pending::send(gw.main, "/hold", "k").await;
+    let mut h2 = sluice_tests::client::h2_sender(gw.main).await;
+    let req = http::Request::get("/hold")
+        .header("x-api-key", "k")
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let h2_answer = tokio::spawn(async move { h2.send_request(req).await });
+    up.wait_holding(2).await;
+    let key = redis.cli(&["--scan", "--pattern", "sluice:conc:*"]);
+    let leases = || redis.cli(&["ZCARD", key.trim()]).trim().to_string();
+    assert_eq!(leases(), "2", "two leases held");
+    gw.terminate();
+    assert_eq!(gw.wait_exit(Duration::from_secs(10)).await.code(), Some(0));
+    assert_eq!(leases(), "0", "the leases were released at the cut");
+    let stopped = gw.wait_log("stopped", |v| v["message"] == "stopped").await;
+    assert_eq!(stopped["every_request_finished"], false);
+    assert!(h2_answer.await.unwrap().is_err(), "cut, not answered");
+    drop(h1);
+    up.release(2);
+}
+
 /// A route that costs a limit's whole burst stays servable under the local fallback: the
 /// limit's share is never less than that cost (burst 4 over two instances would be 2, and
 /// every request on the route a 500 while Redis is away).

@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use sluice_tests::redis::{RedisServer, HASH_SECRET};
 use sluice_tests::{get, send, Sluice};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -273,6 +274,28 @@ async fn shutdown_waits_within_its_grace_for_open_tunnels() {
     assert_eq!(status.code(), Some(0));
     let stopped = gw.wait_log("stopped", |v| v["message"] == "stopped").await;
     assert_eq!(stopped["every_request_finished"], true);
+}
+
+/// A tunnel still open when the shutdown grace ends is closed while the gateway can still
+/// release its concurrency lease in the shared store (not left for the lease's 60 s expiry).
+#[tokio::test]
+async fn a_tunnel_open_when_the_grace_ends_is_closed_and_its_lease_released() {
+    let redis = RedisServer::start();
+    let (up, _heads) = echo_upstream().await;
+    let store = format!("\n[store]\nkind = \"redis\"\nurl = \"{}\"\n", redis.url());
+    let cfg = config_with(up, "1s", "60s") + &store;
+    let mut gw = Sluice::start_with(&cfg, &[], &[("SLUICE_HASH_SECRET", HASH_SECRET)]);
+    let (mut tunnel, head) = handshake(gw.main, "k").await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    let key = redis.cli(&["--scan", "--pattern", "sluice:one-at-a-time:*"]);
+    let leases = || redis.cli(&["ZCARD", key.trim()]).trim().to_string();
+    assert_eq!(leases(), "1");
+    gw.terminate();
+    assert_eq!(gw.wait_exit(PATIENCE).await.code(), Some(0));
+    assert_eq!(leases(), "0", "the lease was released at the cut");
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(PATIENCE, tunnel.read_to_end(&mut rest)).await;
+    assert!(matches!(closed, Ok(Ok(0))), "{closed:?}");
 }
 
 #[tokio::test]

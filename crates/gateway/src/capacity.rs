@@ -26,6 +26,9 @@ struct Inner {
     /// Requests held by `delay` limits now, and the most there may be (`gateway.max_held`).
     held: AtomicUsize,
     max_held: usize,
+    /// Set, and its waiters woken, when the grace has ended with work still running.
+    cut: AtomicBool,
+    cut_now: tokio::sync::Notify,
 }
 
 /// A held request's place among `max_held`; given back when dropped.
@@ -57,6 +60,8 @@ impl Capacity {
                 draining_started: tokio::sync::Notify::new(),
                 held: AtomicUsize::new(0),
                 max_held,
+                cut: AtomicBool::new(false),
+                cut_now: tokio::sync::Notify::new(),
             }),
         }
     }
@@ -133,6 +138,28 @@ impl Capacity {
         }
     }
 
+    /// Ends what still runs when the shutdown grace is over: connections drop their requests
+    /// and tunnels close (see [`Capacity::cut_off`]), while the runtimes still run, so that
+    /// those requests' last writes to the shared store (lease releases) go out rather than
+    /// being dropped with the runtime, leaving leases until they expire.
+    pub(crate) fn cut(&self) {
+        self.inner.cut.store(true, Ordering::Release);
+        self.inner.cut_now.notify_waiters();
+    }
+
+    /// Resolves once [`Capacity::cut`] has been called. A waiter locks the notifier's list
+    /// when polled: for draining connections and open tunnels, never per request.
+    pub(crate) async fn cut_off(&self) {
+        loop {
+            // Registered before the check, so a cut in between still wakes it.
+            let cut = self.inner.cut_now.notified();
+            if self.inner.cut.load(Ordering::Acquire) {
+                return;
+            }
+            cut.await;
+        }
+    }
+
     pub(crate) fn is_draining(&self) -> bool {
         self.inner.draining.load(Ordering::Acquire)
     }
@@ -201,6 +228,23 @@ mod tests {
             .await
             .expect("drained once the last slot went")
             .unwrap();
+    }
+
+    #[tokio::test]
+    async fn cut_off_resolves_for_waiters_before_and_after_the_cut() {
+        let cap = Arc::new(Capacity::new(2));
+        let early = {
+            let cap = cap.clone();
+            tokio::spawn(async move { cap.cut_off().await })
+        };
+        tokio::task::yield_now().await;
+        assert!(!early.is_finished(), "not cut yet");
+        cap.cut();
+        early.await.unwrap();
+        // One that starts waiting after the cut does not wait.
+        tokio::time::timeout(Duration::from_secs(5), cap.cut_off())
+            .await
+            .expect("already cut");
     }
 
     #[tokio::test(start_paused = true)]

@@ -167,6 +167,7 @@ pub(crate) async fn handle(
     // Written inline rather than as a function of its own: an inner future was one more
     // place the request and the response were copied through.
     let mut res = {
+        let owner = &shared; // for a tunnel, which outlives the request
         let (shared, peer, log) = (&*shared, &peer, &mut log);
         let mut req = req;
         'walk: {
@@ -321,11 +322,16 @@ pub(crate) async fn handle(
                             advertise(shared, index, res.headers_mut(), &reports, cost);
                             let hold = (pass.slot, pass.held, busy.take_room());
                             let idle = shared.upstreams[*u].tunnel_idle_timeout();
+                            let cut = {
+                                let shared = Arc::clone(owner);
+                                async move { shared.capacity.cut_off().await }
+                            };
                             tokio::spawn(crate::tunnel::splice(
                                 client_side,
                                 upstream_side,
                                 idle,
                                 hold,
+                                cut,
                             ));
                             break 'walk res;
                         }

@@ -229,21 +229,15 @@ impl Gateway {
         .await;
         let _ = stop_workers.send(true);
         let deadline = tokio::time::Instant::now() + shutdown_grace;
-        let mut finished = tokio::time::timeout_at(deadline, graceful.shutdown())
-            .await
-            .is_ok();
+        let in_flight = shared.capacity.in_flight();
+        let mut finished = wind_down(graceful, &shared, deadline).await;
         for worker in workers {
             finished &= worker.await.unwrap_or(false);
         }
-        // Tunnels (switched protocols) left hyper's connections but still hold their slots.
-        finished &= tokio::time::timeout_at(deadline, shared.capacity.drained())
-            .await
-            .is_ok();
-        shared.quota.settle(settle_until(deadline)).await;
         if !finished {
             tracing::warn!(
-                in_flight = shared.capacity.in_flight(),
-                "shutdown grace ran out; closing remaining connections"
+                in_flight,
+                "shutdown grace ran out; the requests still running were cut"
             );
         }
         sweeper.abort();
@@ -298,19 +292,39 @@ impl Worker {
         let (shared, timeouts) = (self.shared, self.timeouts);
         serve_handed(self.handed, shared.clone(), timeouts, &graceful, stopped).await;
         let deadline = tokio::time::Instant::now() + self.shutdown_grace;
-        let finished = tokio::time::timeout_at(deadline, graceful.shutdown())
+        wind_down(graceful, &shared, deadline).await
+    }
+}
+
+/// A serving thread's end, once it no longer accepts: its connections get until `deadline`
+/// (the end of the shutdown grace) to finish their requests, and so do the tunnels (switched
+/// protocols), which left hyper's connections but still hold their slots (every thread's are
+/// waited for, which is simpler and no longer than the grace). What still runs then is cut
+/// while this thread's runtime still runs, so that its requests' releases of shared-store
+/// leases start; then the writes to the shared store its requests started are waited for,
+/// until [`settle_until`]. Returns whether everything finished within the grace.
+async fn wind_down(graceful: Drain, shared: &Shared, deadline: tokio::time::Instant) -> bool {
+    let connections = graceful.shutdown();
+    tokio::pin!(connections);
+    let closed = tokio::time::timeout_at(deadline, connections.as_mut())
+        .await
+        .is_ok();
+    let finished = closed
+        && tokio::time::timeout_at(deadline, shared.capacity.drained())
             .await
             .is_ok();
-        // This thread's tunnels run on its runtime, which ends when this returns: wait for
-        // them too (for every thread's, which is simpler and no longer than the grace).
-        let finished = finished
-            && tokio::time::timeout_at(deadline, shared.capacity.drained())
-                .await
-                .is_ok();
-        // So do the writes its last requests started in the shared store.
-        shared.quota.settle(settle_until(deadline)).await;
-        finished
+    let until = settle_until(deadline);
+    if !finished {
+        shared.capacity.cut();
+        // The cut connections end at their next poll, HTTP/2 streams when their connection
+        // has, tunnels at theirs, and the slots their requests held go with them.
+        if !closed {
+            let _ = tokio::time::timeout_at(until, connections).await;
+        }
+        let _ = tokio::time::timeout_at(until, shared.capacity.drained()).await;
     }
+    shared.quota.settle(until).await;
+    finished
 }
 
 /// Until when a stopping thread waits for the releases and withdrawals its last requests

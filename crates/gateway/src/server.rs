@@ -343,6 +343,10 @@ impl Conn {
         let errors = Arc::clone(&shared.head_errors);
         let io = TokioIo::new(Counted::new(stream, Arc::clone(&head), errors));
         let requests = Arc::clone(&head);
+        let cut = {
+            let shared = Arc::clone(&shared);
+            async move { shared.capacity.cut_off().await }
+        };
         let result = match self.kind {
             Listener::Main => {
                 let peer = Peer::new(self.peer.ip(), |ip| shared.identify.is_trusted(ip));
@@ -352,7 +356,7 @@ impl Conn {
                 let conn = self.builder.serve_connection_with_upgrades(io, svc);
                 tokio::pin!(conn);
                 let shut = |c: Pin<&mut _>| auto::UpgradeableConnection::graceful_shutdown(c);
-                drive(conn, shut, &head, drain, self.peer).await
+                drive(conn, shut, &head, drain, cut, self.peer).await
             }
             Listener::Admin => {
                 let svc =
@@ -360,7 +364,7 @@ impl Conn {
                 let conn = self.builder.serve_connection(io, svc);
                 tokio::pin!(conn);
                 let shut = |c: Pin<&mut _>| auto::Connection::graceful_shutdown(c);
-                drive(conn, shut, &head, drain, self.peer).await
+                drive(conn, shut, &head, drain, cut, self.peer).await
             }
         };
         if let Err(e) = result {
@@ -378,12 +382,14 @@ const GOODBYE: Duration = Duration::from_secs(1);
 /// half a head) closes at once, HTTP/2 sends `GOAWAY`; a connection that does not end within
 /// [`GOODBYE`] after its header timeout is dropped, unless a request slipped in just before
 /// the `GOAWAY` (then that request finishes first). Whatever it is doing, a connection that
-/// makes no progress on a response for the send timeout is dropped.
+/// makes no progress on a response for the send timeout is dropped, and so is one still
+/// running, once shut down, when `cut` resolves (the shutdown grace is over).
 async fn drive<C, E>(
     mut conn: Pin<&mut C>,
     graceful_shutdown: impl Fn(Pin<&mut C>),
     head: &HeadTimeout,
     mut drain: watch::Receiver<()>,
+    cut: impl Future<Output = ()>,
     peer: SocketAddr,
 ) -> Result<(), E>
 where
@@ -415,12 +421,17 @@ where
             Err(_) => Ok(()),
         }
     };
-    // From here on, only a stall cuts it short.
+    // From here on, only a stall or the end of the shutdown grace cuts it short (its requests
+    // dropped, their slots and leases released).
     tokio::select! {
         biased;
         result = finish => result,
         _ = head.expired(false) => {
             tracing::debug!(%peer, "a response made no progress within send_timeout: dropping the connection");
+            Ok(())
+        }
+        () = cut => {
+            tracing::debug!(%peer, "the shutdown grace is over: dropping the connection");
             Ok(())
         }
     }
@@ -430,6 +441,7 @@ where
 mod tests {
     use super::*;
     use std::cell::Cell;
+    use std::future::pending;
     use tokio::sync::oneshot;
     use tokio::time::Instant;
 
@@ -466,7 +478,15 @@ mod tests {
         tokio::pin!(conn);
         let told = Cell::new(false);
         let start = Instant::now();
-        let result = drive(conn, |_| told.set(true), &head, drain.watcher(), PEER).await;
+        let result = drive(
+            conn,
+            |_| told.set(true),
+            &head,
+            drain.watcher(),
+            pending(),
+            PEER,
+        )
+        .await;
         assert_eq!(result, Ok(()));
         assert!(told.get());
         assert_eq!(start.elapsed(), T + GOODBYE);
@@ -488,7 +508,7 @@ mod tests {
                 let _ = end.send(());
             }
         });
-        let result = drive(conn, |_| {}, &head, drain.watcher(), PEER).await;
+        let result = drive(conn, |_| {}, &head, drain.watcher(), pending(), PEER).await;
         assert_eq!(result, Ok(()));
         assert_eq!(
             start.elapsed(),
@@ -514,7 +534,7 @@ mod tests {
             drop(busy);
             let _ = end.send(());
         });
-        let result = drive(conn, |_| told.set(true), &head, watcher, PEER).await;
+        let result = drive(conn, |_| told.set(true), &head, watcher, pending(), PEER).await;
         assert_eq!(result, Ok(()));
         assert!(told.get());
         assert_eq!(
@@ -527,6 +547,29 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn on_shutdown_a_busy_connection_still_running_at_the_cut_is_dropped_then() {
+        let (head, drain, _end, conn) = setup();
+        tokio::pin!(conn);
+        let busy = head.begin();
+        let told = Cell::new(false);
+        let start = Instant::now();
+        let watcher = drain.watcher();
+        let shutdown = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            drain.shutdown().await;
+        });
+        // The grace ends 30 s after the drain; the connection would run on.
+        let cut = tokio::time::sleep(Duration::from_secs(32));
+        let result = drive(conn, |_| told.set(true), &head, watcher, cut, PEER).await;
+        assert_eq!(result, Ok(()));
+        assert!(told.get(), "asked to finish first");
+        assert_eq!(start.elapsed(), Duration::from_secs(32));
+        // Its connection dropped, the drain sees it end.
+        shutdown.await.unwrap();
+        drop(busy);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_connection_sending_without_a_byte_moving_is_dropped_after_the_send_timeout() {
         let (head, drain, _end, conn) = setup();
         tokio::pin!(conn);
@@ -534,7 +577,15 @@ mod tests {
         busy.sending();
         let told = Cell::new(false);
         let start = Instant::now();
-        let result = drive(conn, |_| told.set(true), &head, drain.watcher(), PEER).await;
+        let result = drive(
+            conn,
+            |_| told.set(true),
+            &head,
+            drain.watcher(),
+            pending(),
+            PEER,
+        )
+        .await;
         assert_eq!(result, Ok(()));
         assert!(!told.get(), "dropped, not asked to finish its response");
         assert_eq!(start.elapsed(), SEND);
@@ -554,7 +605,7 @@ mod tests {
         });
         let told = Cell::new(false);
         let start = Instant::now();
-        let result = drive(conn, |_| told.set(true), &head, watcher, PEER).await;
+        let result = drive(conn, |_| told.set(true), &head, watcher, pending(), PEER).await;
         assert_eq!(result, Ok(()));
         assert!(told.get());
         assert!(
