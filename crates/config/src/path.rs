@@ -12,8 +12,10 @@
 //!
 //! Routes are matched on one more step, [`route_key`]: escaped slashes are read as slashes and
 //! each segment's parameters (`;...`) are dropped first, as many servers do before they route,
-//! so `/v1%2Flogin`, `/v1/login;x` and `/v1/public/..;/login` are counted as the login route
-//! they reach there. The forwarded path keeps them as they are.
+//! so `/v1%2Flogin` and `/v1/login;x` are counted as the login route they reach there. The
+//! forwarded path keeps them as they are. A path that climbs (`..`) only when read that way
+//! (`/v1/public/..;/login`) names different resources on different servers: see
+//! [`is_ambiguous`].
 
 use std::borrow::Cow;
 
@@ -56,6 +58,24 @@ pub fn route_key(normal: &str, merge_slashes: bool) -> Cow<'_, str> {
     } else {
         Cow::Owned(key)
     }
+}
+
+/// Whether `normal` (a path in normal form) holds a segment that becomes `..` only once
+/// escaped slashes or backslashes are read as `/` or segment parameters are dropped (`..;x`,
+/// `..%2F`, `%5C..`). Servers disagree about which resource such a path names: a Java
+/// container climbs out of the segment before `..;x`, nginx and most others do not, Python's
+/// servers climb at `..%2F`, Go's do not. Whichever route the gateway counted it under, some
+/// upstream would serve another, so such a path is refused rather than guessed at.
+pub fn is_ambiguous(normal: &str) -> bool {
+    if !normal.starts_with('/') || !normal.bytes().any(|b| matches!(b, b';' | b'\\' | b'%')) {
+        return false;
+    }
+    normal
+        .replace("%2F", "/")
+        .replace("%5C", "/")
+        .replace('\\', "/")
+        .split('/')
+        .any(|segment| segment.split(';').next() == Some(".."))
 }
 
 /// Whether `path` holds nothing [`normalize`] would change: no `%`, no byte outside ASCII, no
@@ -236,6 +256,34 @@ mod tests {
     fn malformed_escapes_are_refused() {
         for p in ["/a%", "/a%2", "/a%zz", "/a%2g/b", "/%%41"] {
             assert_eq!(normalize(p, true), Err(MalformedPath), "{p}");
+        }
+    }
+
+    #[test]
+    fn a_path_that_climbs_only_once_reinterpreted_is_ambiguous() {
+        for p in [
+            "/v1/search/..;x",
+            "/v1/search/..;/x",
+            "/v1/search/..%2Fx",
+            "/v1/search%2F..",
+            "/v1/search/..%5Cx",
+            "/v1/search/..\\x",
+        ] {
+            let normal = n(p);
+            assert!(is_ambiguous(&normal), "{p} -> {normal}");
+        }
+        for p in [
+            "/v1/search",
+            "/v1/search;x",
+            "/v1/search/.;x",
+            "/v1/a%2Fb",
+            "/v1/..x;y",
+            "/v1/x..;y",
+            "/v1/%2E%2E/search",
+            "/v1/search/%2E%2E",
+        ] {
+            let normal = n(p);
+            assert!(!is_ambiguous(&normal), "{p} -> {normal}");
         }
     }
 

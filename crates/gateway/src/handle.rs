@@ -29,7 +29,7 @@ use crate::problem::Problem;
 use crate::quota::{Caller, Notes, Outcome, Quota, Reports, Stop};
 use crate::refusal::quota_exceeded;
 use crate::request_id::{RequestIds, X_REQUEST_ID};
-use crate::route::{malformed_path, normalize_path, Router};
+use crate::route::{bad_path, normalize_path, Router};
 use crate::server::{
     check_max_connections, default_max_connections, ConnectionCap, MAX_HEADERS, MAX_HEAD_BYTES,
 };
@@ -180,8 +180,8 @@ pub(crate) async fn handle(
                     .into_response(&shared.problem_base);
             }
             // Matched and forwarded in normal form: no spelling of a path escapes its route.
-            if normalize_path(&mut req, shared.merge_slashes).is_err() {
-                break 'walk malformed_path().into_response(&shared.problem_base);
+            if let Err(why) = normalize_path(&mut req, shared.merge_slashes) {
+                break 'walk bad_path(why).into_response(&shared.problem_base);
             }
             if shared.health_path.as_deref() == Some(req.uri().path()) {
                 break 'walk readiness(&shared.capacity);

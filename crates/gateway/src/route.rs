@@ -5,21 +5,32 @@ use std::borrow::Cow;
 
 use http::uri::PathAndQuery;
 use http::{Request, Uri};
-use sluice_config::path::{normalize, route_key, MalformedPath};
+use sluice_config::path::{is_ambiguous, normalize, route_key, MalformedPath};
 use sluice_config::Route;
 
 use crate::problem::Problem;
 
+/// Why a request's path is refused (400).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BadPath {
+    /// A `%` not followed by two hexadecimal digits.
+    Malformed,
+    /// A segment that climbs (`..`) only once reinterpreted: see
+    /// [`sluice_config::path::is_ambiguous`].
+    Ambiguous,
+}
+
 /// Rewrites `req`'s path in normal form (see [`sluice_config::path`]), so that it is matched
 /// and forwarded as one; the query is kept as it came. A path that cannot be brought to it
-/// (a malformed `%` escape) is the caller's error: see [`malformed_path`].
-pub(crate) fn normalize_path<B>(
-    req: &mut Request<B>,
-    merge_slashes: bool,
-) -> Result<(), MalformedPath> {
-    let path = match normalize(req.uri().path(), merge_slashes)? {
-        Cow::Borrowed(_) => return Ok(()),
-        Cow::Owned(path) => path,
+/// (a malformed `%` escape), or whose resource servers disagree about, is the caller's error:
+/// see [`bad_path`].
+pub(crate) fn normalize_path<B>(req: &mut Request<B>, merge_slashes: bool) -> Result<(), BadPath> {
+    let path = match normalize(req.uri().path(), merge_slashes) {
+        Err(MalformedPath) => return Err(BadPath::Malformed),
+        Ok(Cow::Borrowed(path)) if is_ambiguous(path) => return Err(BadPath::Ambiguous),
+        Ok(Cow::Borrowed(_)) => return Ok(()),
+        Ok(Cow::Owned(path)) if is_ambiguous(&path) => return Err(BadPath::Ambiguous),
+        Ok(Cow::Owned(path)) => path,
     };
     let uri = req.uri();
     let target = match uri.query() {
@@ -29,13 +40,16 @@ pub(crate) fn normalize_path<B>(
     let mut parts = uri.clone().into_parts();
     // Cannot fail: the normal form only holds characters the path held, or unreserved ones.
     parts.path_and_query = PathAndQuery::try_from(target).ok();
-    *req.uri_mut() = Uri::from_parts(parts).map_err(|_| MalformedPath)?;
+    *req.uri_mut() = Uri::from_parts(parts).map_err(|_| BadPath::Malformed)?;
     Ok(())
 }
 
 /// The 400 for a path [`normalize_path`] refused.
-pub(crate) fn malformed_path() -> Problem {
-    Problem::bad_request("The request path has a \"%\" not followed by two hexadecimal digits.")
+pub(crate) fn bad_path(why: BadPath) -> Problem {
+    Problem::bad_request(match why {
+        BadPath::Malformed => "The request path has a \"%\" not followed by two hexadecimal digits.",
+        BadPath::Ambiguous => "The request path has a \"..\" segment once its \";\" parameters are dropped or its escaped slashes read as \"/\" (\"..;\", \"..%2F\", \"..%5C\"): servers disagree about which resource it names.",
+    })
 }
 
 /// Routes ordered for matching: longest path first, file order among equals.
@@ -136,7 +150,7 @@ mod tests {
     }
 
     /// The request target `uri` becomes before it is matched and forwarded.
-    fn normalized(uri: &str, merge_slashes: bool) -> Result<String, MalformedPath> {
+    fn normalized(uri: &str, merge_slashes: bool) -> Result<String, BadPath> {
         let mut req = Request::builder().uri(uri).body(()).unwrap();
         normalize_path(&mut req, merge_slashes)?;
         Ok(req.uri().to_string())
@@ -159,7 +173,6 @@ mod tests {
             "/../v1/login",
             "/v1/login;jsessionid=1",
             "/v1;v=2/login",
-            "/v1/public/..;/login",
             "/V1/LOGIN",
             "/v1/Login/x",
             "/v1%2Flogin",
@@ -172,15 +185,20 @@ mod tests {
                 "{spelling}"
             );
         }
-        for other in [
-            "/v1/logins",
+        assert_eq!(find(&router, "GET", "/v1/logins", "a"), Some("catch-all"));
+        // Spellings servers disagree about (a Java container climbs at `..;`, Python's
+        // servers at `..%2F`, nginx at neither) name no route: they are refused.
+        for ambiguous in [
+            "/v1/public/..;/login",
+            "/v1/login/..;x",
             "/v1/%2e%2e%2flogin",
             "/v1/x%2F..%2F..%2Flogin",
         ] {
+            let mut req = Request::builder().uri(ambiguous).body(()).unwrap();
             assert_eq!(
-                find(&router, "GET", other, "a"),
-                Some("catch-all"),
-                "{other}"
+                normalize_path(&mut req, true),
+                Err(BadPath::Ambiguous),
+                "{ambiguous}"
             );
         }
     }
@@ -245,8 +263,24 @@ mod tests {
         // Segment parameters are forwarded: only routing looks past them.
         assert_eq!(normalized("/v1/login;x=1", true).unwrap(), "/v1/login;x=1");
         assert_eq!(normalized("*", true).unwrap(), "*");
-        assert_eq!(normalized("/v1/%zz?q=1", true), Err(MalformedPath));
-        assert_eq!(malformed_path().status, http::StatusCode::BAD_REQUEST);
+        assert_eq!(normalized("/v1/%zz?q=1", true), Err(BadPath::Malformed));
+        assert_eq!(
+            bad_path(BadPath::Malformed).status,
+            http::StatusCode::BAD_REQUEST
+        );
+        // A dot segment only once reinterpreted: refused, whether or not the normal form
+        // changed anything else.
+        for uri in [
+            "/v1/search/..;x",
+            "/v1/./search/..%2Fx?q=1",
+            "/v1/search/..%5c",
+        ] {
+            assert_eq!(normalized(uri, true), Err(BadPath::Ambiguous), "{uri}");
+        }
+        assert_eq!(
+            bad_path(BadPath::Ambiguous).status,
+            http::StatusCode::BAD_REQUEST
+        );
     }
 
     #[test]
