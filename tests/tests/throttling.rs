@@ -929,6 +929,30 @@ async fn a_request_with_two_different_keys_in_one_header_is_refused_and_charges_
     assert_eq!(raw_get(gw.main, "/v1/echo", &same).await.status, 429);
 }
 
+/// One key must not be counted as many, nor a key sent past the gateway's count: a key with a
+/// byte outside visible ASCII (which servers trim differently) is refused, and the underscore
+/// spelling of the key header (`X_Api_Key`, which CGI-style servers read as `X-Api-Key`)
+/// does not reach the upstream.
+#[tokio::test]
+async fn a_key_servers_would_read_otherwise_is_refused_or_dropped() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), 16, KEY_QUOTA));
+    for key in ["k1\u{a0}", "k 1", "caf\u{e9}"] {
+        let r = raw_get(gw.main, "/v1/echo", &[("x-api-key", key)]).await;
+        assert_eq!(r.status, 400, "{key:?}: {}", r.text());
+        assert!(r.json()["detail"]
+            .as_str()
+            .unwrap()
+            .contains("visible ASCII"));
+    }
+    assert_eq!(up.requests(), 0, "never forwarded");
+    let r = raw_get(gw.main, "/v1/echo", &[("X_Api_Key", "k1")]).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let seen = r.json()["headers"].to_string().to_ascii_lowercase();
+    assert!(!seen.contains("x_api_key"), "{seen}");
+    assert!(!seen.contains("k1"), "{seen}");
+}
+
 /// Behind a proxy that appends `X-Forwarded-For`, the client's own `Forwarded` header reaches
 /// the gateway as the client wrote it: believing it would let the client choose its address.
 /// Only the configured header (`X-Forwarded-For` by default) is read.

@@ -866,13 +866,17 @@ pub(crate) fn prepare_request<B>(
     // Which of the fields below the request carries, in one pass over the names without
     // hashing: most carry none, and each lookup by name hashes it.
     let (mut xff_sent, mut xfp_sent, mut spoofable) = (false, false, false);
+    let mut underscores = false;
     for name in headers.keys() {
         match name.as_str() {
             "x-forwarded-for" => xff_sent = true,
             "x-forwarded-proto" => xfp_sent = true,
             "x-forwarded-host" | "forwarded" | "x-real-ip" => spoofable = true,
-            _ => {}
+            other => underscores |= other.as_bytes().contains(&b'_'),
         }
+    }
+    if underscores {
+        drop_lookalikes(headers, identity_headers);
     }
     // As bytes: a value that is not text (a client's stray byte a proxy passed on) is carried
     // on, not dropped with the chain it is part of. Only a trusted proxy's chain goes on: from
@@ -920,6 +924,43 @@ pub(crate) fn prepare_request<B>(
 }
 
 static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
+
+/// Removes the fields whose names spell, with `_` for `-`, one the gateway identifies callers
+/// by (`identity`) or writes for the upstream (`X-Forwarded-*`, `X-Real-IP`, `X-Request-Id`),
+/// without being it: `X_Api_Key`, `X_Forwarded_For`. CGI-style servers (Python's WSGI
+/// servers, Rack, PHP) read both spellings as one variable (`HTTP_X_API_KEY`), so such a
+/// field would carry a key the gateway did not count by, or an address or host it did not
+/// write; nginx drops names with underscores for the same reason (`underscores_in_headers`).
+/// Other names with underscores go on as they came.
+fn drop_lookalikes(headers: &mut HeaderMap, identity: &[HeaderName]) {
+    const WRITTEN: [&str; 5] = [
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+        "x-real-ip",
+        "x-request-id",
+    ];
+    let spells = |name: &str, other: &str| {
+        name.len() == other.len()
+            && name
+                .bytes()
+                .zip(other.bytes())
+                .all(|(a, b)| a == b || (a == b'_' && b == b'-'))
+    };
+    let lookalikes: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| {
+            let name = name.as_str();
+            name.contains('_')
+                && (WRITTEN.iter().any(|w| spells(name, w))
+                    || identity.iter().any(|h| spells(name, h.as_str())))
+        })
+        .cloned()
+        .collect();
+    for name in lookalikes {
+        headers.remove(&name);
+    }
+}
 
 /// HTTP/2 may split `cookie` into several fields; HTTP/1.1 has one line, joined by `; `.
 fn join_cookies(headers: &mut HeaderMap) {
@@ -1518,6 +1559,48 @@ mod tests {
         let mut req = Request::builder().uri("/").body(()).unwrap();
         prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &[]);
         assert!(!req.headers().contains_key("x-real-ip"), "not added");
+    }
+
+    /// CGI-style servers read `X_Api_Key` as `X-Api-Key` (both are `HTTP_X_API_KEY`): such a
+    /// spelling of a field the gateway counts callers by or writes does not reach the
+    /// upstream, from anyone; other names with underscores do.
+    #[test]
+    fn underscore_spellings_of_identity_and_forwarding_fields_are_dropped() {
+        let identity = [HeaderName::from_static("x-api-key")];
+        for trusted in [false, true] {
+            let mut req = Request::builder()
+                .uri("/")
+                .header("X_Api_Key", "k1")
+                .header("x-api_key", "k2")
+                .header("X_Forwarded_For", "7.7.7.7")
+                .header("x_real_ip", "8.8.8.8")
+                .header("X_Forwarded_Host", "evil.example")
+                .header("X_Forwarded_Proto", "https")
+                .header("X_Request_Id", "mine")
+                .header("x_api_keys", "not one")
+                .header("my_header", "kept")
+                .body(())
+                .unwrap();
+            prepare_request(
+                &mut req,
+                &peer("192.0.2.1", trusted),
+                &upstream(),
+                &identity,
+            );
+            let mut names: Vec<&str> = req.headers().keys().map(HeaderName::as_str).collect();
+            names.sort_unstable();
+            assert_eq!(
+                names,
+                [
+                    "host",
+                    "my_header",
+                    "x-forwarded-for",
+                    "x-forwarded-proto",
+                    "x_api_keys"
+                ],
+                "trusted: {trusted}"
+            );
+        }
     }
 
     #[test]

@@ -26,7 +26,7 @@ use crate::head_error::HeadErrors;
 use crate::head_timeout::Busy;
 use crate::identify::{Identify, KeyError, MAX_KEY_BYTES};
 use crate::problem::Problem;
-use crate::quota::{Caller, Notes, Outcome, Quota, Reports, Stop};
+use crate::quota::{Caller, KeyHeader, Notes, Outcome, Quota, Reports, Stop};
 use crate::refusal::quota_exceeded;
 use crate::request_id::{RequestIds, X_REQUEST_ID};
 use crate::route::{bad_path, normalize_path, Router};
@@ -232,9 +232,16 @@ pub(crate) async fn handle(
                     let detail = "The request carries two different API keys in one place (a header sent twice, say). Send one.";
                     break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
                 }
+                Err(KeyError::Unreadable) => {
+                    let detail = "The API key has a byte that is not a visible ASCII character (a space inside it, or a byte outside ASCII).";
+                    break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
+                }
             };
-            if let Some(name) = shared.quota.ambiguous_key_header(req.headers()) {
-                let detail = format!("The request carries the {name} header twice with different values, and a limit counts callers by it. Send it once.");
+            if let Some((name, why)) = shared.quota.bad_key_header(req.headers()) {
+                let detail = match why {
+                    KeyHeader::Twice => format!("The request carries the {name} header twice with different values, and a limit counts callers by it. Send it once."),
+                    KeyHeader::NotAscii => format!("The {name} header, which a limit counts callers by, has a byte outside ASCII. Send it in ASCII."),
+                };
                 break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
             }
             // The fingerprint is a keyed hash: only worth computing when the access log is written.

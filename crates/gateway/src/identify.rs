@@ -156,6 +156,9 @@ impl Identify {
             };
             match found {
                 Some(k) if k.len() > MAX_KEY_BYTES => return Err(KeyError::TooLong),
+                Some(k) if !k.iter().all(|b| matches!(b, 0x21..=0x7e)) => {
+                    return Err(KeyError::Unreadable)
+                }
                 Some(k) => return Ok(Some(k)),
                 None => {}
             }
@@ -171,6 +174,10 @@ pub(crate) enum KeyError {
     TooLong,
     /// One source holds two different keys.
     Ambiguous,
+    /// A byte that is not visible ASCII (a space inside, a byte outside ASCII). Servers trim
+    /// and decode such keys differently (Python's `str.strip()` takes a trailing `\xa0` off,
+    /// as `trim_ascii` does not), so one key could be counted as many.
+    Unreadable,
 }
 
 /// The one non-empty value among `values` (repeats of the same value are one), `None` if
@@ -454,7 +461,7 @@ mod tests {
     #[test]
     fn api_key_sources_in_order_first_found_wins() {
         let id = identify(&[]);
-        let uri: Uri = "/x?api_key=q%20key".parse().unwrap();
+        let uri: Uri = "/x?api_key=q%2Dkey".parse().unwrap();
         let h = headers(&[("authorization", "Bearer tok-1")]);
         assert_eq!(
             id.api_key(&h, &uri).unwrap().as_deref(),
@@ -464,7 +471,7 @@ mod tests {
         assert_eq!(id.api_key(&h, &uri).unwrap().as_deref(), Some(&b"hdr"[..]));
         assert_eq!(
             id.api_key(&HeaderMap::new(), &uri).unwrap().as_deref(),
-            Some(&b"q key"[..])
+            Some(&b"q-key"[..])
         );
         assert_eq!(
             id.api_key(
@@ -473,6 +480,48 @@ mod tests {
             )
             .unwrap(),
             None
+        );
+    }
+
+    /// Servers trim and decode keys with spaces inside or bytes outside ASCII differently
+    /// (Python's `str.strip()` takes a trailing `\xa0` off): one key must not be counted as
+    /// many, so such a key is refused, from every source.
+    #[test]
+    fn keys_with_bytes_outside_visible_ascii_are_refused() {
+        let id = identify(&[]);
+        let root: Uri = "/".parse().unwrap();
+        for key in [
+            &b"k1\xa0"[..],
+            b"\xa0k1",
+            b"k1\x85",
+            b"k 1",
+            b"k\t1",
+            b"caf\xc3\xa9",
+        ] {
+            let h = {
+                let mut h = HeaderMap::new();
+                h.append("x-api-key", http::HeaderValue::from_bytes(key).unwrap());
+                h
+            };
+            assert_eq!(id.api_key(&h, &root), Err(KeyError::Unreadable), "{key:?}");
+        }
+        let h = headers(&[("authorization", "Bearer tok en")]);
+        assert_eq!(id.api_key(&h, &root), Err(KeyError::Unreadable));
+        for query in ["/x?api_key=k%20", "/x?api_key=k%A0", "/x?api_key=%00k"] {
+            let uri: Uri = query.parse().unwrap();
+            let none = HeaderMap::new();
+            assert_eq!(
+                id.api_key(&none, &uri),
+                Err(KeyError::Unreadable),
+                "{query}"
+            );
+        }
+        // Every visible ASCII character is fine, and blanks around the key are trimmed.
+        let visible: String = (0x21u8..=0x7e).map(char::from).collect();
+        let h = headers(&[("x-api-key", &format!(" {visible}\t"))]);
+        assert_eq!(
+            id.api_key(&h, &root).unwrap().as_deref(),
+            Some(visible.as_bytes())
         );
     }
 

@@ -141,6 +141,15 @@ pub(crate) enum Outcome {
     Unchecked,
 }
 
+/// Why a header a limit counts callers by cannot be used: answered 400.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KeyHeader {
+    /// Sent twice with different values.
+    Twice,
+    /// A byte outside ASCII.
+    NotAscii,
+}
+
 /// A request that is not admitted.
 #[derive(Debug)]
 pub(crate) enum Stop {
@@ -279,14 +288,25 @@ impl Quota {
     }
 
     /// A header some limit counts callers by that `headers` holds twice with different
-    /// values (empty ones aside). Such a request is refused, as one with two API keys is: the
-    /// limit would count the first value, and an upstream may read the last.
-    pub(crate) fn ambiguous_key_header(&self, headers: &HeaderMap) -> Option<&HeaderName> {
-        self.key_headers.iter().find(|h| {
+    /// values (empty ones aside), or with a byte outside ASCII. Such a request is refused, as
+    /// one with two API keys is: the limit would count the first value, and an upstream may
+    /// read the last; and servers trim such bytes differently (Python's `str.strip()` takes a
+    /// trailing `\xa0` off), so one caller could be counted as many.
+    pub(crate) fn bad_key_header(&self, headers: &HeaderMap) -> Option<(&HeaderName, KeyHeader)> {
+        self.key_headers.iter().find_map(|h| {
             let mut values = header_values(headers, h);
-            values
-                .next()
-                .is_some_and(|first| values.any(|v| v != first))
+            let first = values.next()?;
+            let mut why = None;
+            for v in std::iter::once(first).chain(values) {
+                if !v.is_ascii() {
+                    why = Some(KeyHeader::NotAscii);
+                    break;
+                }
+                if v != first {
+                    why = Some(KeyHeader::Twice);
+                }
+            }
+            why.map(|why| (h, why))
         })
     }
 
@@ -625,16 +645,39 @@ mode = "dry_run"
         let headers = |values: &[&str]| {
             let mut h = HeaderMap::new();
             for v in values {
-                h.append("x-tenant", v.parse().unwrap());
+                h.append(
+                    "x-tenant",
+                    http::HeaderValue::from_bytes(v.as_bytes()).unwrap(),
+                );
             }
             h.append("x-other", "1".parse().unwrap());
             h.append("x-other", "2".parse().unwrap());
             h
         };
-        let found = quota.ambiguous_key_header(&headers(&["a", "b"]));
-        assert_eq!(found.map(HeaderName::as_str), Some("x-tenant"));
-        for fine in [&[][..], &["a"], &["a", "a"], &["a", ""], &["", " a "]] {
-            assert_eq!(quota.ambiguous_key_header(&headers(fine)), None, "{fine:?}");
+        let found = quota.bad_key_header(&headers(&["a", "b"]));
+        assert_eq!(
+            found.map(|(h, why)| (h.as_str(), why)),
+            Some(("x-tenant", KeyHeader::Twice))
+        );
+        // A byte outside ASCII (here U+00A0, which Python's `str.strip()` would take off the
+        // end, so that every such spelling were one caller upstream and many here).
+        for not_ascii in [&["a\u{a0}"][..], &["a", "a\u{a0}"], &["\u{a0}a", "a"]] {
+            let found = quota.bad_key_header(&headers(not_ascii));
+            assert_eq!(
+                found.map(|(_, why)| why),
+                Some(KeyHeader::NotAscii),
+                "{not_ascii:?}"
+            );
+        }
+        for fine in [
+            &[][..],
+            &["a"],
+            &["a", "a"],
+            &["a", ""],
+            &["", " a "],
+            &["a b"],
+        ] {
+            assert_eq!(quota.bad_key_header(&headers(fine)), None, "{fine:?}");
         }
         // An empty value is no value, as an empty API key is no key: such a request is outside
         // both limits, not in one bucket with every caller who sends the header empty.
