@@ -307,6 +307,35 @@ async fn large_bodies_stream_both_ways_with_flat_memory() {
     );
 }
 
+/// `CONNECT` is answered 405 by the gateway, in either target form, and never forwarded: an
+/// upstream's 200 to one made hyper take the connection for a tunnel and end it unanswered.
+/// The connection goes on.
+#[tokio::test]
+async fn connect_is_answered_405_and_not_forwarded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let mut conn = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    for target in ["/api/x", "example.com:443"] {
+        let ask = format!("CONNECT {target} HTTP/1.1\r\nHost: example.com:443\r\n\r\n");
+        conn.write_all(ask.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        while !String::from_utf8_lossy(&answer).contains("}") {
+            let mut buf = [0; 4096];
+            let read = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut buf));
+            let n = read.await.expect("an answer in time").unwrap();
+            assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&answer));
+            answer.extend_from_slice(&buf[..n]);
+        }
+        let answer = String::from_utf8_lossy(&answer).to_ascii_lowercase();
+        assert!(answer.starts_with("http/1.1 405"), "{answer}");
+        assert!(answer.contains("\r\nallow: get, "), "{answer}");
+        assert!(answer.contains("method-not-allowed"), "{answer}");
+    }
+    assert_eq!(up.requests(), 0, "never forwarded");
+    assert_eq!(get(gw.main, "/api/x", &[]).await.status, 200);
+}
+
 #[tokio::test]
 async fn unmatched_path_is_a_404_problem() {
     let up = MockUpstream::start().await;

@@ -370,6 +370,11 @@ fn bad_values_in_other_sections_are_named() {
             "routes[1].methods: \"get\" is not an HTTP method",
         ),
         (
+            "methods = [\"GET\"]",
+            "methods = [\"CONNECT\"]",
+            "routes[1].methods: \"CONNECT\" is never routed",
+        ),
+        (
             "max = \"5s\"",
             "max = \"1s\"",
             "gateway.overload_retry_after: min \"2s\" is longer than max \"1s\"",

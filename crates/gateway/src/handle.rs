@@ -179,6 +179,13 @@ pub(crate) async fn handle(
                 break 'walk Problem::head_too_large(MAX_HEAD_BYTES, MAX_HEADERS)
                     .into_response(&shared.problem_base);
             }
+            if req.method() == http::Method::CONNECT {
+                let mut res = Problem::connect_not_allowed().into_response(&shared.problem_base);
+                let allow = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
+                res.headers_mut()
+                    .insert(http::header::ALLOW, HeaderValue::from_static(allow));
+                break 'walk res;
+            }
             // Matched and forwarded in normal form: no spelling of a path escapes its route.
             if let Err(why) = normalize_path(&mut req, shared.merge_slashes) {
                 break 'walk bad_path(why).into_response(&shared.problem_base);

@@ -69,6 +69,18 @@ impl Problem {
         )
     }
 
+    /// 405 for `CONNECT`: a reverse proxy forwards requests for resources, it does not open
+    /// tunnels to where a caller names (hyper would take an upstream's 2xx to one as the
+    /// switch to a tunnel, and end the connection).
+    pub(crate) fn connect_not_allowed() -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method-not-allowed",
+            "The method is not allowed",
+            "This gateway does not open CONNECT tunnels.",
+        )
+    }
+
     pub(crate) fn bad_request(detail: impl Into<String>) -> Self {
         Self::new(
             StatusCode::BAD_REQUEST,

@@ -104,6 +104,10 @@ impl Validator<'_> {
                     }
                     let ok = !v.is_empty() && v.bytes().all(|b| b.is_ascii_uppercase());
                     match http::Method::from_bytes(v.as_bytes()) {
+                        Ok(http::Method::CONNECT) => {
+                            self.err(Some(m.span()), &key("methods"), "\"CONNECT\" is never routed: the gateway answers it 405 (it opens no tunnels)".to_string());
+                            None
+                        }
                         Ok(method) if ok => Some(method),
                         _ => {
                             self.err(Some(m.span()), &key("methods"), format!("\"{v}\" is not an HTTP method (write it in capitals, e.g. \"GET\")"));
