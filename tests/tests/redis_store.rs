@@ -571,6 +571,59 @@ async fn a_wrong_redis_password_is_named_in_the_warnings() {
     assert!(!error.contains("authentication failed"), "{line}");
 }
 
+/// A password set on Redis while the gateway runs (its connections killed, as a rotation
+/// does) is named in the warnings, also once the circuit has opened: Redis's own words for it
+/// ("unauthenticated multibulk length") and "circuit open" alone read as an outage.
+#[tokio::test]
+async fn a_password_set_at_runtime_is_named_in_the_warnings() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), "allow", "200ms"),
+        64,
+        KEY_QUOTA_30,
+    ));
+    assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+    assert_eq!(
+        redis
+            .cli(&["CONFIG", "SET", "requirepass", "rotated"])
+            .trim(),
+        "OK"
+    );
+    redis.cli(&[
+        "--no-auth-warning",
+        "-a",
+        "rotated",
+        "CLIENT",
+        "KILL",
+        "TYPE",
+        "normal",
+    ]);
+    let open = |v: &serde_json::Value| {
+        v["reason"].as_str().is_some_and(|r| {
+            r.starts_with("circuit open after:") && r.contains("Redis wants a password")
+        })
+    };
+    // Requests go on (on_error = "allow") while the warnings say why, at most once a second.
+    for _ in 0..60 {
+        assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+        if gw.logs().iter().any(open) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let first = gw
+        .wait_log("the first failure", |v| {
+            v["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("Redis wants a password"))
+        })
+        .await;
+    assert!(!first.to_string().contains("rotated"), "{first}");
+    gw.wait_log("the open circuit, with its reason", open).await;
+}
+
 /// A held request whose client leaves as the gateway stops has its charges withdrawn before
 /// the process exits: the withdrawal runs in a task of its own, which the exit waits for.
 #[tokio::test]

@@ -14,7 +14,7 @@ pub enum StoreError {
     #[error("redis reached the request after its deadline")]
     Expired,
     /// Redis answered with an error, or the connection failed.
-    #[error("redis: {0}")]
+    #[error("redis: {0}{hint}", hint = auth_hint(.0))]
     Redis(#[from] redis::RedisError),
     /// The script's reply did not have the documented layout (a script of another version?).
     #[error("unexpected reply from the decision script: {0}")]
@@ -26,6 +26,23 @@ pub enum StoreError {
     /// something other than this limit: the request fails, the others sharing its call do not.
     #[error("the Redis key of layer {0} holds a value of another type")]
     KeyType(usize),
+}
+
+/// What to add to an error that means Redis wants other credentials than the store's `url`
+/// gives: said plainly, since Redis's own words for it can be far from it (a client that
+/// reconnects without a password, once one is set, sends a command and hears "Protocol error:
+/// unauthenticated multibulk length").
+fn auth_hint(e: &redis::RedisError) -> &'static str {
+    let text = e.to_string();
+    let auth = e.kind() == redis::ErrorKind::AuthenticationFailed
+        || ["NOAUTH", "WRONGPASS", "unauthenticated"]
+            .iter()
+            .any(|w| text.contains(w));
+    if auth {
+        " (Redis wants a password, or another one, than the store's url gives: was it set or changed?)"
+    } else {
+        ""
+    }
 }
 
 impl StoreError {
@@ -75,5 +92,34 @@ mod tests {
         for e in [StoreError::Layers("none"), StoreError::KeyType(1)] {
             assert!(!e.is_store_failure(), "{e}");
         }
+    }
+
+    #[test]
+    fn errors_that_mean_other_credentials_say_so() {
+        let said = |kind, text: &'static str| {
+            StoreError::Redis((kind, "x", text.into()).into()).to_string()
+        };
+        for (kind, text) in [
+            (
+                redis::ErrorKind::ResponseError,
+                "Protocol error: unauthenticated multibulk length",
+            ),
+            (
+                redis::ErrorKind::ResponseError,
+                "NOAUTH Authentication required.",
+            ),
+            (
+                redis::ErrorKind::AuthenticationFailed,
+                "WRONGPASS invalid username-password pair",
+            ),
+        ] {
+            assert!(
+                said(kind, text).contains("Redis wants a password"),
+                "{}",
+                said(kind, text)
+            );
+        }
+        let other = said(redis::ErrorKind::IoError, "connection reset");
+        assert!(!other.contains("password"), "{other}");
     }
 }

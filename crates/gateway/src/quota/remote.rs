@@ -36,8 +36,21 @@ pub(super) struct Remote {
     limits: Vec<RemoteLimit>,
     on_error: OnError,
     breaker: Breaker,
+    /// Why the store last failed: what an open circuit's warning names.
+    last_failure: std::sync::Mutex<String>,
     fallbacks: AtomicU64,
     warning: OnceASecond,
+}
+
+/// The reason a warning gives for an open circuit: the failure that opened it, or the last
+/// since (a circuit open for a wrong password must not read as an outage).
+struct CircuitOpen<'a>(&'a std::sync::Mutex<String>);
+
+impl Display for CircuitOpen<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        write!(f, "circuit open after: {last}")
+    }
 }
 
 impl Remote {
@@ -74,6 +87,7 @@ impl Remote {
             limits,
             on_error: cfg.on_error,
             breaker: Breaker::new(COOL_DOWN, cfg.timeout.min(FAILURE_SPACING), cfg.timeout),
+            last_failure: std::sync::Mutex::new(String::new()),
             fallbacks: AtomicU64::new(0),
             warning: OnceASecond::new(),
         })
@@ -105,7 +119,7 @@ impl Remote {
         };
         let gate = self.breaker.gate();
         if gate == Gate::Skip {
-            self.note_fallback(&"circuit open");
+            self.note_fallback(&CircuitOpen(&self.last_failure));
             return self
                 .fallback(quota, layers, cost, capacity, slot, notes)
                 .await;
@@ -136,6 +150,7 @@ impl Remote {
                 // answered.
                 if e.is_store_failure() {
                     self.breaker.failure(gate == Gate::Probe);
+                    *self.last_failure.lock().unwrap_or_else(|e| e.into_inner()) = e.to_string();
                 } else {
                     self.breaker.success();
                 }
