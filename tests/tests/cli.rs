@@ -12,8 +12,8 @@ fn check_accepts_the_shipped_config_and_lists_routes_and_limits() {
     for expected in [
         "store: memory (this instance counts alone)",
         "status           * /status cost 1 -> respond 200",
-        "search           GET /v1/search cost 5 -> app (http://127.0.0.1:3000/)",
-        "per-ip           token_bucket by ip 20 per 1s burst 40 on all routes, enforce",
+        "search           GET,(HEAD) /v1/search cost 5 -> app (http://127.0.0.1:3000)",
+        "per-ip           token_bucket by ip 20 per 1s burst 40 on all routes and requests no route matches, enforce",
         "search-per-key   sliding_window by api_key+route 100 per 1m on search, enforce",
         "key-concurrency  concurrency by api_key 10 in flight on all routes, enforce",
         "search-per-ip    token_bucket by ip 5 per 1m burst 5 on search, dry_run, block 10m",
@@ -97,7 +97,9 @@ fn run_refuses_an_invalid_config_and_a_bad_upstream_override() {
     ]);
     assert_eq!(code, 2);
     assert!(
-        err.contains("--upstream app=http://127.0.0.1:1\"\\nx: a URL holds no quote, backslash or control character"),
+        err.contains(
+            "--upstream app=http://127.0.0.1:1\"\\nx: \"http://127.0.0.1:1\"\\nx\" is not a URL"
+        ),
         "{err}"
     );
     // An upstream given twice is a question, not a silent last-one-wins; `check` takes the
@@ -121,7 +123,42 @@ fn run_refuses_an_invalid_config_and_a_bad_upstream_override() {
         "app=http://127.0.0.1:7",
     ]);
     assert_eq!(code, 0);
-    assert!(out.contains("-> app (http://127.0.0.1:7/)"), "{out}");
+    assert!(out.contains("-> app (http://127.0.0.1:7)"), "{out}");
+    // An override replaces the file's URL, which is then not checked: a template's
+    // placeholder does not stop it (and is named plainly without one).
+    let text = std::fs::read_to_string(SHIPPED).unwrap().replace(
+        "url = \"http://127.0.0.1:3000\"",
+        "url = \"http://app:PORT\"",
+    );
+    let template = TempFile::new("toml", &text);
+    let template = template.0.to_str().unwrap();
+    let (code, _, err) = run_cli(&["check", "--config", template]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("upstreams.app.url: \"http://app:PORT\" has a port that is not a number"),
+        "{err}"
+    );
+    let (code, out, err) = run_cli(&[
+        "check",
+        "--config",
+        template,
+        "--upstream",
+        "app=http://127.0.0.1:7",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("-> app (http://127.0.0.1:7)"), "{out}");
+    let (code, _, err) = run_cli(&[
+        "check",
+        "--config",
+        template,
+        "--upstream",
+        "app=http://127.0.0.1:",
+    ]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("--upstream app=http://127.0.0.1:: \"http://127.0.0.1:\" has an empty port"),
+        "{err}"
+    );
     // A name that is not an upstream is shown as the file's errors show values: on one line.
     let (code, _, err) = run_cli(&["run", "--config", SHIPPED, "--upstream", "a\nb=x"]);
     assert_eq!(code, 2);

@@ -73,6 +73,10 @@ impl<'a> Source<'a> {
         }
     }
 
+    pub(crate) fn file(&self) -> &Path {
+        self.file
+    }
+
     pub(crate) fn locate(&self, offset: usize) -> Location {
         let offset = offset.min(self.text.len());
         let before = &self.text[..floor_char_boundary(self.text, offset)];

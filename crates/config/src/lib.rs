@@ -29,6 +29,12 @@ pub use size::format_size;
 
 /// Reads and validates the configuration file at `path`.
 pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
+    load_with(path, &[])
+}
+
+/// [`load`], with `url_overrides` (`(upstream name, URL)`, as `--upstream NAME=URL` gives
+/// them) checked and used in place of those upstreams' URLs in the file.
+pub fn load_with(path: &Path, url_overrides: &[(String, String)]) -> Result<Config, ConfigErrors> {
     let whole_file = |message: String| {
         ConfigErrors(vec![ConfigError {
             location: None,
@@ -54,7 +60,7 @@ pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
             }]));
         }
     };
-    parse(&text, path)
+    parse_with(&text, path, url_overrides)
 }
 
 /// The largest configuration file read: far beyond any real one (the shipped file is 4 KiB),
@@ -101,7 +107,16 @@ fn read_bounded(path: &Path) -> Result<Vec<u8>, String> {
 
 /// Validates configuration `text`; `file` is the name errors are reported under.
 pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigErrors> {
-    let validator = validate::Validator::new(file, text);
+    parse_with(text, file, &[])
+}
+
+/// [`parse`], with URL overrides as for [`load_with`].
+pub fn parse_with(
+    text: &str,
+    file: &Path,
+    url_overrides: &[(String, String)],
+) -> Result<Config, ConfigErrors> {
+    let validator = validate::Validator::new(file, text, url_overrides);
     let raw: raw::RawConfig = serde_path_to_error::deserialize(toml::Deserializer::new(text))
         .map_err(|e| ConfigErrors(vec![serde_error(file, text, e)]))?;
     validator.config(&raw).map_err(ConfigErrors)

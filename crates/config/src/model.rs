@@ -216,6 +216,22 @@ impl Limit {
     pub fn applies_to(&self, route: usize) -> bool {
         self.routes.as_ref().is_none_or(|rs| rs.contains(&route))
     }
+
+    /// Whether the limit counts requests no route matches (when `gateway.count_unrouted`
+    /// says so): a limit on every route that counts each caller apart (by IP, API key,
+    /// header) and refuses. Not one by `route` (there is none) nor `global` (it guards the
+    /// upstreams, which a 404 never reaches: a scanner would spend everyone's quota); not
+    /// `concurrency` (a 404 is answered at once); not `delay` (holding a request for a path
+    /// that does not exist helps nobody).
+    pub fn counts_unrouted(&self) -> bool {
+        self.routes.is_none()
+            && self.algorithm != Algorithm::Concurrency
+            && !matches!(self.mode, Mode::Delay { .. })
+            && !self
+                .by
+                .iter()
+                .any(|p| matches!(p, KeyPart::Route | KeyPart::Global))
+    }
 }
 
 impl Route {

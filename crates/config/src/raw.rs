@@ -104,9 +104,8 @@ pub(crate) struct RawRoute {
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawRespond {
     pub status: S<i64>,
-    #[serde(default)]
-    pub body: String,
-    pub content_type: Option<String>,
+    pub body: Option<S<String>>,
+    pub content_type: Option<S<String>>,
 }
 
 #[derive(Debug, Deserialize)]

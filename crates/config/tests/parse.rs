@@ -281,17 +281,46 @@ routes = ["zzz"]
 "#;
     let e = errors(text);
     let expected = [
-        "c.toml:12:8: routes[1].name: \"a\" is already the name of another entry in [[routes]]",
         "c.toml:8:12: routes[0].upstream: \"nope\" is not an upstream (known: \"app\")",
+        "c.toml:12:8: routes[1].name: \"a\" is already the name of another entry in [[routes]]",
         "c.toml:13:8: routes[1].path: \"b\" is not a path (it must start with \"/\" and hold no query, fragment or spaces)",
-        "c.toml:25:8: limits[1].name: \"l\" is already the name of another entry in [[limits]]",
         "c.toml:20:9: limits[0].quota: 0 is not allowed: it must be between 1 and 4294967295",
         "c.toml:22:9: limits[0].burst: 3 is not used: burst applies to token_bucket limits only, not fixed_window",
+        "c.toml:25:8: limits[1].name: \"l\" is already the name of another entry in [[limits]]",
         "c.toml:26:13: limits[1].by[1]: \"cookie\" is not a key part (write \"ip\", \"api_key\", \"route\", \"global\" or \"header:<name>\")",
-        "c.toml:30:11: limits[1].routes[0]: \"zzz\" is not a route (known: \"a\", \"a\")",
         "c.toml:29:8: limits[1].mode: \"delay\" needs max_delay, the longest a request may be held (e.g. max_delay = \"500ms\")",
+        "c.toml:30:11: limits[1].routes[0]: \"zzz\" is not a route (known: \"a\", \"a\")",
     ];
     assert_eq!(e, expected);
+}
+
+/// A problem in one key does not hide the others of its limit or upstream: `sluice check`
+/// lists them in one round, in the file's order.
+#[test]
+fn problems_beside_a_bad_block_for_or_upstream_name_are_reported_too() {
+    let text = r#"
+[upstreams."bad name"]
+url = "notaurl"
+timeout = "zz"
+
+[[limits]]
+name = "l"
+by = "ip"
+quota = 1
+window = "1s"
+block_for = "x"
+max_keys = 0
+"#;
+    assert_eq!(
+        errors(text),
+        [
+            "c.toml:2:12: upstreams.bad name: \"bad name\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')",
+            "c.toml:3:7: upstreams.bad name.url: \"notaurl\" has no scheme (write e.g. \"http://127.0.0.1:3000\")",
+            "c.toml:4:11: upstreams.bad name.timeout: \"zz\" is not a duration (write an integer and a unit: 500ms, 2s, 10m, 1h, 1d)",
+            "c.toml:11:13: limits[0].block_for: \"x\" is not a duration (write an integer and a unit: 500ms, 2s, 10m, 1h, 1d)",
+            "c.toml:12:12: limits[0].max_keys: 0 is not allowed: it must be between 1 and 4294967295",
+        ]
+    );
 }
 
 #[test]
@@ -545,6 +574,11 @@ path = "/empty"
 respond = { status = 204, body = "gone" }
 
 [[routes]]
+name = "typeless"
+path = "/typeless"
+respond = { status = 200, content_type = " " }
+
+[[routes]]
 name = "wild"
 path = "/wild"
 host = "*.example.com"
@@ -569,12 +603,13 @@ routes = ["wild", "wild"]
             "c.toml:5:7: upstreams.b.url: \"http://127.0.0.1:70000\" has a port outside 1 to 65535",
             "c.toml:7:7: upstreams.c.url: \"http://127.0.0.1:0\" has a port outside 1 to 65535",
             "c.toml:11:7: upstreams.e.url: \"http://user:pw@127.0.0.1\" has a user or password: an upstream URL is scheme, host and port only",
-            "c.toml:13:7: upstreams.f.url: \"http://127.0.0.1:+80\" has a port outside 1 to 65535",
+            "c.toml:13:7: upstreams.f.url: \"http://127.0.0.1:+80\" has a port that is not a number",
             "c.toml:15:7: upstreams.g.url: \"http://127.0.0.1:80#x\" has a fragment; an upstream URL is scheme, host and port only",
-            "c.toml:29:8: routes[2].name: \"odd\\nname\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')",
-            "c.toml:20:22: routes[0].respond.body: a 204 response has no body: \"gone\" would never be sent (leave body out)",
-            "c.toml:25:8: routes[1].host: \"*.example.com\": wildcards are not supported; a route matches one host exactly (leave host out for every host)",
-            "c.toml:38:19: limits[0].routes[1]: \"wild\" is listed twice",
+            "c.toml:20:34: routes[0].respond.body: a 204 response has no body: \"gone\" would never be sent (leave body out)",
+            "c.toml:25:42: routes[1].respond.content_type: \" \" is empty (leave content_type out for \"text/plain; charset=utf-8\")",
+            "c.toml:30:8: routes[2].host: \"*.example.com\": wildcards are not supported; a route matches one host exactly (leave host out for every host)",
+            "c.toml:34:8: routes[3].name: \"odd\\nname\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')",
+            "c.toml:43:19: limits[0].routes[1]: \"wild\" is listed twice",
         ]
     );
 }

@@ -49,14 +49,20 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
     };
     let _ = writeln!(out, "routes:");
     for r in &config.routes {
+        // `GET` matches `HEAD` too (docs/configuration.md, `methods`): said where it applies.
         let methods = r.methods.as_ref().map_or("*".to_owned(), |m| {
-            m.iter().map(|m| m.as_str()).collect::<Vec<_>>().join(",")
+            let mut shown: Vec<&str> = m.iter().map(|m| m.as_str()).collect();
+            if shown.contains(&"GET") && !shown.contains(&"HEAD") {
+                shown.push("(HEAD)");
+            }
+            shown.join(",")
         });
         let target = match &r.action {
-            RouteAction::Upstream(i) => format!(
-                "-> {} ({})",
-                config.upstreams[*i].name, config.upstreams[*i].url
-            ),
+            RouteAction::Upstream(i) => {
+                let up = &config.upstreams[*i];
+                let authority = up.url.authority().map_or("", |a| a.as_str());
+                format!("-> {} (http://{authority})", up.name)
+            }
             RouteAction::Respond(resp) => format!("-> respond {}", resp.status.as_u16()),
         };
         let host = r
@@ -82,6 +88,9 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
             (_, None) => l.quota.to_string(),
         };
         let routes = match &l.routes {
+            None if config.gateway.count_unrouted && l.counts_unrouted() => {
+                "all routes and requests no route matches".to_owned()
+            }
             None => "all routes".to_owned(),
             Some(rs) => rs
                 .iter()
@@ -119,17 +128,11 @@ fn key_part(p: &KeyPart) -> String {
     }
 }
 
-/// Applies `--upstream NAME=URL` by re-validating the file with the URL replaced, so an
-/// override is checked exactly like the file.
-pub(crate) fn override_upstreams(
-    config: Config,
-    file: &Path,
-    overrides: &[String],
-) -> Result<Config, ConfigErrors> {
-    if overrides.is_empty() {
-        return Ok(config);
-    }
-    let mut config = config;
+/// Loads `file` with `--upstream NAME=URL` overrides: each override's URL is checked as the
+/// file's are, in place of the file's URL for that upstream (so a placeholder there does not
+/// stop it).
+pub(crate) fn load(file: &Path, overrides: &[String]) -> Result<Config, ConfigErrors> {
+    let mut urls: Vec<(String, String)> = Vec::new();
     let mut errors = Vec::new();
     for o in overrides {
         // Printed as the file's errors are: one line, control characters escaped.
@@ -142,38 +145,16 @@ pub(crate) fn override_upstreams(
             errors.push(err("write NAME=URL, e.g. app=http://127.0.0.1:8000".into()));
             continue;
         };
-        if overrides
-            .iter()
-            .take_while(|earlier| !std::ptr::eq(*earlier, o))
-            .any(|earlier| earlier.split_once('=').is_some_and(|(n, _)| n == name))
-        {
+        if urls.iter().any(|(n, _)| n == name) {
             errors.push(err(format!(
                 "\"{name}\" is given twice: which one was meant?"
             )));
             continue;
         }
-        let Some(up) = config.upstreams.iter_mut().find(|u| u.name == name) else {
-            errors.push(err(format!(
-                "\"{name}\" is not an upstream in {}",
-                file.display()
-            )));
-            continue;
-        };
-        if url.chars().any(|c| c == '"' || c == '\\' || c.is_control()) {
-            errors.push(err(
-                "a URL holds no quote, backslash or control character".into()
-            ));
-            continue;
-        }
-        let probe = format!("[upstreams.x]\nurl = \"{url}\"\n");
-        match sluice_config::parse(&probe, Path::new("--upstream")) {
-            Ok(c) => up.url = c.upstreams[0].url.clone(),
-            Err(e) => errors.push(err(e.0[0].message.clone())),
-        }
+        urls.push((name.to_owned(), url.to_owned()));
     }
-    if errors.is_empty() {
-        Ok(config)
-    } else {
-        Err(ConfigErrors(errors))
+    if !errors.is_empty() {
+        return Err(ConfigErrors(errors));
     }
+    sluice_config::load_with(file, &urls)
 }

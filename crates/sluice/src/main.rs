@@ -80,9 +80,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Check { config, upstream } => match sluice_config::load(&config)
-            .and_then(|c| check::override_upstreams(c, &config, &upstream))
-        {
+        Command::Check { config, upstream } => match check::load(&config, &upstream) {
             Ok(c) => {
                 print!("{}", check::describe(&config, &c));
                 ExitCode::SUCCESS
@@ -98,9 +96,7 @@ fn main() -> ExitCode {
                 eprintln!("sluice: {e}");
                 return ExitCode::from(2);
             }
-            let loaded = match sluice_config::load(&config)
-                .and_then(|c| check::override_upstreams(c, &config, &upstream))
-            {
+            let loaded = match check::load(&config, &upstream) {
                 Ok(c) => c,
                 Err(errors) => return invalid(&errors),
             };

@@ -119,31 +119,37 @@ impl Validator<'_> {
             .block_for
             .as_ref()
             .and_then(|b| self.required_duration(b, &key("block_for")));
-        if let (Some(b), Some(Algorithm::Concurrency)) = (&l.block_for, algorithm) {
-            let msg = format!("\"{}\" is not used: a concurrency slot frees when a request ends, so there is nothing to block", b.get_ref());
-            self.err(Some(b.span()), &key("block_for"), msg);
-            return None;
-        }
-        if l.block_for.is_some() && block_for.is_none() {
-            return None;
-        }
-        let max_keys = match &l.max_keys {
-            Some(m) => self.positive_u32(m, &key("max_keys"))?,
-            None => NonZeroU32::new(1_000_000).expect("not zero"),
+        // Every key is checked before any problem ends the limit, so that `sluice check` lists
+        // them all at once.
+        let block_ok = match (&l.block_for, algorithm) {
+            (Some(b), Some(Algorithm::Concurrency)) => {
+                let msg = format!("\"{}\" is not used: a concurrency slot frees when a request ends, so there is nothing to block", b.get_ref());
+                self.err(Some(b.span()), &key("block_for"), msg);
+                false
+            }
+            (Some(_), _) => block_for.is_some(),
+            (None, _) => true,
         };
-        let algorithm = algorithm?;
-        if algorithm != Algorithm::Concurrency && window.is_none() {
-            return None;
-        }
+        let max_keys = match &l.max_keys {
+            Some(m) => self.positive_u32(m, &key("max_keys")),
+            None => NonZeroU32::new(1_000_000),
+        };
         // A bucket's full refill time is its `w` in `RateLimit-Policy`: beyond the longest
         // duration accepted anywhere, the field could not say it.
-        if let (Algorithm::TokenBucket { burst }, Some(w), Some(q)) = (algorithm, window, quota) {
+        let mut refill_ok = true;
+        if let (Some(Algorithm::TokenBucket { burst }), Some(w), Some(q)) =
+            (algorithm, window, quota)
+        {
             let refill = w.as_nanos() * u128::from(burst.get()) / u128::from(q.get());
             if refill > super::MAX_DURATION.as_nanos() {
                 let span = l.burst.as_ref().map_or(l.quota.span(), |b| b.span());
                 self.err(Some(span), &key(if l.burst.is_some() { "burst" } else { "quota" }), format!("a bucket of {burst} refilled {q} per {} takes more than 36500d (100 years) to fill: lower the burst or shorten the window", l.window.as_ref().map_or("", |w| w.get_ref().as_str())));
-                return None;
+                refill_ok = false;
             }
+        }
+        let algorithm = algorithm?;
+        if !block_ok || !refill_ok || (algorithm != Algorithm::Concurrency && window.is_none()) {
+            return None;
         }
         Some(Limit {
             name: l.name.get_ref().clone(),
@@ -154,7 +160,7 @@ impl Validator<'_> {
             routes,
             mode: mode?,
             block_for,
-            max_keys,
+            max_keys: max_keys?,
         })
     }
 

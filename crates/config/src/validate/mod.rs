@@ -25,14 +25,21 @@ pub(crate) struct Validator<'a> {
     errors: Vec<ConfigError>,
     /// Upstreams declared but refused: routes naming them are not told they do not exist.
     refused_upstreams: Vec<String>,
+    /// `--upstream NAME=URL`: checked in place of the file's URL for `NAME`.
+    url_overrides: &'a [(String, String)],
 }
 
 impl<'a> Validator<'a> {
-    pub(crate) fn new(file: &'a Path, text: &'a str) -> Self {
+    pub(crate) fn new(
+        file: &'a Path,
+        text: &'a str,
+        url_overrides: &'a [(String, String)],
+    ) -> Self {
         Self {
             src: Source::new(file, text),
             errors: Vec::new(),
             refused_upstreams: Vec::new(),
+            url_overrides,
         }
     }
 
@@ -43,6 +50,15 @@ impl<'a> Validator<'a> {
         let identity = self.identity(&raw.identity);
         let responses = self.responses(&raw.responses);
         let upstreams = self.upstreams(&raw.upstreams);
+        for (name, url) in self.url_overrides {
+            if !raw.upstreams.keys().any(|n| n.get_ref() == name) {
+                let message = format!(
+                    "\"{name}\" is not an upstream in {}",
+                    self.src.file().display()
+                );
+                self.err(None, &format!("--upstream {name}={url}"), message);
+            }
+        }
         let routes = self.routes(&raw.routes, &upstreams, gateway.merge_slashes);
         let limits = self.limits(&raw.limits, &raw.routes, &routes);
         let store = self.store(&raw.store);
@@ -61,6 +77,12 @@ impl<'a> Validator<'a> {
                 store,
             })
         } else {
+            // In the file's order, as an editor walks them; those of no place (overrides) last.
+            self.errors.sort_by_key(|e| {
+                e.location
+                    .as_ref()
+                    .map_or((1, 0, 0), |l| (0, l.line, l.column))
+            });
             Err(self.errors)
         }
     }

@@ -229,33 +229,47 @@ impl Validator<'_> {
             | http::StatusCode::NOT_MODIFIED),
         ) = status
         {
-            if !raw.body.is_empty() {
+            if let Some(body) = raw.body.as_ref().filter(|b| !b.get_ref().is_empty()) {
                 self.err(
-                    Some(raw.status.span()),
+                    Some(body.span()),
                     &format!("{key}.body"),
                     format!(
                         "a {} response has no body: \"{}\" would never be sent (leave body out)",
                         s.as_u16(),
-                        raw.body
+                        body.get_ref()
                     ),
                 );
             }
         }
-        let content_type = raw
-            .content_type
-            .clone()
-            .unwrap_or_else(|| "text/plain; charset=utf-8".to_owned());
-        if http::HeaderValue::from_str(&content_type).is_err() {
-            self.err(
-                Some(r.span()),
-                &format!("{key}.content_type"),
-                format!("\"{content_type}\" is not a valid header value"),
-            );
-            return None;
-        }
+        let content_type = match &raw.content_type {
+            Some(c) => {
+                let v = c.get_ref();
+                let problem = if v.trim().is_empty() {
+                    Some("is empty (leave content_type out for \"text/plain; charset=utf-8\")")
+                } else if http::HeaderValue::from_str(v).is_err() {
+                    Some("is not a valid header value")
+                } else {
+                    None
+                };
+                if let Some(problem) = problem {
+                    self.err(
+                        Some(c.span()),
+                        &format!("{key}.content_type"),
+                        format!("\"{v}\" {problem}"),
+                    );
+                    return None;
+                }
+                v.clone()
+            }
+            None => "text/plain; charset=utf-8".to_owned(),
+        };
         Some(RouteAction::Respond(Respond {
             status: status?,
-            body: raw.body.clone(),
+            body: raw
+                .body
+                .as_ref()
+                .map(|b| b.get_ref().clone())
+                .unwrap_or_default(),
             content_type,
         }))
     }

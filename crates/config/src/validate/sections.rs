@@ -350,16 +350,23 @@ impl Validator<'_> {
         let mut out = Vec::with_capacity(raw.len());
         for (name, u) in raw {
             let key = format!("upstreams.{}", name.get_ref());
-            if !super::usable_name(name.get_ref()) {
+            // Its other keys are checked even when the name is refused: every problem at once.
+            let usable = super::usable_name(name.get_ref());
+            if !usable {
                 self.err(
                     Some(name.span()),
                     &key,
                     super::unusable_name(name.get_ref()),
                 );
-                self.refused_upstreams.push(name.get_ref().clone());
-                continue;
             }
-            let url = self.upstream_url(&u.url, &format!("{key}.url"));
+            // An override is checked instead of the file's URL, which it replaces: a template's
+            // placeholder there (`http://app:PORT`) does not stop it.
+            let url = match self.url_overrides.iter().find(|(n, _)| n == name.get_ref()) {
+                Some((n, url)) => self.upstream_url(url, None, &format!("--upstream {n}={url}")),
+                None => {
+                    self.upstream_url(u.url.get_ref(), Some(u.url.span()), &format!("{key}.url"))
+                }
+            };
             let connect_timeout = self.duration(
                 &u.connect_timeout,
                 &format!("{key}.connect_timeout"),
@@ -381,7 +388,7 @@ impl Validator<'_> {
                 .map_or(Some(DEFAULT_IDLE_CONNECTIONS), |v| {
                     self.integer::<u16>(v, &format!("{key}.idle_connections"), 0, 65_535)
                 });
-            let Some(url) = url else {
+            let Some(url) = url.filter(|_| usable) else {
                 self.refused_upstreams.push(name.get_ref().clone());
                 continue;
             };
@@ -397,8 +404,13 @@ impl Validator<'_> {
         out
     }
 
-    fn upstream_url(&mut self, v: &S<String>, key: &str) -> Option<http::Uri> {
-        let s = v.get_ref();
+    /// An upstream's URL `s`, from the file (at `span`) or from `--upstream` (no span).
+    fn upstream_url(
+        &mut self,
+        s: &str,
+        span: Option<Range<usize>>,
+        key: &str,
+    ) -> Option<http::Uri> {
         let uri: Option<http::Uri> = s.parse().ok();
         let authority = uri.as_ref().and_then(|u| u.authority());
         let userinfo = authority.is_some_and(|a| a.as_str().contains('@'));
@@ -415,17 +427,18 @@ impl Validator<'_> {
             Some(u) if u.host().is_none_or(str::is_empty) => "has no host",
             Some(u) if !u.host().is_some_and(crate::host::host_ok) => "has a host that is neither a name (letters, digits, '-' and '.'), a dotted IPv4 address nor a bracketed IPv6 one",
             Some(_) if userinfo => "has a user or password: an upstream URL is scheme, host and port only",
-            Some(_) if port.is_some_and(|p| {
-                !p.bytes().all(|b| b.is_ascii_digit()) || !matches!(p.parse::<u16>(), Ok(1..))
-            }) =>
-            {
+            Some(_) if port == Some("") => "has an empty port (leave out the \":\" for port 80)",
+            Some(_) if port.is_some_and(|p| !p.bytes().all(|b| b.is_ascii_digit())) => {
+                "has a port that is not a number"
+            }
+            Some(_) if port.is_some_and(|p| !matches!(p.parse::<u16>(), Ok(1..))) => {
                 "has a port outside 1 to 65535"
             }
             Some(_) if s.contains('#') => "has a fragment; an upstream URL is scheme, host and port only",
             Some(u) if !matches!(u.path(), "" | "/") || u.query().is_some() => "has a path or query; an upstream URL is scheme, host and port only",
             Some(_) => return uri,
         };
-        self.err(Some(v.span()), key, format!("\"{s}\" {problem}"));
+        self.err(span, key, format!("\"{s}\" {problem}"));
         None
     }
 }

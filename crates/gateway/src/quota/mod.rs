@@ -227,7 +227,7 @@ impl Quota {
                 let mut on_route = RouteLimits::default();
                 for (l, info) in config.limits.iter().zip(&limits) {
                     let applies = if r == unrouted {
-                        config.gateway.count_unrouted && counts_unrouted(l, &info.parts)
+                        config.gateway.count_unrouted && l.counts_unrouted()
                     } else {
                         l.applies_to(r)
                     };
@@ -505,20 +505,6 @@ fn part(p: &KeyPart) -> Part {
             Part::Header(HeaderName::from_bytes(h.as_bytes()).expect("validated header name"))
         }
     }
-}
-
-/// Whether limit `l` (with key parts `parts`) counts requests no route matches: a limit on
-/// every route that counts each caller apart (by IP, API key, header) and refuses. Not one
-/// by `route` (there is none) nor `global` (it guards the upstreams, which a 404 never
-/// reaches: a scanner would spend everyone's quota); not `concurrency` (a 404 is answered at
-/// once); not `delay` (holding a request for a path that does not exist helps nobody).
-fn counts_unrouted(l: &config::Limit, parts: &[Part]) -> bool {
-    l.routes.is_none()
-        && l.algorithm != config::Algorithm::Concurrency
-        && !matches!(l.mode, Mode::Delay { .. })
-        && !parts
-            .iter()
-            .any(|p| matches!(p, Part::Route | Part::Global))
 }
 
 /// The largest cost of the routes `l` applies to, if they cost more than 1 (and `l` counts
