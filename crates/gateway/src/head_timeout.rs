@@ -125,6 +125,11 @@ impl HeadTimeout {
         self.in_flight.load(Ordering::Acquire) > 0
     }
 
+    /// Whether the connection speaks HTTP/2 (its preface was read, or a request said so).
+    pub(crate) fn speaks_http2(&self) -> bool {
+        self.http2.load(Ordering::Relaxed)
+    }
+
     fn is_sending(&self) -> bool {
         self.sending.load(Ordering::Acquire) > 0
     }
@@ -403,6 +408,13 @@ impl<T: AsyncRead> AsyncRead for Counted<T> {
         let before = buf.filled().len();
         let polled = this.io.poll_read(cx, buf);
         if buf.filled().len() > before {
+            // The connection's first bytes say whether it speaks HTTP/2 (its preface), before
+            // any request does: a connection closed for its header timeout is told so.
+            if this.head.moved.load(Ordering::Relaxed) == 0
+                && buf.filled()[before..].starts_with(b"PRI ")
+            {
+                this.head.http2.store(true, Ordering::Relaxed);
+            }
             this.head.note_moved();
         }
         polled

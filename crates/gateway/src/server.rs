@@ -378,10 +378,11 @@ impl Conn {
 const GOODBYE: Duration = Duration::from_secs(1);
 
 /// Serves `conn` until it ends. On shutdown (`drain`), or when no request head arrives within
-/// the header timeout, it is shut down gracefully: an idle HTTP/1.1 connection (or one with
-/// half a head) closes at once, HTTP/2 sends `GOAWAY`; a connection that does not end within
-/// [`GOODBYE`] after its header timeout is dropped, unless a request slipped in just before
-/// the `GOAWAY` (then that request finishes first). Whatever it is doing, a connection that
+/// the header timeout, it is shut down gracefully: an HTTP/1.1 connection without a request
+/// closes at once (one with half a head too, at its header timeout), HTTP/2 sends `GOAWAY`; an
+/// HTTP/2 connection that does not end within [`GOODBYE`] after its header timeout is
+/// dropped, unless a request slipped in just before the `GOAWAY` (then that request finishes
+/// first). Whatever it is doing, a connection that
 /// makes no progress on a response for the send timeout is dropped, and so is one still
 /// running, once shut down, when `cut` resolves (the shutdown grace is over).
 async fn drive<C, E>(
@@ -415,6 +416,15 @@ where
             return conn.await;
         }
         tracing::debug!(%peer, "no request head within header_timeout: closing");
+        if !head.speaks_http2() && !head.is_busy() {
+            // HTTP/1.1 has no goodbye to wait for: hyper closes an idle connection at its next
+            // poll, but would wait on one holding part of a head. Either way it ends now.
+            let once = std::future::poll_fn(|cx| std::task::Poll::Ready(conn.as_mut().poll(cx)));
+            return match once.await {
+                std::task::Poll::Ready(result) => result,
+                std::task::Poll::Pending => Ok(()),
+            };
+        }
         match tokio::time::timeout(GOODBYE, conn.as_mut()).await {
             Ok(result) => result,
             Err(_) if head.is_busy() => conn.await,
@@ -472,9 +482,35 @@ mod tests {
         (HeadTimeout::new(timeouts), Drain::new(), end, conn)
     }
 
+    /// Marks `head`'s connection as HTTP/2, as an earlier request over it would.
+    fn speaking_http2(head: &Arc<HeadTimeout>) {
+        head.begin().http2();
+    }
+
     #[tokio::test(start_paused = true)]
-    async fn an_idle_connection_is_told_to_close_then_dropped_after_the_goodbye() {
+    async fn an_idle_http1_connection_is_closed_at_its_header_timeout() {
         let (head, drain, _end, conn) = setup();
+        tokio::pin!(conn);
+        let told = Cell::new(false);
+        let start = Instant::now();
+        let result = drive(
+            conn,
+            |_| told.set(true),
+            &head,
+            drain.watcher(),
+            pending(),
+            PEER,
+        )
+        .await;
+        assert_eq!(result, Ok(()));
+        assert!(told.get());
+        assert_eq!(start.elapsed(), T, "no goodbye to wait for");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_http2_connection_is_told_to_close_then_dropped_after_the_goodbye() {
+        let (head, drain, _end, conn) = setup();
+        speaking_http2(&head);
         tokio::pin!(conn);
         let told = Cell::new(false);
         let start = Instant::now();
@@ -495,6 +531,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_request_that_slips_in_before_the_goodbye_finishes() {
         let (head, drain, end, conn) = setup();
+        speaking_http2(&head);
         tokio::pin!(conn);
         let start = Instant::now();
         let late = tokio::spawn({
