@@ -90,7 +90,10 @@ async fn client_sending_half_a_head_is_disconnected_after_header_timeout() {
     );
 
     let (closed, _) = closed_after_sending(gw.main, b"", "a silent connection").await;
-    assert!(closed < Duration::from_millis(1200), "closed after {closed:?}");
+    assert!(
+        closed < Duration::from_millis(1200),
+        "closed after {closed:?}"
+    );
     assert_eq!(up.requests(), 0);
 }
 
@@ -315,6 +318,40 @@ async fn held_requests_that_would_outlast_the_grace_get_503_when_draining_starts
     );
     assert!(late.contains("\"policy\":\"server-capacity\""), "{late}");
     assert_eq!(gw.wait_exit(Duration::from_secs(15)).await.code(), Some(0));
+}
+
+/// The access log tells a request whose client left while its upstream had not answered
+/// (`499`, with the time the upstream had taken so far) from one cut because the shutdown
+/// grace ran out (`499` too, nothing having been answered, with `cut = "shutdown"`).
+#[tokio::test]
+async fn the_access_log_tells_a_client_gone_from_a_request_cut_at_shutdown() {
+    let up = MockUpstream::start().await;
+    let mut gw = Sluice::start_with_args(&config(&up.url(), 8, "10s", "1s"), &["--threads", "1"]);
+    sluice_tests::send_and_leave(gw.main, "/hold", "k", Duration::from_millis(300)).await;
+    let left = gw
+        .wait_log("the request whose client left", |v| v["target"] == "access")
+        .await;
+    assert_eq!(left["status"], 499, "{left}");
+    assert!(left.get("cut").is_none(), "{left}");
+    let waited = left["upstream_ms"].as_f64().unwrap_or_default();
+    assert!(
+        waited >= 250.0,
+        "the upstream's wait until the client left: {left}"
+    );
+    let cut = Pending::send(gw.main, "/hold", "k").await;
+    up.wait_holding(2).await;
+    gw.terminate();
+    assert_eq!(gw.wait_exit(Duration::from_secs(10)).await.code(), Some(0));
+    drop(cut);
+    let lines = gw.access_logs();
+    let cut = lines.last().expect("the cut request's line");
+    assert_eq!(cut["status"], 499, "{cut}");
+    assert_eq!(cut["cut"], "shutdown", "{cut}");
+    assert!(
+        cut["upstream_ms"].as_f64().unwrap_or_default() >= 900.0,
+        "{cut}"
+    );
+    up.release(2);
 }
 
 /// `max_connections`: at the cap the gateway stops accepting, so a new connection waits in the

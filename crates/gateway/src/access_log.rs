@@ -7,6 +7,7 @@ use std::sync::Arc;
 use http::{HeaderValue, Method, Request, StatusCode, Uri};
 use tokio::time::Instant;
 
+use crate::capacity::Capacity;
 use crate::quota::{Outcome, Quota};
 
 /// What the access-log line will say about one request. Logged on drop. Inert when access
@@ -28,9 +29,15 @@ struct Line {
     policy: Option<Arc<str>>,
     status: Option<StatusCode>,
     start: Instant,
+    /// When the request went to its upstream, in ms after `start`.
+    upstream_start: Option<f64>,
+    /// How long the upstream took to answer its head.
     upstream_ms: Option<f64>,
     bytes: u64,
     body_failed: bool,
+    /// Tells whether the request was cut at the end of the shutdown grace (see
+    /// [`AccessLog::watch_cut`]).
+    cut: Option<Capacity>,
 }
 
 impl AccessLog {
@@ -49,9 +56,11 @@ impl AccessLog {
             policy: None,
             status: None,
             start: Instant::now(),
+            upstream_start: None,
             upstream_ms: None,
             bytes: 0,
             body_failed: false,
+            cut: None,
         })))
     }
 
@@ -112,16 +121,25 @@ impl AccessLog {
     /// Marks the moment the request goes to its upstream (after any `delay` hold).
     pub(crate) fn upstream_start(&mut self) {
         if let Some(l) = &mut self.0 {
-            l.upstream_ms = Some(ms_since(l.start));
+            l.upstream_start = Some(ms_since(l.start));
         }
     }
 
     /// Marks the moment the upstream's response head arrived: `upstream_ms` is the time since
-    /// [`AccessLog::upstream_start`].
+    /// [`AccessLog::upstream_start`]. A request that ends before (its client gone, say) is
+    /// logged with the time it waited.
     pub(crate) fn upstream_done(&mut self) {
         if let Some(l) = &mut self.0 {
-            let before = l.upstream_ms.unwrap_or(0.0);
+            let before = l.upstream_start.unwrap_or(0.0);
             l.upstream_ms = Some(ms_since(l.start) - before);
+        }
+    }
+
+    /// Lets the line say `cut = "shutdown"` when the request ends because the shutdown grace
+    /// ran out (not because its client left).
+    pub(crate) fn watch_cut(&mut self, capacity: &Capacity) {
+        if let Some(l) = &mut self.0 {
+            l.cut = Some(capacity.clone());
         }
     }
 
@@ -141,8 +159,13 @@ impl AccessLog {
 impl Drop for AccessLog {
     fn drop(&mut self) {
         let Some(l) = &self.0 else { return };
-        // 499: the client went away before a response head was sent (nginx's convention).
+        // 499: the client went away before a response head was sent (nginx's convention), or
+        // the request was cut at the end of the shutdown grace (said by `cut`).
         let status = l.status.map_or(499, |s| s.as_u16());
+        let upstream_ms = l
+            .upstream_ms
+            .or_else(|| l.upstream_start.map(|s| ms_since(l.start) - s));
+        let cut = l.cut.as_ref().filter(|c| c.is_cut()).map(|_| "shutdown");
         tracing::info!(
             target: "access",
             method = %l.method,
@@ -154,10 +177,11 @@ impl Drop for AccessLog {
             status,
             client = %l.client,
             request_id = l.request_id.to_str().unwrap_or("-"),
-            upstream_ms = l.upstream_ms,
+            upstream_ms,
             total_ms = ms_since(l.start),
             bytes = l.bytes,
             body_failed = l.body_failed,
+            cut,
             "request"
         );
     }

@@ -6,8 +6,8 @@ use std::sync::{Arc, OnceLock};
 
 use tokio::time::Instant;
 
-/// Counts in-flight requests against `max_in_flight`.
-#[derive(Debug)]
+/// Counts in-flight requests against `max_in_flight`. Clones share the counts.
+#[derive(Debug, Clone)]
 pub(crate) struct Capacity {
     inner: Arc<Inner>,
 }
@@ -145,6 +145,11 @@ impl Capacity {
     pub(crate) fn cut(&self) {
         self.inner.cut.store(true, Ordering::Release);
         self.inner.cut_now.notify_waiters();
+    }
+
+    /// Whether [`Capacity::cut`] has been called.
+    pub(crate) fn is_cut(&self) -> bool {
+        self.inner.cut.load(Ordering::Acquire)
     }
 
     /// Resolves once [`Capacity::cut`] has been called. A waiter locks the notifier's list

@@ -161,6 +161,7 @@ pub(crate) async fn handle(
     req.headers_mut().reserve(3);
     let request_id = shared.ids.ensure(req.headers_mut());
     let mut log = AccessLog::start(&req, peer.ip, &request_id);
+    log.watch_cut(&shared.capacity);
     // Not boxed: hyper keeps each connection's service future in one box it reuses, so the
     // walk's state (~4.5 KiB) is copied into it once per request; a box of our own cost an
     // allocation and a free of that size on top (1,660 instructions per forwarded request).
