@@ -60,6 +60,29 @@ pub fn route_key(normal: &str, merge_slashes: bool) -> Cow<'_, str> {
     }
 }
 
+/// Why a request's path is refused (400).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BadPath {
+    /// A `%` not followed by two hexadecimal digits ([`MalformedPath`]).
+    Malformed,
+    /// A segment that climbs only once reinterpreted: see [`is_ambiguous`].
+    Ambiguous,
+}
+
+/// A request's path in normal form ([`normalize`]), or why it is refused: malformed, or
+/// [`is_ambiguous`]. One pass over the usual path, which needs neither step.
+pub fn normalize_request(path: &str, merge_slashes: bool) -> Result<Cow<'_, str>, BadPath> {
+    // A plain path has no `%`, `\\` or segment starting with `.`: none can become `..`.
+    if !path.starts_with('/') || is_plain(path, merge_slashes) {
+        return Ok(Cow::Borrowed(path));
+    }
+    let normal = normalize(path, merge_slashes).map_err(|MalformedPath| BadPath::Malformed)?;
+    if is_ambiguous(&normal) {
+        return Err(BadPath::Ambiguous);
+    }
+    Ok(normal)
+}
+
 /// Whether `normal` (a path in normal form) holds a segment that becomes `..` only once
 /// escaped slashes or backslashes are read as `/` or segment parameters are dropped (`..;x`,
 /// `..%2F`, `%5C..`). Servers disagree about which resource such a path names: a Java
@@ -78,13 +101,14 @@ pub fn is_ambiguous(normal: &str) -> bool {
         .any(|segment| segment.split(';').next() == Some(".."))
 }
 
-/// Whether `path` holds nothing [`normalize`] would change: no `%`, no byte outside ASCII, no
-/// segment starting with `.`, and (when merging) no `//`. One pass, no allocation: most
-/// paths take only this.
+/// Whether `path` holds nothing [`normalize`] would change and nothing [`is_ambiguous`]
+/// could find: no `%`, no `\\`, no byte outside ASCII, no segment starting with `.`, and (when
+/// merging) no `//`. One pass, no allocation: most paths take only this.
 fn is_plain(path: &str, merge_slashes: bool) -> bool {
     let mut after_slash = false;
     for &b in path.as_bytes() {
         if b == b'%'
+            || b == b'\\'
             || !b.is_ascii()
             || (after_slash && (b == b'.' || (merge_slashes && b == b'/')))
         {
@@ -285,6 +309,27 @@ mod tests {
             let normal = n(p);
             assert!(!is_ambiguous(&normal), "{p} -> {normal}");
         }
+    }
+
+    #[test]
+    fn a_request_path_is_normalized_or_refused_in_one_call() {
+        assert!(matches!(
+            normalize_request("/v1/search", true),
+            Ok(Cow::Borrowed(_))
+        ));
+        assert_eq!(
+            normalize_request("/v1/./search", true).unwrap(),
+            "/v1/search"
+        );
+        assert_eq!(normalize_request("/v1/%zz", true), Err(BadPath::Malformed));
+        // A backslash takes the slow path: it may hide a dot segment.
+        for p in ["/v1/search\\..\\x", "/v1/search/..;x", "/v1/search/..%2fx"] {
+            assert_eq!(normalize_request(p, true), Err(BadPath::Ambiguous), "{p}");
+        }
+        assert_eq!(
+            normalize_request("/v1\\search", true).unwrap(),
+            "/v1\\search"
+        );
     }
 
     #[test]

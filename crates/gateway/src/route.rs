@@ -5,32 +5,19 @@ use std::borrow::Cow;
 
 use http::uri::PathAndQuery;
 use http::{Request, Uri};
-use sluice_config::path::{is_ambiguous, normalize, route_key, MalformedPath};
+use sluice_config::path::{normalize_request, route_key, BadPath};
 use sluice_config::Route;
 
 use crate::problem::Problem;
-
-/// Why a request's path is refused (400).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum BadPath {
-    /// A `%` not followed by two hexadecimal digits.
-    Malformed,
-    /// A segment that climbs (`..`) only once reinterpreted: see
-    /// [`sluice_config::path::is_ambiguous`].
-    Ambiguous,
-}
 
 /// Rewrites `req`'s path in normal form (see [`sluice_config::path`]), so that it is matched
 /// and forwarded as one; the query is kept as it came. A path that cannot be brought to it
 /// (a malformed `%` escape), or whose resource servers disagree about, is the caller's error:
 /// see [`bad_path`].
 pub(crate) fn normalize_path<B>(req: &mut Request<B>, merge_slashes: bool) -> Result<(), BadPath> {
-    let path = match normalize(req.uri().path(), merge_slashes) {
-        Err(MalformedPath) => return Err(BadPath::Malformed),
-        Ok(Cow::Borrowed(path)) if is_ambiguous(path) => return Err(BadPath::Ambiguous),
-        Ok(Cow::Borrowed(_)) => return Ok(()),
-        Ok(Cow::Owned(path)) if is_ambiguous(&path) => return Err(BadPath::Ambiguous),
-        Ok(Cow::Owned(path)) => path,
+    let path = match normalize_request(req.uri().path(), merge_slashes)? {
+        Cow::Borrowed(_) => return Ok(()),
+        Cow::Owned(path) => path,
     };
     let uri = req.uri();
     let target = match uri.query() {
