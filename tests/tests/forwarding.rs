@@ -316,8 +316,12 @@ async fn connect_is_answered_405_and_not_forwarded() {
     let up = MockUpstream::start().await;
     let gw = Sluice::start(&config(&up.url(), "5s"));
     let mut conn = tokio::net::TcpStream::connect(gw.main).await.unwrap();
-    for target in ["/api/x", "example.com:443"] {
-        let ask = format!("CONNECT {target} HTTP/1.1\r\nHost: example.com:443\r\n\r\n");
+    for (method, target) in [
+        ("CONNECT", "/api/x"),
+        ("CONNECT", "example.com:443"),
+        ("connect", "/api/x"),
+    ] {
+        let ask = format!("{method} {target} HTTP/1.1\r\nHost: example.com:443\r\n\r\n");
         conn.write_all(ask.as_bytes()).await.unwrap();
         let mut answer = Vec::new();
         while !String::from_utf8_lossy(&answer).contains("}") {

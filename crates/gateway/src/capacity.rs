@@ -1,8 +1,11 @@
 //! The capacity step: how much admitted work is unfinished, and whether the gateway is full
 //! or draining. Readiness reads the same numbers, so it fails exactly when admissions would.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use tokio::task::AbortHandle;
 
 use tokio::time::Instant;
 
@@ -29,6 +32,26 @@ struct Inner {
     /// Set, and its waiters woken, when the grace has ended with work still running.
     cut: AtomicBool,
     cut_now: tokio::sync::Notify,
+    /// Open tunnels, aborted by a cut: a tunnel does not poll for the cut on its every wake.
+    tunnels: Mutex<HashMap<u64, AbortHandle>>,
+    next_tunnel: AtomicU64,
+}
+
+/// An open tunnel's entry among [`Capacity`]'s, removed when the tunnel's task drops it.
+#[derive(Debug)]
+pub(crate) struct TunnelEntry {
+    inner: Arc<Inner>,
+    id: u64,
+}
+
+impl Drop for TunnelEntry {
+    fn drop(&mut self) {
+        self.inner
+            .tunnels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.id);
+    }
 }
 
 /// A held request's place among `max_held`; given back when dropped.
@@ -62,6 +85,8 @@ impl Capacity {
                 max_held,
                 cut: AtomicBool::new(false),
                 cut_now: tokio::sync::Notify::new(),
+                tunnels: Mutex::new(HashMap::new()),
+                next_tunnel: AtomicU64::new(0),
             }),
         }
     }
@@ -145,6 +170,33 @@ impl Capacity {
     pub(crate) fn cut(&self) {
         self.inner.cut.store(true, Ordering::Release);
         self.inner.cut_now.notify_waiters();
+        let tunnels =
+            std::mem::take(&mut *self.inner.tunnels.lock().unwrap_or_else(|e| e.into_inner()));
+        for tunnel in tunnels.into_values() {
+            tunnel.abort();
+        }
+    }
+
+    /// An entry for a tunnel about to be spawned: the task keeps it, and
+    /// [`Capacity::track_tunnel`] gives it the task's handle, for a cut to abort.
+    pub(crate) fn tunnel_entry(&self) -> TunnelEntry {
+        TunnelEntry {
+            inner: Arc::clone(&self.inner),
+            id: self.inner.next_tunnel.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// Tracks the tunnel task of entry `id` (its [`TunnelEntry::id`]). Called right after
+    /// the spawn, on the spawning thread's single-threaded runtime, so before the task first
+    /// runs (and drops its entry, if it ends at once). A tunnel spawned after a cut is
+    /// aborted at once.
+    pub(crate) fn track_tunnel(&self, id: u64, task: AbortHandle) {
+        let mut tunnels = self.inner.tunnels.lock().unwrap_or_else(|e| e.into_inner());
+        if self.is_cut() {
+            task.abort();
+        } else {
+            tunnels.insert(id, task);
+        }
     }
 
     /// Whether [`Capacity::cut`] has been called.
@@ -153,7 +205,8 @@ impl Capacity {
     }
 
     /// Resolves once [`Capacity::cut`] has been called. A waiter locks the notifier's list
-    /// when polled: for draining connections and open tunnels, never per request.
+    /// when polled: for draining connections only, never per request (tunnels, which live
+    /// long and wake on every byte, are aborted instead).
     pub(crate) async fn cut_off(&self) {
         loop {
             // Registered before the check, so a cut in between still wakes it.
@@ -180,6 +233,12 @@ impl Capacity {
             }
             released.await;
         }
+    }
+}
+
+impl TunnelEntry {
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 }
 
@@ -233,6 +292,35 @@ mod tests {
             .await
             .expect("drained once the last slot went")
             .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_cut_aborts_the_tracked_tunnels_and_an_ended_one_leaves_no_entry() {
+        let cap = Capacity::new(2);
+        let spawn = |cap: &Capacity| {
+            let entry = cap.tunnel_entry();
+            let id = entry.id();
+            let task = tokio::spawn(async move {
+                let _entry = entry;
+                std::future::pending::<()>().await;
+            });
+            cap.track_tunnel(id, task.abort_handle());
+            task
+        };
+        let (open, ended) = (spawn(&cap), spawn(&cap));
+        ended.abort();
+        assert!(ended.await.unwrap_err().is_cancelled());
+        assert_eq!(
+            cap.inner.tunnels.lock().unwrap().len(),
+            1,
+            "the ended one's entry went"
+        );
+        cap.cut();
+        assert!(open.await.unwrap_err().is_cancelled(), "aborted by the cut");
+        // One spawned after the cut does not outlive it.
+        let late = spawn(&cap);
+        assert!(late.await.unwrap_err().is_cancelled());
+        assert!(cap.inner.tunnels.lock().unwrap().is_empty());
     }
 
     #[tokio::test]

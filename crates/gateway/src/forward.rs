@@ -871,6 +871,8 @@ pub(crate) fn prepare_request<B>(
     let lookalike_lengths = identity_headers
         .iter()
         .fold(WRITTEN_LENGTHS, |m, h| m | length_bit(h.as_str().len()));
+    // A configured name with `_` (`header:x_custom`) has lookalikes without one.
+    let underscored = identity_headers.iter().any(|h| has_underscore(h.as_str()));
     for name in headers.keys() {
         match name.as_str() {
             "x-forwarded-for" => xff_sent = true,
@@ -878,8 +880,8 @@ pub(crate) fn prepare_request<B>(
             "x-forwarded-host" | "forwarded" | "x-real-ip" => spoofable = true,
             "x-request-id" => {}
             other => {
-                underscores |=
-                    lookalike_lengths & length_bit(other.len()) != 0 && has_underscore(other);
+                underscores |= lookalike_lengths & length_bit(other.len()) != 0
+                    && (underscored || has_underscore(other));
             }
         }
     }
@@ -977,26 +979,30 @@ const fn length_bit(len: usize) -> u64 {
     1 << if len < 63 { len } else { 63 }
 }
 
-/// Removes the fields whose names spell, with `_` for `-`, one the gateway identifies callers
-/// by (`identity`) or writes for the upstream (`X-Forwarded-*`, `X-Real-IP`, `X-Request-Id`),
-/// without being it: `X_Api_Key`, `X_Forwarded_For`. CGI-style servers (Python's WSGI
-/// servers, Rack, PHP) read both spellings as one variable (`HTTP_X_API_KEY`), so such a
-/// field would carry a key the gateway did not count by, or an address or host it did not
-/// write; nginx drops names with underscores for the same reason (`underscores_in_headers`).
-/// Other names with underscores go on as they came.
+/// Removes the fields whose names spell, with `_` and `-` taken as one, a name the gateway
+/// identifies callers by (`identity`) or writes for the upstream (`X-Forwarded-*`,
+/// `X-Real-IP`, `X-Request-Id`), without being it: `X_Api_Key`, `X_Forwarded_For`, or
+/// `x-custom` when `header:x_custom` is configured. CGI-style servers (Python's WSGI servers,
+/// Rack, PHP) read both spellings as one variable (`HTTP_X_API_KEY`), so such a field would
+/// carry a key the gateway did not count by, or an address or host it did not write; nginx
+/// drops names with underscores for the same reason (`underscores_in_headers`). The names
+/// themselves, and other names with underscores, go on as they came.
 fn drop_lookalikes(headers: &mut HeaderMap, identity: &[HeaderName]) {
+    let fold = |b: u8| if b == b'_' { b'-' } else { b };
     let spells = |name: &str, other: &str| {
-        name.len() == other.len()
+        name != other
+            && name.len() == other.len()
             && name
                 .bytes()
                 .zip(other.bytes())
-                .all(|(a, b)| a == b || (a == b'_' && b == b'-'))
+                .all(|(a, b)| fold(a) == fold(b))
     };
     let lookalikes: Vec<HeaderName> = headers
         .keys()
         .filter(|name| {
             let name = name.as_str();
-            name.contains('_')
+            let real = WRITTEN.contains(&name) || identity.iter().any(|h| h.as_str() == name);
+            !real
                 && (WRITTEN.iter().any(|w| spells(name, w))
                     || identity.iter().any(|h| spells(name, h.as_str())))
         })
@@ -1646,6 +1652,22 @@ mod tests {
                 "trusted: {trusted}"
             );
         }
+        // A configured name with an underscore is forwarded; its spelling with `-` is not,
+        // nor a spelling that mixes the two.
+        let identity = [HeaderName::from_static("x_custom_key")];
+        let mut req = Request::builder()
+            .uri("/")
+            .header("x_custom_key", "k1")
+            .header("x-custom-key", "k2")
+            .header("x-custom_key", "k3")
+            .header("x-other", "kept")
+            .body(())
+            .unwrap();
+        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &identity);
+        let h = req.headers();
+        assert_eq!(h["x_custom_key"], "k1");
+        assert!(!h.contains_key("x-custom-key") && !h.contains_key("x-custom_key"));
+        assert_eq!(h["x-other"], "kept");
         // A name of any length: those from 63 bytes on share one bit of the length filter.
         let long = format!("x-{}", "k".repeat(80));
         let identity = [HeaderName::from_bytes(long.as_bytes()).unwrap()];

@@ -168,7 +168,6 @@ pub(crate) async fn handle(
     // Written inline rather than as a function of its own: an inner future was one more
     // place the request and the response were copied through.
     let mut res = {
-        let owner = &shared; // for a tunnel, which outlives the request
         let (shared, peer, log) = (&*shared, &peer, &mut log);
         let mut req = req;
         'walk: {
@@ -180,7 +179,9 @@ pub(crate) async fn handle(
                 break 'walk Problem::head_too_large(MAX_HEAD_BYTES, MAX_HEADERS)
                     .into_response(&shared.problem_base);
             }
-            if req.method() == http::Method::CONNECT {
+            // In any case: some servers take `connect` for `CONNECT`, as route methods are
+            // matched (docs/configuration.md, `methods`).
+            if req.method().as_str().eq_ignore_ascii_case("CONNECT") {
                 let mut res = Problem::connect_not_allowed().into_response(&shared.problem_base);
                 let allow = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
                 res.headers_mut()
@@ -245,7 +246,7 @@ pub(crate) async fn handle(
                     break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
                 }
             };
-            if let Some((name, why)) = shared.quota.bad_key_header(req.headers()) {
+            if let Some((name, why)) = shared.quota.bad_key_header(req.headers(), index) {
                 let detail = match why {
                     KeyHeader::Twice => format!("The request carries the {name} header twice with different values, and a limit counts callers by it. Send it once."),
                     KeyHeader::NotAscii => format!("The {name} header, which a limit counts callers by, has a byte outside ASCII. Send it in ASCII."),
@@ -337,17 +338,14 @@ pub(crate) async fn handle(
                             advertise(shared, index, res.headers_mut(), &reports, cost);
                             let hold = (pass.slot, pass.held, busy.take_room());
                             let idle = shared.upstreams[*u].tunnel_idle_timeout();
-                            let cut = {
-                                let shared = Arc::clone(owner);
-                                async move { shared.capacity.cut_off().await }
-                            };
-                            tokio::spawn(crate::tunnel::splice(
-                                client_side,
-                                upstream_side,
-                                idle,
-                                hold,
-                                cut,
-                            ));
+                            // Tracked, for a cut at the end of the shutdown grace to end it.
+                            let entry = shared.capacity.tunnel_entry();
+                            let id = entry.id();
+                            let task = tokio::spawn(async move {
+                                let _entry = entry;
+                                crate::tunnel::splice(client_side, upstream_side, idle, hold).await;
+                            });
+                            shared.capacity.track_tunnel(id, task.abort_handle());
                             break 'walk res;
                         }
                         (Ok(res), None) if res.status() == StatusCode::SWITCHING_PROTOCOLS => {

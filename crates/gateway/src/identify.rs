@@ -218,6 +218,9 @@ fn query_params<'q>(query: &'q str, name: &'q str) -> impl Iterator<Item = Vec<u
     })
 }
 
+/// `%XX` escapes decoded; `+` stays `+`. Servers that form-decode read it as a space, others
+/// as `+`: a key taken as `+` is counted under one name whichever they do (its spelling with
+/// `%20` has a space, and is refused), and a base64 key pasted unescaped still counts.
 fn percent_decode(s: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(s.len());
     let mut i = 0;
@@ -231,10 +234,6 @@ fn percent_decode(s: &[u8]) -> Vec<u8> {
             (b'%', Some(h), Some(l)) => {
                 out.push((h * 16 + l) as u8);
                 i += 3;
-            }
-            (b'+', _, _) => {
-                out.push(b' ');
-                i += 1;
             }
             (b, _, _) => {
                 out.push(b);
@@ -507,6 +506,13 @@ mod tests {
         }
         let h = headers(&[("authorization", "Bearer tok en")]);
         assert_eq!(id.api_key(&h, &root), Err(KeyError::Unreadable));
+        // A base64 key pasted unescaped keeps its `+`.
+        let uri: Uri = "/x?api_key=abc+def=".parse().unwrap();
+        let none = HeaderMap::new();
+        assert_eq!(
+            id.api_key(&none, &uri).unwrap().as_deref(),
+            Some(&b"abc+def="[..])
+        );
         for query in ["/x?api_key=k%20", "/x?api_key=k%A0", "/x?api_key=%00k"] {
             let uri: Uri = query.parse().unwrap();
             let none = HeaderMap::new();

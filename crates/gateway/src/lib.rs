@@ -229,14 +229,15 @@ impl Gateway {
         .await;
         let _ = stop_workers.send(true);
         let deadline = tokio::time::Instant::now() + shutdown_grace;
-        let in_flight = shared.capacity.in_flight();
-        let mut finished = wind_down(graceful, &shared, deadline).await;
+        let cut = wind_down(graceful, &shared, deadline).await;
+        let mut finished = cut.is_none();
         for worker in workers {
             finished &= worker.await.unwrap_or(false);
         }
         if !finished {
+            // Counted at the cut (every thread's cut comes within moments of this one's).
             tracing::warn!(
-                in_flight,
+                in_flight = cut.unwrap_or_default(),
                 "shutdown grace ran out; the requests still running were cut"
             );
         }
@@ -292,7 +293,7 @@ impl Worker {
         let (shared, timeouts) = (self.shared, self.timeouts);
         serve_handed(self.handed, shared.clone(), timeouts, &graceful, stopped).await;
         let deadline = tokio::time::Instant::now() + self.shutdown_grace;
-        wind_down(graceful, &shared, deadline).await
+        wind_down(graceful, &shared, deadline).await.is_none()
     }
 }
 
@@ -302,8 +303,13 @@ impl Worker {
 /// waited for, which is simpler and no longer than the grace). What still runs then is cut
 /// while this thread's runtime still runs, so that its requests' releases of shared-store
 /// leases start; then the writes to the shared store its requests started are waited for,
-/// until [`settle_until`]. Returns whether everything finished within the grace.
-async fn wind_down(graceful: Drain, shared: &Shared, deadline: tokio::time::Instant) -> bool {
+/// until [`settle_until`]. Returns `None` if everything finished within the grace, or how many
+/// requests were in flight (over every thread) when it was cut.
+async fn wind_down(
+    graceful: Drain,
+    shared: &Shared,
+    deadline: tokio::time::Instant,
+) -> Option<usize> {
     let connections = graceful.shutdown();
     tokio::pin!(connections);
     let closed = tokio::time::timeout_at(deadline, connections.as_mut())
@@ -314,6 +320,7 @@ async fn wind_down(graceful: Drain, shared: &Shared, deadline: tokio::time::Inst
             .await
             .is_ok();
     let until = settle_until(deadline);
+    let cut = (!finished).then(|| shared.capacity.in_flight());
     if !finished {
         shared.capacity.cut();
         // The cut connections end at their next poll, HTTP/2 streams when their connection
@@ -324,7 +331,7 @@ async fn wind_down(graceful: Drain, shared: &Shared, deadline: tokio::time::Inst
         let _ = tokio::time::timeout_at(until, shared.capacity.drained()).await;
     }
     shared.quota.settle(until).await;
-    finished
+    cut
 }
 
 /// Until when a stopping thread waits for the releases and withdrawals its last requests

@@ -26,14 +26,14 @@ use crate::capacity::InFlight;
 use crate::quota::Held;
 use crate::server::Room;
 
-/// Splices the two sides once both have switched; `hold` is released when the tunnel ends,
-/// at the latest when `cut` resolves (the shutdown grace is over).
+/// Splices the two sides once both have switched; `hold` is released when the tunnel ends
+/// (or its task is aborted, as a cut at the end of the shutdown grace does: see
+/// [`crate::capacity::Capacity::track_tunnel`]).
 pub(crate) async fn splice(
     client: OnUpgrade,
     upstream: OnUpgrade,
     idle_timeout: Duration,
     hold: (InFlight, Held, Option<Room>),
-    cut: impl std::future::Future<Output = ()>,
 ) {
     let (client, upstream) = match tokio::try_join!(client, upstream) {
         Ok(both) => both,
@@ -53,7 +53,6 @@ pub(crate) async fn splice(
         () = activity.idle_for(idle_timeout) => {
             tracing::debug!(idle_ms = idle_timeout.as_millis() as u64, "idle tunnel closed");
         }
-        () = cut => tracing::debug!("the shutdown grace is over: tunnel closed"),
     }
     drop(hold);
 }

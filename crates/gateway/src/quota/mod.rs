@@ -292,22 +292,47 @@ impl Quota {
     /// one with two API keys is: the limit would count the first value, and an upstream may
     /// read the last; and servers trim such bytes differently (Python's `str.strip()` takes a
     /// trailing `\xa0` off), so one caller could be counted as many.
-    pub(crate) fn bad_key_header(&self, headers: &HeaderMap) -> Option<(&HeaderName, KeyHeader)> {
-        self.key_headers.iter().find_map(|h| {
-            let mut values = header_values(headers, h);
-            let first = values.next()?;
-            let mut why = None;
-            for v in std::iter::once(first).chain(values) {
-                if !v.is_ascii() {
-                    why = Some(KeyHeader::NotAscii);
-                    break;
+    /// Only the headers of limits on `route` (as [`Caller::route`]) are looked at: a header
+    /// that no limit there counts by is the upstream's business.
+    pub(crate) fn bad_key_header(
+        &self,
+        headers: &HeaderMap,
+        route: usize,
+    ) -> Option<(&HeaderName, KeyHeader)> {
+        if self.key_headers.is_empty() {
+            return None;
+        }
+        let on_route = &self.by_route[route];
+        let counted = |h: &HeaderName| {
+            on_route
+                .enforced
+                .iter()
+                .chain(&on_route.dry_run)
+                .any(|(id, _)| {
+                    self.limits[id.index()]
+                        .parts
+                        .iter()
+                        .any(|p| matches!(p, Part::Header(n) if n == h))
+                })
+        };
+        self.key_headers
+            .iter()
+            .filter(|h| counted(h))
+            .find_map(|h| {
+                let mut values = header_values(headers, h);
+                let first = values.next()?;
+                let mut why = None;
+                for v in std::iter::once(first).chain(values) {
+                    if !v.is_ascii() {
+                        why = Some(KeyHeader::NotAscii);
+                        break;
+                    }
+                    if v != first {
+                        why = Some(KeyHeader::Twice);
+                    }
                 }
-                if v != first {
-                    why = Some(KeyHeader::Twice);
-                }
-            }
-            why.map(|why| (h, why))
-        })
+                why.map(|why| (h, why))
+            })
     }
 
     pub(crate) fn info(&self, id: LimitId) -> &LimitInfo {
@@ -619,9 +644,11 @@ mode = "dry_run"
 
     #[tokio::test]
     async fn a_key_header_sent_twice_with_different_values_is_found() {
+        // Both limits on route "one" only; "two" and unrouted requests are not counted by them.
         let config = format!(
-            "{ROUTE_ONE}[[limits]]\nname = \"t\"\nby = [\"header:x-tenant\", \"ip\"]\nquota = 1\nwindow = \"1s\"\n\
-             [[limits]]\nname = \"u\"\nby = \"header:X-Tenant\"\nquota = 1\nwindow = \"1s\"\n"
+            "{ROUTE_ONE}[[routes]]\nname = \"two\"\npath = \"/two\"\nupstream = \"app\"\n\
+             [[limits]]\nname = \"t\"\nby = [\"header:x-tenant\", \"ip\"]\nquota = 1\nwindow = \"1s\"\nroutes = [\"one\"]\n\
+             [[limits]]\nname = \"u\"\nby = \"header:X-Tenant\"\nquota = 1\nwindow = \"1s\"\nroutes = [\"one\"]\n"
         );
         let config = sluice_config::parse(&config, "test.toml".as_ref()).unwrap();
         let quota = Quota::new(&config, Arc::new(SystemClock::new()))
@@ -640,7 +667,7 @@ mode = "dry_run"
             h.append("x-other", "2".parse().unwrap());
             h
         };
-        let found = quota.bad_key_header(&headers(&["a", "b"]));
+        let found = quota.bad_key_header(&headers(&["a", "b"]), 0);
         assert_eq!(
             found.map(|(h, why)| (h.as_str(), why)),
             Some(("x-tenant", KeyHeader::Twice))
@@ -648,7 +675,7 @@ mode = "dry_run"
         // A byte outside ASCII (here U+00A0, which Python's `str.strip()` would take off the
         // end, so that every such spelling were one caller upstream and many here).
         for not_ascii in [&["a\u{a0}"][..], &["a", "a\u{a0}"], &["\u{a0}a", "a"]] {
-            let found = quota.bad_key_header(&headers(not_ascii));
+            let found = quota.bad_key_header(&headers(not_ascii), 0);
             assert_eq!(
                 found.map(|(_, why)| why),
                 Some(KeyHeader::NotAscii),
@@ -663,7 +690,14 @@ mode = "dry_run"
             &["", " a "],
             &["a b"],
         ] {
-            assert_eq!(quota.bad_key_header(&headers(fine)), None, "{fine:?}");
+            assert_eq!(quota.bad_key_header(&headers(fine), 0), None, "{fine:?}");
+        }
+        // Where no limit counts by the header, it is the upstream's business.
+        for elsewhere in [1, quota.unrouted()] {
+            let twice = headers(&["a", "b"]);
+            assert_eq!(quota.bad_key_header(&twice, elsewhere), None);
+            let not_ascii = headers(&["a\u{a0}"]);
+            assert_eq!(quota.bad_key_header(&not_ascii, elsewhere), None);
         }
         // An empty value is no value, as an empty API key is no key: such a request is outside
         // both limits, not in one bucket with every caller who sends the header empty.

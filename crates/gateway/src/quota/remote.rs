@@ -149,8 +149,9 @@ impl Remote {
                 // A request's own key holding foreign data is not the store failing: Redis
                 // answered.
                 if e.is_store_failure() {
-                    self.breaker.failure(gate == Gate::Probe);
+                    // Said before the failure counts, so that the circuit it may open has it.
                     *self.last_failure.lock().unwrap_or_else(|e| e.into_inner()) = e.to_string();
+                    self.breaker.failure(gate == Gate::Probe);
                 } else {
                     self.breaker.success();
                 }
