@@ -332,6 +332,17 @@ fn cost_larger_than_burst_is_refused() {
 }
 
 #[test]
+fn a_body_rate_grace_without_a_body_rate_is_refused() {
+    let text = shipped_with(
+        "[gateway]\n",
+        "[gateway]\nmin_body_rate = \"0B\"\nmin_body_rate_grace = \"1h\"\n",
+    );
+    let e = errors(&text);
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert!(e[0].ends_with("gateway.min_body_rate_grace: \"1h\" is not used: min_body_rate is off (0B), so no body is asked a rate"), "{}", e[0]);
+}
+
+#[test]
 fn trusting_everyone_needs_an_explicit_yes() {
     // Whole, or split in halves: it is still everyone.
     for (networks, expected) in [
@@ -341,7 +352,7 @@ fn trusting_everyone_needs_an_explicit_yes() {
         ),
         (
             "\"0.0.0.0/1\", \"128.0.0.0/1\"",
-            "identity.trusted_proxies: these networks together hold every address of IPv4 or of IPv6",
+            "identity.trusted_proxies: \"0.0.0.0/1\", \"128.0.0.0/1\" together hold every address of IPv4 or of IPv6",
         ),
     ] {
         let text = shipped_with("\"127.0.0.1/32\", \"10.0.0.0/8\"", networks);

@@ -118,6 +118,13 @@ impl Validator<'_> {
                 }
             },
         };
+        if let (0, Some(g)) = (bytes_per_second, &raw.min_body_rate_grace) {
+            let msg = format!(
+                "\"{}\" is not used: min_body_rate is off (0B), so no body is asked a rate",
+                g.get_ref()
+            );
+            self.err(Some(g.span()), "gateway.min_body_rate_grace", msg);
+        }
         (bytes_per_second > 0).then_some(MinBodyRate {
             bytes_per_second,
             grace,
@@ -257,7 +264,10 @@ impl Validator<'_> {
         let whole = trusted_proxies.iter().any(Cidr::is_everything);
         if !whole && raw.allow_trust_all != Some(true) && cover_a_family(&trusted_proxies) {
             let last = raw.trusted_proxies.iter().flatten().last().map(S::span);
-            self.err(last, "identity.trusted_proxies", "these networks together hold every address of IPv4 or of IPv6: that trusts every peer of that family, which lets any caller choose its own client IP; set identity.allow_trust_all = true if that is really meant");
+            let networks: Vec<String> =
+                trusted_proxies.iter().map(|c| format!("\"{c}\"")).collect();
+            let msg = format!("{} together hold every address of IPv4 or of IPv6: that trusts every peer of that family, which lets any caller choose its own client IP; set identity.allow_trust_all = true if that is really meant", networks.join(", "));
+            self.err(last, "identity.trusted_proxies", msg);
         }
         let ipv6_prefix = match &raw.ipv6_prefix {
             None => 64,
