@@ -365,11 +365,12 @@ async fn at_max_connections_new_connections_wait_until_one_ends() {
         "max_in_flight = 64\nmax_connections = 2",
     );
     let gw = Sluice::start_with_args(&cfg, &["--threads", "1"]);
-    // Two idle connections take the two places (a request on each proves they were accepted).
+    // Two idle connections take the two places (a request on each proves they were accepted;
+    // not `health_path`, which says full once the last place is taken).
     let mut idle = Vec::new();
     for _ in 0..2 {
         let mut s = TcpStream::connect(gw.main).await.unwrap();
-        s.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        s.write_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
             .await
             .unwrap();
         let mut buf = [0u8; 256];
@@ -378,12 +379,20 @@ async fn at_max_connections_new_connections_wait_until_one_ends() {
         idle.push(s);
     }
     let started = Instant::now();
+    // The listener waits for room: readiness says full (the admin listener is not counted,
+    // so its probes still answer).
+    let ready = loop {
+        let ready = get(gw.admin, "/ready", &[]).await;
+        if ready.status == 503 || started.elapsed() > Duration::from_millis(400) {
+            break ready;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert_eq!(
-        get(gw.admin, "/ready", &[]).await.status,
-        200,
-        "probes still answer"
+        (ready.status.as_u16(), ready.text()),
+        (503, "full\n".to_owned())
     );
-    let reply = get(gw.main, "/health", &[]).await;
+    let reply = get(gw.main, "/echo", &[]).await;
     let waited = started.elapsed();
     assert_eq!(reply.status, 200);
     assert!(
@@ -399,6 +408,89 @@ async fn at_max_connections_new_connections_wait_until_one_ends() {
         .await;
     assert_eq!(warning["max_connections"], 2);
     drop(idle);
+    // Room again: ready.
+    let started = Instant::now();
+    while get(gw.admin, "/ready", &[]).await.status != 200 {
+        assert!(started.elapsed() < Duration::from_secs(5), "still full");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `max_connections_per_ip`: one client address cannot take every place. Its next connection
+/// is closed at once, while another address is served (and readiness does not fail).
+#[tokio::test]
+async fn one_client_address_has_at_most_its_connections() {
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), 64, "10s", "5s").replace(
+        "max_in_flight = 64",
+        "max_in_flight = 64\nmax_connections_per_ip = 2",
+    );
+    let gw = Sluice::start_with_args(&cfg, &["--threads", "1"]);
+    let from = |ip: &str| {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(format!("{ip}:0").parse().unwrap()).unwrap();
+        socket.connect(gw.main)
+    };
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = from("127.0.0.1").await.unwrap();
+        s.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 256];
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+        held.push(s);
+    }
+    // A third from the same address: closed without an answer.
+    let mut third = from("127.0.0.1").await.unwrap();
+    let _ = third
+        .write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await;
+    let mut buf = [0u8; 256];
+    let read = tokio::time::timeout(Duration::from_secs(5), third.read(&mut buf)).await;
+    assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "{read:?}");
+    // Another address is served, and the gateway is ready.
+    let mut other = from("127.0.0.2").await.unwrap();
+    other
+        .write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let n = other.read(&mut buf).await.unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    assert_eq!(get(gw.admin, "/ready", &[]).await.status, 200);
+    let warning = gw
+        .wait_log("the per-address cap", |v| {
+            v["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("max_connections_per_ip reached"))
+        })
+        .await;
+    assert_eq!(warning["client"], "127.0.0.1");
+    // One of its connections ends: it has a place again.
+    drop(held.pop());
+    let started = Instant::now();
+    loop {
+        let mut again = from("127.0.0.1").await.unwrap();
+        let _ = again
+            .write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await;
+        if let Ok(Ok(n @ 1..)) =
+            tokio::time::timeout(Duration::from_secs(5), again.read(&mut buf)).await
+        {
+            assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "no place came back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// The soft and hard "Max open files" limits of process `pid`.

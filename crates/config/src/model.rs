@@ -40,6 +40,9 @@ pub struct Gateway {
     /// Client connections open at once on the main listener (`None`: half the process's
     /// open-files limit, decided at start).
     pub max_connections: Option<NonZeroUsize>,
+    /// Client connections open at once from one client address (IPv6 by its
+    /// `identity.ipv6_prefix` network), trusted proxies aside (`None`: no such cap).
+    pub max_connections_per_ip: Option<NonZeroUsize>,
     /// A path on the main listener answered 200 (503 when full or draining), outside every limit.
     pub health_path: Option<String>,
     /// Time a client has to finish sending its request head.

@@ -36,6 +36,7 @@ pub(crate) struct RawGateway {
     pub max_in_flight: Option<S<i64>>,
     pub max_held: Option<S<i64>>,
     pub max_connections: Option<S<i64>>,
+    pub max_connections_per_ip: Option<S<i64>>,
     pub health_path: Option<S<String>>,
     pub header_timeout: Option<S<String>>,
     pub send_timeout: Option<S<String>>,

@@ -32,7 +32,9 @@ fn shipped_config_is_accepted_as_written() {
     assert_eq!(c.routes[1].cost.get(), 5);
     assert!(matches!(c.routes[0].action, RouteAction::Respond(_)));
     assert_eq!(c.routes[2].action, RouteAction::Upstream(0));
-    assert_eq!(c.limits.len(), 5);
+    assert_eq!(c.limits.len(), 6);
+    assert_eq!(c.limits[5].by, vec![KeyPart::Ip]);
+    assert_eq!(c.gateway.max_connections_per_ip.map(|n| n.get()), Some(256));
     assert_eq!(
         c.limits[0].algorithm,
         Algorithm::TokenBucket {
@@ -139,9 +141,9 @@ fn empty_lists_that_would_switch_something_off_silently_are_refused() {
     assert_eq!(
         errors(&text),
         [
-            "c.toml:22:11: identity.api_key: an empty list finds no key, so every limit by \"api_key\" would count nobody; leave the key out for the default [\"header:x-api-key\", \"bearer\"]",
-            "c.toml:45:11: routes[1].methods: an empty list matches no request; leave the key out for every method",
-            "c.toml:71:10: limits[2].routes: an empty list limits no route; leave the key out for every route",
+            "c.toml:23:11: identity.api_key: an empty list finds no key, so every limit by \"api_key\" would count nobody; leave the key out for the default [\"header:x-api-key\", \"bearer\"]",
+            "c.toml:46:11: routes[1].methods: an empty list matches no request; leave the key out for every method",
+            "c.toml:72:10: limits[2].routes: an empty list limits no route; leave the key out for every route",
         ]
     );
 }

@@ -97,13 +97,16 @@ impl Shared {
                 config.gateway.max_held.get(),
             ),
             unrouted_capacity: Capacity::new(usize::MAX),
-            connections: ConnectionCap::new(match config.gateway.max_connections {
-                Some(n) => {
-                    check_max_connections(n.get());
-                    n.get()
-                }
-                None => default_max_connections(),
-            }),
+            connections: ConnectionCap::new(
+                match config.gateway.max_connections {
+                    Some(n) => {
+                        check_max_connections(n.get());
+                        n.get()
+                    }
+                    None => default_max_connections(),
+                },
+                config.gateway.max_connections_per_ip.map(|n| n.get()),
+            ),
             health_path: config.gateway.health_path.clone(),
             merge_slashes: config.gateway.merge_slashes,
             min_body_rate: config.gateway.min_body_rate,
@@ -193,7 +196,7 @@ pub(crate) async fn handle(
                 break 'walk bad_path(why).into_response(&shared.problem_base);
             }
             if shared.health_path.as_deref() == Some(req.uri().path()) {
-                break 'walk readiness(&shared.capacity);
+                break 'walk readiness(shared);
             }
             // Routed by `Host` (health checks above need none): it must be one, and valid.
             if let Some(detail) = bad_host(&req) {
@@ -482,8 +485,11 @@ fn respond(r: &Respond) -> Response<Body> {
 }
 
 /// `/ready` and `health_path`: 200 unless the gateway is full or draining.
-pub(crate) fn readiness(capacity: &Capacity) -> Response<Body> {
-    let (status, text) = if capacity.is_ready() {
+/// `/ready` and `health_path`: 503 while draining, while `max_in_flight` requests run, and
+/// while every `max_connections` place is taken (new connections wait in the backlog).
+pub(crate) fn readiness(shared: &Shared) -> Response<Body> {
+    let capacity = &shared.capacity;
+    let (status, text) = if capacity.is_ready() && !shared.connections.is_full() {
         (StatusCode::OK, "ready\n")
     } else if capacity.is_draining() {
         (StatusCode::SERVICE_UNAVAILABLE, "draining\n")

@@ -2,10 +2,12 @@
 //! the admin listener, with header timeouts ([`HeadTimeout`]), a 64 KiB cap on request heads
 //! and graceful shutdown.
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hyper::service::service_fn;
@@ -84,14 +86,51 @@ pub(crate) struct ConnectionCap {
     permits: Arc<Semaphore>,
     max: usize,
     warning: OnceASecond,
+    /// Whether the accept loop waits for room: the listener accepts nothing (readiness fails).
+    waiting: AtomicBool,
+    /// `max_connections_per_ip`, and the connections open per client address.
+    per_ip: Option<usize>,
+    peers: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    per_ip_warning: OnceASecond,
+}
+
+/// A connection's room: its place under `max_connections`, and under
+/// `max_connections_per_ip` for its client address. Given back when dropped.
+#[derive(Debug)]
+pub(crate) struct Permit {
+    _cap: OwnedSemaphorePermit,
+    _peer: Option<PeerSlot>,
+}
+
+/// One connection counted against its client address.
+#[derive(Debug)]
+struct PeerSlot {
+    ip: IpAddr,
+    peers: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = peers.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                peers.remove(&self.ip);
+            }
+        }
+    }
 }
 
 impl ConnectionCap {
-    pub(crate) fn new(max: usize) -> Self {
+    pub(crate) fn new(max: usize, per_ip: Option<usize>) -> Self {
         ConnectionCap {
             permits: Arc::new(Semaphore::new(max)),
             max,
             warning: OnceASecond::new(),
+            waiting: AtomicBool::new(false),
+            per_ip,
+            peers: Arc::new(Mutex::new(HashMap::new())),
+            per_ip_warning: OnceASecond::new(),
         }
     }
 
@@ -107,10 +146,59 @@ impl ConnectionCap {
                 "max_connections reached: new connections wait in the listen backlog"
             );
         }
+        // Cleared however the wait ends (a stop drops this future).
+        struct Waiting<'a>(&'a AtomicBool);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        self.waiting.store(true, Ordering::Release);
+        let _waiting = Waiting(&self.waiting);
         Arc::clone(&self.permits)
             .acquire_owned()
             .await
             .expect("the semaphore is never closed")
+    }
+
+    /// Whether every place is taken: new connections wait in the backlog, so the gateway is
+    /// full for whoever is not connected yet (a load balancer opening connections).
+    pub(crate) fn is_full(&self) -> bool {
+        self.waiting.load(Ordering::Acquire)
+    }
+
+    /// `cap`, with the place of a connection from `bucket` (its client address, IPv6 by
+    /// network) under `max_connections_per_ip`; `None` when that address has all its places
+    /// (the connection is then closed at once). A trusted proxy's connections are not
+    /// counted: it carries many clients.
+    fn permit(&self, cap: OwnedSemaphorePermit, bucket: IpAddr, trusted: bool) -> Option<Permit> {
+        let Some(max) = self.per_ip.filter(|_| !trusted) else {
+            return Some(Permit {
+                _cap: cap,
+                _peer: None,
+            });
+        };
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let open = peers.entry(bucket).or_insert(0);
+        if *open >= max {
+            drop(peers);
+            if self.per_ip_warning.now() {
+                tracing::warn!(
+                    client = %bucket,
+                    max_connections_per_ip = max,
+                    "max_connections_per_ip reached: closing a new connection from this client"
+                );
+            }
+            return None;
+        }
+        *open += 1;
+        Some(Permit {
+            _cap: cap,
+            _peer: Some(PeerSlot {
+                ip: bucket,
+                peers: Arc::clone(&self.peers),
+            }),
+        })
     }
 }
 
@@ -119,7 +207,7 @@ impl ConnectionCap {
 /// switched protocols, when its tunnel does.
 #[derive(Debug)]
 pub(crate) struct Room {
-    _permit: Option<OwnedSemaphorePermit>,
+    _permit: Option<Permit>,
     _open: Option<Open>,
 }
 
@@ -198,6 +286,18 @@ pub(crate) async fn accept_loop(
         };
         match accepted {
             Ok((stream, peer)) => {
+                let permit = match permit {
+                    Some(cap) => {
+                        let ip = peer.ip().to_canonical();
+                        let bucket = shared.identify.ip_bucket(ip);
+                        let trusted = shared.identify.is_trusted(ip);
+                        match shared.connections.permit(cap, bucket, trusted) {
+                            Some(permit) => Some(permit),
+                            None => continue, // closed: its client has all its places
+                        }
+                    }
+                    None => None,
+                };
                 let _ = stream.set_nodelay(true);
                 let (stream, permit, open) = match spread.as_ref().map(|s| (s, s.pick())) {
                     None => (stream, permit, None),
@@ -230,7 +330,7 @@ fn hand(
     thread: usize,
     stream: TcpStream,
     peer: SocketAddr,
-    permit: Option<OwnedSemaphorePermit>,
+    permit: Option<Permit>,
     open: Open,
 ) -> Option<Box<Handoff>> {
     // Out of this runtime's reactor; the other registers it with its own.
@@ -331,7 +431,7 @@ impl Conn {
         self,
         stream: TcpStream,
         drain: watch::Receiver<()>,
-        permit: Option<OwnedSemaphorePermit>,
+        permit: Option<Permit>,
         open: Option<Open>,
     ) {
         let shared = self.shared;
@@ -674,9 +774,10 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn at_the_cap_room_waits_for_a_connection_to_end() {
-        let cap = ConnectionCap::new(2);
+    async fn at_the_cap_room_waits_for_a_connection_to_end_and_says_full() {
+        let cap = ConnectionCap::new(2, None);
         let (a, _b) = (cap.room().await, cap.room().await);
+        assert!(!cap.is_full(), "the last place taken, nobody waiting yet");
         let third = cap.room();
         tokio::pin!(third);
         assert!(
@@ -684,9 +785,52 @@ mod tests {
                 .await
                 .is_err()
         );
+        assert!(cap.is_full(), "the listener waits for room");
         drop(a);
         assert!(tokio::time::timeout(Duration::from_millis(1), third)
             .await
             .is_ok());
+        assert!(!cap.is_full());
+    }
+
+    #[tokio::test]
+    async fn per_ip_a_client_has_its_places_and_a_trusted_proxy_is_not_counted() {
+        let cap = ConnectionCap::new(100, Some(2));
+        let (a, b): (IpAddr, IpAddr) = ("192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap());
+        let first = cap.permit(cap.room().await, a, false).expect("one");
+        let second = cap.permit(cap.room().await, a, false).expect("two");
+        assert!(
+            cap.permit(cap.room().await, a, false).is_none(),
+            "a third from a"
+        );
+        assert!(
+            cap.permit(cap.room().await, b, false).is_some(),
+            "b has its own"
+        );
+        let proxied: Vec<_> = (0..5)
+            .map(|_| {
+                cap.permit(
+                    Arc::clone(&cap.permits).try_acquire_owned().unwrap(),
+                    b,
+                    true,
+                )
+            })
+            .collect();
+        assert!(
+            proxied.iter().all(Option::is_some),
+            "a trusted proxy is not capped"
+        );
+        drop(first);
+        assert!(
+            cap.permit(cap.room().await, a, false).is_some(),
+            "a place back"
+        );
+        drop(proxied);
+        assert_eq!(cap.peers.lock().unwrap().len(), 1, "a, its second place");
+        drop(second);
+        assert!(
+            cap.peers.lock().unwrap().is_empty(),
+            "no address left behind"
+        );
     }
 }

@@ -14,14 +14,16 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::sync::mpsc;
+
+use crate::server::Permit;
 
 /// A connection accepted by one thread for another to serve.
 #[derive(Debug)]
 pub(crate) struct Handoff {
     pub(crate) stream: std::net::TcpStream,
     pub(crate) peer: SocketAddr,
-    pub(crate) permit: Option<OwnedSemaphorePermit>,
+    pub(crate) permit: Option<Permit>,
     pub(crate) open: Open,
 }
 

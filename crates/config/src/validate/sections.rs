@@ -39,6 +39,10 @@ impl Validator<'_> {
             self.positive_u32(v, "gateway.max_connections")
                 .and_then(|n| NonZeroUsize::new(n.get() as usize))
         });
+        let max_connections_per_ip = raw.max_connections_per_ip.as_ref().and_then(|v| {
+            self.positive_u32(v, "gateway.max_connections_per_ip")
+                .and_then(|n| NonZeroUsize::new(n.get() as usize))
+        });
         let merge_slashes = raw.merge_slashes.unwrap_or(true);
         let health_path = raw.health_path.as_ref().map(|p| {
             self.path(p, "gateway.health_path", merge_slashes);
@@ -81,6 +85,7 @@ impl Validator<'_> {
             max_in_flight,
             max_held,
             max_connections,
+            max_connections_per_ip,
             health_path,
             header_timeout,
             send_timeout,
