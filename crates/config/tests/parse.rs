@@ -334,6 +334,17 @@ fn cost_larger_than_burst_is_refused() {
 }
 
 #[test]
+fn a_per_address_cap_must_be_below_the_connection_cap() {
+    let text = shipped_with(
+        "max_connections_per_ip = 256",
+        "max_connections_per_ip = 256\nmax_connections = 256",
+    );
+    let e = errors(&text);
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert!(e[0].ends_with("gateway.max_connections_per_ip: 256 is not below max_connections (256): one client could still take every place"), "{}", e[0]);
+}
+
+#[test]
 fn a_body_rate_grace_without_a_body_rate_is_refused() {
     let text = shipped_with(
         "[gateway]\n",

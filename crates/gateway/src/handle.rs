@@ -106,6 +106,7 @@ impl Shared {
                     None => default_max_connections(),
                 },
                 config.gateway.max_connections_per_ip.map(|n| n.get()),
+                config.identity.ipv6_prefix,
             ),
             health_path: config.gateway.health_path.clone(),
             merge_slashes: config.gateway.merge_slashes,
@@ -485,11 +486,12 @@ fn respond(r: &Respond) -> Response<Body> {
 }
 
 /// `/ready` and `health_path`: 200 unless the gateway is full or draining.
-/// `/ready` and `health_path`: 503 while draining, while `max_in_flight` requests run, and
-/// while every `max_connections` place is taken (new connections wait in the backlog).
+/// `/ready` and `health_path`: 503 while draining and while `max_in_flight` requests run (when
+/// requests get 503), and only then. Not at `max_connections`: new connections wait in the
+/// backlog there, and the connections open (a load balancer's) are still served.
 pub(crate) fn readiness(shared: &Shared) -> Response<Body> {
     let capacity = &shared.capacity;
-    let (status, text) = if capacity.is_ready() && !shared.connections.is_full() {
+    let (status, text) = if capacity.is_ready() {
         (StatusCode::OK, "ready\n")
     } else if capacity.is_draining() {
         (StatusCode::SERVICE_UNAVAILABLE, "draining\n")

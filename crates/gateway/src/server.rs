@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -86,12 +85,14 @@ pub(crate) struct ConnectionCap {
     permits: Arc<Semaphore>,
     max: usize,
     warning: OnceASecond,
-    /// Whether the accept loop waits for room: the listener accepts nothing (readiness fails).
-    waiting: AtomicBool,
     /// `max_connections_per_ip`, and the connections open per client address.
     per_ip: Option<usize>,
     peers: Arc<Mutex<HashMap<IpAddr, usize>>>,
     per_ip_warning: OnceASecond,
+    /// How IPv6 addresses are counted (`identity.ipv6_prefix`), for the warning.
+    ipv6_prefix: u8,
+    /// `accept` failing (out of file descriptors): said at most once a second.
+    accept_warning: OnceASecond,
 }
 
 /// A connection's room: its place under `max_connections`, and under
@@ -122,15 +123,23 @@ impl Drop for PeerSlot {
 }
 
 impl ConnectionCap {
-    pub(crate) fn new(max: usize, per_ip: Option<usize>) -> Self {
+    pub(crate) fn new(max: usize, per_ip: Option<usize>, ipv6_prefix: u8) -> Self {
+        if let Some(n) = per_ip.filter(|&n| n >= max) {
+            tracing::warn!(
+                max_connections_per_ip = n,
+                max_connections = max,
+                "max_connections_per_ip is not below max_connections: one client can take every place"
+            );
+        }
         ConnectionCap {
             permits: Arc::new(Semaphore::new(max)),
             max,
             warning: OnceASecond::new(),
-            waiting: AtomicBool::new(false),
             per_ip,
             peers: Arc::new(Mutex::new(HashMap::new())),
             per_ip_warning: OnceASecond::new(),
+            ipv6_prefix,
+            accept_warning: OnceASecond::new(),
         }
     }
 
@@ -146,25 +155,10 @@ impl ConnectionCap {
                 "max_connections reached: new connections wait in the listen backlog"
             );
         }
-        // Cleared however the wait ends (a stop drops this future).
-        struct Waiting<'a>(&'a AtomicBool);
-        impl Drop for Waiting<'_> {
-            fn drop(&mut self) {
-                self.0.store(false, Ordering::Release);
-            }
-        }
-        self.waiting.store(true, Ordering::Release);
-        let _waiting = Waiting(&self.waiting);
         Arc::clone(&self.permits)
             .acquire_owned()
             .await
             .expect("the semaphore is never closed")
-    }
-
-    /// Whether every place is taken: new connections wait in the backlog, so the gateway is
-    /// full for whoever is not connected yet (a load balancer opening connections).
-    pub(crate) fn is_full(&self) -> bool {
-        self.waiting.load(Ordering::Acquire)
     }
 
     /// `cap`, with the place of a connection from `bucket` (its client address, IPv6 by
@@ -183,8 +177,12 @@ impl ConnectionCap {
         if *open >= max {
             drop(peers);
             if self.per_ip_warning.now() {
+                let client = match bucket {
+                    IpAddr::V4(_) => bucket.to_string(),
+                    IpAddr::V6(_) => format!("{bucket}/{}", self.ipv6_prefix),
+                };
                 tracing::warn!(
-                    client = %bucket,
+                    client,
                     max_connections_per_ip = max,
                     "max_connections_per_ip reached: closing a new connection from this client"
                 );
@@ -315,8 +313,11 @@ pub(crate) async fn accept_loop(
                 tokio::spawn(conn.serve(stream, graceful.watcher(), permit, open));
             }
             Err(e) => {
-                // Out of file descriptors and the like: say so, and do not spin.
-                tracing::warn!(error = %e, "accept failed");
+                // Out of file descriptors and the like: say so (once a second), and do not
+                // spin.
+                if shared.connections.accept_warning.now() {
+                    tracing::warn!(error = %e, "accept failed");
+                }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
@@ -774,10 +775,9 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn at_the_cap_room_waits_for_a_connection_to_end_and_says_full() {
-        let cap = ConnectionCap::new(2, None);
+    async fn at_the_cap_room_waits_for_a_connection_to_end() {
+        let cap = ConnectionCap::new(2, None, 64);
         let (a, _b) = (cap.room().await, cap.room().await);
-        assert!(!cap.is_full(), "the last place taken, nobody waiting yet");
         let third = cap.room();
         tokio::pin!(third);
         assert!(
@@ -785,17 +785,15 @@ mod tests {
                 .await
                 .is_err()
         );
-        assert!(cap.is_full(), "the listener waits for room");
         drop(a);
         assert!(tokio::time::timeout(Duration::from_millis(1), third)
             .await
             .is_ok());
-        assert!(!cap.is_full());
     }
 
     #[tokio::test]
     async fn per_ip_a_client_has_its_places_and_a_trusted_proxy_is_not_counted() {
-        let cap = ConnectionCap::new(100, Some(2));
+        let cap = ConnectionCap::new(100, Some(2), 64);
         let (a, b): (IpAddr, IpAddr) = ("192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap());
         let first = cap.permit(cap.room().await, a, false).expect("one");
         let second = cap.permit(cap.room().await, a, false).expect("two");

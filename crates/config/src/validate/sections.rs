@@ -40,8 +40,14 @@ impl Validator<'_> {
                 .and_then(|n| NonZeroUsize::new(n.get() as usize))
         });
         let max_connections_per_ip = raw.max_connections_per_ip.as_ref().and_then(|v| {
-            self.positive_u32(v, "gateway.max_connections_per_ip")
-                .and_then(|n| NonZeroUsize::new(n.get() as usize))
+            let n = self
+                .positive_u32(v, "gateway.max_connections_per_ip")
+                .and_then(|n| NonZeroUsize::new(n.get() as usize))?;
+            if let Some(max) = max_connections.filter(|max| n >= *max) {
+                self.err(Some(v.span()), "gateway.max_connections_per_ip", format!("{n} is not below max_connections ({max}): one client could still take every place"));
+                return None;
+            }
+            Some(n)
         });
         let merge_slashes = raw.merge_slashes.unwrap_or(true);
         let health_path = raw.health_path.as_ref().map(|p| {

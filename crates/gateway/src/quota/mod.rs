@@ -292,8 +292,9 @@ impl Quota {
     /// one with two API keys is: the limit would count the first value, and an upstream may
     /// read the last; and servers trim such bytes differently (Python's `str.strip()` takes a
     /// trailing `\xa0` off), so one caller could be counted as many.
-    /// Only the headers of limits on `route` (as [`Caller::route`]) are looked at: a header
-    /// that no limit there counts by is the upstream's business.
+    /// Only the headers of enforcing limits on `route` (as [`Caller::route`]) are looked at:
+    /// a header that no limit there counts by is the upstream's business, and a `dry_run`
+    /// limit never refuses (it counts by the first value).
     pub(crate) fn bad_key_header(
         &self,
         headers: &HeaderMap,
@@ -304,16 +305,12 @@ impl Quota {
         }
         let on_route = &self.by_route[route];
         let counted = |h: &HeaderName| {
-            on_route
-                .enforced
-                .iter()
-                .chain(&on_route.dry_run)
-                .any(|(id, _)| {
-                    self.limits[id.index()]
-                        .parts
-                        .iter()
-                        .any(|p| matches!(p, Part::Header(n) if n == h))
-                })
+            on_route.enforced.iter().any(|(id, _)| {
+                self.limits[id.index()]
+                    .parts
+                    .iter()
+                    .any(|p| matches!(p, Part::Header(n) if n == h))
+            })
         };
         self.key_headers
             .iter()
@@ -644,11 +641,13 @@ mode = "dry_run"
 
     #[tokio::test]
     async fn a_key_header_sent_twice_with_different_values_is_found() {
-        // Both limits on route "one" only; "two" and unrouted requests are not counted by them.
+        // Both limits on route "one" only; "two" and unrouted requests are not counted by them
+        // (a dry-run limit by the header on "two" refuses nothing, so it is not checked).
         let config = format!(
             "{ROUTE_ONE}[[routes]]\nname = \"two\"\npath = \"/two\"\nupstream = \"app\"\n\
              [[limits]]\nname = \"t\"\nby = [\"header:x-tenant\", \"ip\"]\nquota = 1\nwindow = \"1s\"\nroutes = [\"one\"]\n\
-             [[limits]]\nname = \"u\"\nby = \"header:X-Tenant\"\nquota = 1\nwindow = \"1s\"\nroutes = [\"one\"]\n"
+             [[limits]]\nname = \"u\"\nby = \"header:X-Tenant\"\nquota = 1\nwindow = \"1s\"\nroutes = [\"one\"]\n\
+             [[limits]]\nname = \"d\"\nby = \"header:x-tenant\"\nquota = 1\nwindow = \"1s\"\nroutes = [\"two\"]\nmode = \"dry_run\"\n"
         );
         let config = sluice_config::parse(&config, "test.toml".as_ref()).unwrap();
         let quota = Quota::new(&config, Arc::new(SystemClock::new()))
