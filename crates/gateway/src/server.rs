@@ -588,23 +588,26 @@ mod tests {
         head.begin().http2();
     }
 
+    /// [`drive`]s `conn`: its result, and whether it was asked to shut down gracefully.
+    async fn driven<F: Future<Output = Result<(), ()>>>(
+        conn: Pin<&mut F>,
+        head: &HeadTimeout,
+        drain: watch::Receiver<()>,
+        cut: impl Future<Output = ()>,
+    ) -> (Result<(), ()>, bool) {
+        let told = Cell::new(false);
+        let result = drive(conn, |_| told.set(true), head, drain, cut, PEER).await;
+        (result, told.get())
+    }
+
     #[tokio::test(start_paused = true)]
     async fn an_idle_http1_connection_is_closed_at_its_header_timeout() {
         let (head, drain, _end, conn) = setup();
         tokio::pin!(conn);
-        let told = Cell::new(false);
         let start = Instant::now();
-        let result = drive(
-            conn,
-            |_| told.set(true),
-            &head,
-            drain.watcher(),
-            pending(),
-            PEER,
-        )
-        .await;
+        let (result, told) = driven(conn, &head, drain.watcher(), pending()).await;
         assert_eq!(result, Ok(()));
-        assert!(told.get());
+        assert!(told);
         assert_eq!(start.elapsed(), T, "no goodbye to wait for");
     }
 
@@ -613,19 +616,10 @@ mod tests {
         let (head, drain, _end, conn) = setup();
         speaking_http2(&head);
         tokio::pin!(conn);
-        let told = Cell::new(false);
         let start = Instant::now();
-        let result = drive(
-            conn,
-            |_| told.set(true),
-            &head,
-            drain.watcher(),
-            pending(),
-            PEER,
-        )
-        .await;
+        let (result, told) = driven(conn, &head, drain.watcher(), pending()).await;
         assert_eq!(result, Ok(()));
-        assert!(told.get());
+        assert!(told);
         assert_eq!(start.elapsed(), T + GOODBYE);
     }
 
@@ -660,7 +654,6 @@ mod tests {
         let (head, drain, end, conn) = setup();
         tokio::pin!(conn);
         let busy = head.begin();
-        let told = Cell::new(false);
         let start = Instant::now();
         let watcher = drain.watcher();
         let shutdown = tokio::spawn(async move {
@@ -672,9 +665,9 @@ mod tests {
             drop(busy);
             let _ = end.send(());
         });
-        let result = drive(conn, |_| told.set(true), &head, watcher, pending(), PEER).await;
+        let (result, told) = driven(conn, &head, watcher, pending()).await;
         assert_eq!(result, Ok(()));
-        assert!(told.get());
+        assert!(told);
         assert_eq!(
             start.elapsed(),
             Duration::from_secs(30),
@@ -689,7 +682,6 @@ mod tests {
         let (head, drain, _end, conn) = setup();
         tokio::pin!(conn);
         let busy = head.begin();
-        let told = Cell::new(false);
         let start = Instant::now();
         let watcher = drain.watcher();
         let shutdown = tokio::spawn(async move {
@@ -698,9 +690,9 @@ mod tests {
         });
         // The grace ends 30 s after the drain; the connection would run on.
         let cut = tokio::time::sleep(Duration::from_secs(32));
-        let result = drive(conn, |_| told.set(true), &head, watcher, cut, PEER).await;
+        let (result, told) = driven(conn, &head, watcher, cut).await;
         assert_eq!(result, Ok(()));
-        assert!(told.get(), "asked to finish first");
+        assert!(told, "asked to finish first");
         assert_eq!(start.elapsed(), Duration::from_secs(32));
         // Its connection dropped, the drain sees it end.
         shutdown.await.unwrap();
@@ -713,19 +705,10 @@ mod tests {
         tokio::pin!(conn);
         let mut busy = head.begin();
         busy.sending();
-        let told = Cell::new(false);
         let start = Instant::now();
-        let result = drive(
-            conn,
-            |_| told.set(true),
-            &head,
-            drain.watcher(),
-            pending(),
-            PEER,
-        )
-        .await;
+        let (result, told) = driven(conn, &head, drain.watcher(), pending()).await;
         assert_eq!(result, Ok(()));
-        assert!(!told.get(), "dropped, not asked to finish its response");
+        assert!(!told, "dropped, not asked to finish its response");
         assert_eq!(start.elapsed(), SEND);
         drop(busy);
     }
@@ -741,11 +724,10 @@ mod tests {
             tokio::time::sleep(Duration::from_secs(2)).await;
             drain.shutdown().await;
         });
-        let told = Cell::new(false);
         let start = Instant::now();
-        let result = drive(conn, |_| told.set(true), &head, watcher, pending(), PEER).await;
+        let (result, told) = driven(conn, &head, watcher, pending()).await;
         assert_eq!(result, Ok(()));
-        assert!(told.get());
+        assert!(told);
         assert!(
             start.elapsed() >= SEND && start.elapsed() <= SEND + T,
             "dropped after {:?}",
