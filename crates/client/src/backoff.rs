@@ -62,7 +62,19 @@ impl Backoff {
 
     /// Draws the wait before retry `retry` (from 0), uniform in `[0, ceiling(retry)]`.
     pub fn wait<R: Rng + ?Sized>(&self, retry: u32, rng: &mut R) -> Duration {
-        let ceiling = u64::try_from(self.ceiling(retry).as_nanos()).unwrap_or(u64::MAX);
+        self.wait_within(retry, Duration::MAX, rng)
+    }
+
+    /// [`Backoff::wait`], drawn from zero to the smaller of the ceiling and `limit` (what is
+    /// left of a time budget).
+    pub fn wait_within<R: Rng + ?Sized>(
+        &self,
+        retry: u32,
+        limit: Duration,
+        rng: &mut R,
+    ) -> Duration {
+        let ceiling = self.ceiling(retry).min(limit);
+        let ceiling = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
         Duration::from_nanos(rng.gen_range(0..=ceiling))
     }
 }

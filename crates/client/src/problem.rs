@@ -57,7 +57,15 @@ impl Problem {
 
     fn from_members(m: &Map<String, Value>) -> Self {
         let string = |key: &str| m.get(key).and_then(Value::as_str).map(str::to_owned);
-        let unsigned = |key: &str| m.get(key).and_then(Value::as_u64);
+        // A whole number written as a float (`42.0`, `4.2e1`, as JavaScript and Python
+        // encoders may write it) is that number.
+        let unsigned = |key: &str| {
+            let v = m.get(key)?;
+            v.as_u64().or_else(|| {
+                let f = v.as_f64()?;
+                (f.fract() == 0.0 && (0.0..=u64::MAX as f64).contains(&f)).then_some(f as u64)
+            })
+        };
         Problem {
             problem_type: string("type").unwrap_or_else(|| "about:blank".to_owned()),
             title: string("title"),
@@ -94,6 +102,17 @@ mod tests {
                 window: Some(Duration::from_secs(60)),
             }
         );
+    }
+
+    #[test]
+    fn whole_numbers_written_as_floats_are_read() {
+        let p = Problem::from_slice(br#"{"retry_after": 42.0, "quota": 4.2e1, "window": 1.5}"#)
+            .unwrap();
+        assert_eq!(p.retry_after, Some(Duration::from_secs(42)));
+        assert_eq!(p.quota, Some(42));
+        assert_eq!(p.window, None, "not a whole number");
+        let p = Problem::from_slice(br#"{"retry_after": -1.0, "quota": 1e30}"#).unwrap();
+        assert_eq!((p.retry_after, p.quota), (None, None));
     }
 
     #[test]

@@ -136,10 +136,14 @@ pub fn limits(headers: &HeaderMap) -> Result<Vec<Limit>, RateLimitError> {
     parse_limits(combined(headers, RATELIMIT))
 }
 
-/// RFC 9651 section 4.2: a list split over several field lines is their comma-joined values.
+/// RFC 9651 section 4.2: a list split over several field lines is their comma-joined values
+/// (an empty line adds nothing, wherever it comes).
 fn combined(headers: &HeaderMap, name: &str) -> Vec<u8> {
     let mut joined = Vec::new();
     for value in headers.get_all(name) {
+        if value.as_bytes().trim_ascii().is_empty() {
+            continue;
+        }
         if !joined.is_empty() {
             joined.extend_from_slice(b", ");
         }
@@ -259,6 +263,17 @@ mod tests {
             remaining,
             reset,
             partition_key: None,
+        }
+    }
+
+    #[test]
+    fn an_empty_field_line_adds_nothing_wherever_it_comes() {
+        for lines in [["\"a\";r=1", ""], ["", "\"a\";r=1"]] {
+            let mut h = HeaderMap::new();
+            for line in lines {
+                h.append(RATELIMIT, http::HeaderValue::from_static(line));
+            }
+            assert_eq!(limits(&h).unwrap(), [limit("a", 1, None)], "{lines:?}");
         }
     }
 

@@ -114,12 +114,14 @@ impl RetryPolicy {
         if attempt.number >= self.max_attempts.get() {
             return Decision::Stop(StopReason::AttemptsExhausted);
         }
+        let remaining = self.budget.saturating_sub(attempt.elapsed);
+        // A server's wait is kept as it is (over the budget, the caller stops); a backoff of our
+        // own is drawn within what is left of the budget, so the draw alone never ends it.
         let wait = retry_after_header(attempt.headers, attempt.now).unwrap_or_else(|| {
             let retry = attempt.number.saturating_sub(1);
-            self.backoff.wait(retry, rng)
+            self.backoff.wait_within(retry, remaining, rng)
         });
-        let remaining = self.budget.saturating_sub(attempt.elapsed);
-        if wait > remaining {
+        if wait > remaining || remaining.is_zero() {
             return Decision::Stop(StopReason::OverBudget { wait, remaining });
         }
         Decision::Retry(wait)
@@ -364,13 +366,38 @@ mod tests {
     }
 
     #[test]
-    fn backoff_wait_over_the_budget_gives_up() {
-        // Budget 0: any positive draw is over it.
+    fn a_spent_budget_gives_up() {
         let p = policy(5, Duration::ZERO);
         let d = decide(&p, 1, Method::GET, 503, &HeaderMap::new());
         assert!(
             matches!(d, Decision::Stop(StopReason::OverBudget { .. })),
             "{d:?}"
         );
+    }
+
+    /// A backoff of its own is drawn within what is left of the budget: the draw alone never
+    /// ends the retries (a server's `Retry-After` over the budget still does).
+    #[test]
+    fn a_backoff_is_drawn_within_what_is_left_of_the_budget() {
+        let p = RetryPolicy::new(
+            NonZeroU32::new(5).unwrap(),
+            Duration::from_secs(1),
+            Backoff::new(Duration::from_millis(800), Duration::from_secs(10)).unwrap(),
+        );
+        for _ in 0..200 {
+            // 0.1 s left, a ceiling of 1.6 s on the second retry.
+            let d = decide_at(
+                &p,
+                2,
+                Method::GET,
+                503,
+                &HeaderMap::new(),
+                Duration::from_millis(900),
+            );
+            assert!(
+                matches!(d, Decision::Retry(w) if w <= Duration::from_millis(100)),
+                "{d:?}"
+            );
+        }
     }
 }

@@ -35,14 +35,43 @@ pub fn retry_after(value: impl AsRef<[u8]>, now: SystemTime) -> Option<Duration>
 
 /// Reads the `Retry-After` field of a response's headers with [`retry_after`].
 ///
-/// `Retry-After` is a singleton field: more than one field line is ambiguous and reads as absent.
+/// A date is counted from the response's own `Date` when it has one (RFC 9110 section 6.6.1),
+/// so that a client whose clock runs fast or slow still waits what the server meant (a clock
+/// 90 s fast would otherwise read a 60 s wait as "now", and retry at once); `now` is used
+/// only without a readable `Date`.
+///
+/// `Retry-After` is a singleton field, but a proxy may repeat it (a CDN's line beside the
+/// origin's, or `60, 60` on one line): the longest of the waits is taken, so that no server is
+/// asked again early. A line that cannot be read makes the whole field absent.
 pub fn retry_after_header(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
-    let mut values = headers.get_all(RETRY_AFTER).iter();
+    let now = server_date(headers).unwrap_or(now);
+    let mut longest: Option<Duration> = None;
+    for value in headers.get_all(RETRY_AFTER) {
+        let text = std::str::from_utf8(value.as_bytes()).ok()?;
+        // A comma joins repeated values; an HTTP-date holds one itself ("Sun, 06 Nov ..."),
+        // so only lists of delay-seconds are split.
+        let pieces: Vec<&str> = text.split(',').collect();
+        let split = pieces.len() > 1
+            && pieces
+                .iter()
+                .all(|p| !p.trim().is_empty() && p.trim().bytes().all(|b| b.is_ascii_digit()));
+        let waits: Vec<&str> = if split { pieces } else { vec![text] };
+        for wait in waits {
+            let wait = retry_after(wait, now)?;
+            longest = Some(longest.map_or(wait, |l| l.max(wait)));
+        }
+    }
+    longest
+}
+
+/// The response's `Date`, if it has exactly one that reads as an HTTP-date.
+fn server_date(headers: &HeaderMap) -> Option<SystemTime> {
+    let mut values = headers.get_all(http::header::DATE).iter();
     let value = values.next()?;
     if values.next().is_some() {
         return None;
     }
-    retry_after(value, now)
+    httpdate::parse_http_date(value.to_str().ok()?).ok()
 }
 
 #[cfg(test)]
@@ -100,6 +129,53 @@ mod tests {
             retry_after("18446744073709551615", now),
             Some(Duration::from_secs(u64::MAX))
         );
+    }
+
+    fn headers(fields: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (name, value) in fields {
+            h.append(*name, HeaderValue::from_static(value));
+        }
+        h
+    }
+
+    #[test]
+    fn a_date_is_counted_from_the_responses_date_not_the_local_clock() {
+        // The client's clock runs 90 s fast: against it, a 60 s wait would be "now".
+        let fast = example_date() + Duration::from_secs(90);
+        let h = headers(&[
+            ("date", "Sun, 06 Nov 1994 08:49:37 GMT"),
+            ("retry-after", "Sun, 06 Nov 1994 08:50:37 GMT"),
+        ]);
+        assert_eq!(retry_after_header(&h, fast), Some(Duration::from_secs(60)));
+        // Without a Date, the local clock is all there is.
+        let h = headers(&[("retry-after", "Sun, 06 Nov 1994 08:50:37 GMT")]);
+        assert_eq!(retry_after_header(&h, fast), Some(Duration::ZERO));
+        // Seconds do not depend on either clock.
+        let h = headers(&[
+            ("date", "Sun, 06 Nov 1994 08:49:37 GMT"),
+            ("retry-after", "5"),
+        ]);
+        assert_eq!(retry_after_header(&h, fast), Some(Duration::from_secs(5)));
+    }
+
+    #[test]
+    fn a_repeated_retry_after_gives_its_longest_wait() {
+        let now = SystemTime::now();
+        let h = headers(&[("retry-after", "60"), ("retry-after", "60")]);
+        assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(60)));
+        let h = headers(&[("retry-after", "5"), ("retry-after", "60")]);
+        assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(60)));
+        let h = headers(&[("retry-after", "30, 60")]);
+        assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(60)));
+        let h = headers(&[("retry-after", "5"), ("retry-after", "garbage")]);
+        assert_eq!(
+            retry_after_header(&h, now),
+            None,
+            "one unreadable line: absent"
+        );
+        let h = headers(&[("retry-after", "5,")]);
+        assert_eq!(retry_after_header(&h, now), None);
     }
 
     #[test]
@@ -176,13 +252,5 @@ mod tests {
             retry_after_header(&headers, SystemTime::now()),
             Some(Duration::from_secs(42))
         );
-    }
-
-    #[test]
-    fn repeated_retry_after_fields_are_absent() {
-        let mut headers = HeaderMap::new();
-        headers.append(RETRY_AFTER, HeaderValue::from_static("5"));
-        headers.append(RETRY_AFTER, HeaderValue::from_static("60"));
-        assert_eq!(retry_after_header(&headers, SystemTime::now()), None);
     }
 }
