@@ -45,13 +45,9 @@ pub fn normalize(path: &str, merge_slashes: bool) -> Result<Cow<'_, str>, Malfor
 /// WSGI servers, Go's before 1.22, some Java containers) decode `%2F` before they route, and
 /// Windows ones take `\\` for `/`: a route must not be escaped that way either.
 pub fn route_key(normal: &str, merge_slashes: bool) -> Cow<'_, str> {
-    if !normal.starts_with('/') || !normal.bytes().any(|b| matches!(b, b';' | b'\\' | b'%')) {
+    let Some(slashes) = slashes_read(normal) else {
         return Cow::Borrowed(normal);
-    }
-    let slashes = normal
-        .replace("%2F", "/")
-        .replace("%5C", "/")
-        .replace('\\', "/");
+    };
     let key = resolve(&slashes, merge_slashes, true);
     if key == normal {
         Cow::Borrowed(normal)
@@ -90,15 +86,26 @@ pub fn normalize_request(path: &str, merge_slashes: bool) -> Result<Cow<'_, str>
 /// servers climb at `..%2F`, Go's do not. Whichever route the gateway counted it under, some
 /// upstream would serve another, so such a path is refused rather than guessed at.
 pub fn is_ambiguous(normal: &str) -> bool {
+    slashes_read(normal).is_some_and(|slashes| {
+        slashes
+            .split('/')
+            .any(|segment| segment.split(';').next() == Some(".."))
+    })
+}
+
+/// `normal` with escaped slashes and backslashes (`%2F`, `%5C`, `\\`) read as `/`, as the route
+/// lookup reads it; `None` when nothing there could be read otherwise (no `;`, `\\` or `%`:
+/// most paths).
+fn slashes_read(normal: &str) -> Option<String> {
     if !normal.starts_with('/') || !normal.bytes().any(|b| matches!(b, b';' | b'\\' | b'%')) {
-        return false;
+        return None;
     }
-    normal
-        .replace("%2F", "/")
-        .replace("%5C", "/")
-        .replace('\\', "/")
-        .split('/')
-        .any(|segment| segment.split(';').next() == Some(".."))
+    Some(
+        normal
+            .replace("%2F", "/")
+            .replace("%5C", "/")
+            .replace('\\', "/"),
+    )
 }
 
 /// Whether `path` holds nothing [`normalize`] would change and nothing [`is_ambiguous`]

@@ -22,7 +22,7 @@ pub(crate) async fn handle(
     let mut res = match (get, req.uri().path()) {
         // Live while the process serves: overload must never restart the container.
         (true, "/live") => plain(StatusCode::OK, "live\n"),
-        (true, "/ready") => readiness(&shared),
+        (true, "/ready") => readiness(&shared.capacity),
         (false, "/live" | "/ready") => {
             let mut res = plain(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
             res.headers_mut().insert(

@@ -37,9 +37,10 @@ struct Inner {
     next_tunnel: AtomicU64,
 }
 
-/// An open tunnel's entry among [`Capacity`]'s, removed when the tunnel's task drops it.
+/// An open tunnel's entry among [`Capacity`]'s, removed when the tunnel's task drops it
+/// (see [`Capacity::spawn_tunnel`]).
 #[derive(Debug)]
-pub(crate) struct TunnelEntry {
+struct TunnelEntry {
     inner: Arc<Inner>,
     id: u64,
 }
@@ -177,26 +178,30 @@ impl Capacity {
         }
     }
 
-    /// An entry for a tunnel about to be spawned: the task keeps it, and
-    /// [`Capacity::track_tunnel`] gives it the task's handle, for a cut to abort.
-    pub(crate) fn tunnel_entry(&self) -> TunnelEntry {
-        TunnelEntry {
+    /// Spawns a tunnel's task, tracked until it ends so that a cut aborts it (a tunnel does
+    /// not poll for the cut on its every wake). Tracked right after the spawn, on the spawning
+    /// thread's single-threaded runtime, so before the task first runs (and drops its entry,
+    /// if it ends at once). A tunnel spawned after a cut is aborted at once.
+    pub(crate) fn spawn_tunnel(
+        &self,
+        tunnel: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        let entry = TunnelEntry {
             inner: Arc::clone(&self.inner),
             id: self.inner.next_tunnel.fetch_add(1, Ordering::Relaxed),
-        }
-    }
-
-    /// Tracks the tunnel task of entry `id` (its [`TunnelEntry::id`]). Called right after
-    /// the spawn, on the spawning thread's single-threaded runtime, so before the task first
-    /// runs (and drops its entry, if it ends at once). A tunnel spawned after a cut is
-    /// aborted at once.
-    pub(crate) fn track_tunnel(&self, id: u64, task: AbortHandle) {
+        };
+        let id = entry.id;
+        let task = tokio::spawn(async move {
+            let _entry = entry;
+            tunnel.await;
+        });
         let mut tunnels = self.inner.tunnels.lock().unwrap_or_else(|e| e.into_inner());
         if self.is_cut() {
             task.abort();
         } else {
-            tunnels.insert(id, task);
+            tunnels.insert(id, task.abort_handle());
         }
+        task
     }
 
     /// Whether [`Capacity::cut`] has been called.
@@ -211,7 +216,7 @@ impl Capacity {
         loop {
             // Registered before the check, so a cut in between still wakes it.
             let cut = self.inner.cut_now.notified();
-            if self.inner.cut.load(Ordering::Acquire) {
+            if self.is_cut() {
                 return;
             }
             cut.await;
@@ -233,12 +238,6 @@ impl Capacity {
             }
             released.await;
         }
-    }
-}
-
-impl TunnelEntry {
-    pub(crate) fn id(&self) -> u64 {
-        self.id
     }
 }
 
@@ -297,16 +296,7 @@ mod tests {
     #[tokio::test]
     async fn a_cut_aborts_the_tracked_tunnels_and_an_ended_one_leaves_no_entry() {
         let cap = Capacity::new(2);
-        let spawn = |cap: &Capacity| {
-            let entry = cap.tunnel_entry();
-            let id = entry.id();
-            let task = tokio::spawn(async move {
-                let _entry = entry;
-                std::future::pending::<()>().await;
-            });
-            cap.track_tunnel(id, task.abort_handle());
-            task
-        };
+        let spawn = |cap: &Capacity| cap.spawn_tunnel(std::future::pending());
         let (open, ended) = (spawn(&cap), spawn(&cap));
         ended.abort();
         assert!(ended.await.unwrap_err().is_cancelled());

@@ -850,12 +850,12 @@ pub(crate) fn prepare_request<B>(
     req: &mut Request<B>,
     peer: &Peer,
     upstream: &Authority,
-    identity_headers: &[HeaderName],
+    identity: &IdentityHeaders,
 ) {
     if req.version() == http::Version::HTTP_2 {
         join_cookies(req.headers_mut());
     }
-    strip_hop_by_hop(req.headers_mut(), identity_headers);
+    strip_hop_by_hop(req.headers_mut(), &identity.names);
     if !req.headers().contains_key(HOST) {
         let host = req.uri().authority().unwrap_or(upstream).as_str();
         if let Ok(host) = HeaderValue::from_str(host) {
@@ -867,12 +867,6 @@ pub(crate) fn prepare_request<B>(
     // hashing: most carry none, and each lookup by name hashes it.
     let (mut xff_sent, mut xfp_sent, mut spoofable) = (false, false, false);
     let mut underscores = false;
-    // Only a name as long as one a lookalike could spell is looked into.
-    let lookalike_lengths = identity_headers
-        .iter()
-        .fold(WRITTEN_LENGTHS, |m, h| m | length_bit(h.as_str().len()));
-    // A configured name with `_` (`header:x_custom`) has lookalikes without one.
-    let underscored = identity_headers.iter().any(|h| has_underscore(h.as_str()));
     for name in headers.keys() {
         match name.as_str() {
             "x-forwarded-for" => xff_sent = true,
@@ -880,13 +874,14 @@ pub(crate) fn prepare_request<B>(
             "x-forwarded-host" | "forwarded" | "x-real-ip" => spoofable = true,
             "x-request-id" => {}
             other => {
-                underscores |= lookalike_lengths & length_bit(other.len()) != 0
-                    && (underscored || has_underscore(other));
+                // Only a name as long as one a lookalike could spell is looked into.
+                underscores |= identity.lookalike_lengths & length_bit(other.len()) != 0
+                    && (identity.underscored || has_underscore(other));
             }
         }
     }
     if underscores {
-        drop_lookalikes(headers, identity_headers);
+        drop_lookalikes(headers, &identity.names);
     }
     // As bytes: a value that is not text (a client's stray byte a proxy passed on) is carried
     // on, not dropped with the chain it is part of. Only a trusted proxy's chain goes on: from
@@ -934,6 +929,32 @@ pub(crate) fn prepare_request<B>(
 }
 
 static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
+
+/// The headers callers are identified and counted by (a `Connection` header cannot remove
+/// them, and their lookalikes are dropped), with what looking for lookalikes needs, worked
+/// out once rather than per request.
+#[derive(Debug)]
+pub(crate) struct IdentityHeaders {
+    names: Vec<HeaderName>,
+    /// The lengths a lookalike of these or of [`WRITTEN`] has, as [`length_bit`]s.
+    lookalike_lengths: u64,
+    /// Whether one of them holds `_` (`header:x_custom`): its lookalikes need none.
+    underscored: bool,
+}
+
+impl IdentityHeaders {
+    pub(crate) fn new(names: Vec<HeaderName>) -> Self {
+        let lookalike_lengths = names
+            .iter()
+            .fold(WRITTEN_LENGTHS, |m, h| m | length_bit(h.as_str().len()));
+        let underscored = names.iter().any(|h| has_underscore(h.as_str()));
+        IdentityHeaders {
+            names,
+            lookalike_lengths,
+            underscored,
+        }
+    }
+}
 
 /// The fields the gateway writes for the upstream.
 const WRITTEN: [&str; 5] = [
@@ -1348,7 +1369,12 @@ mod tests {
             .version(http::Version::HTTP_10)
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &[]);
+        prepare_request(
+            &mut req,
+            &peer("192.0.2.1", false),
+            &upstream(),
+            &IdentityHeaders::new(Vec::new()),
+        );
         assert_eq!(req.headers()[HOST], "127.0.0.1:3000");
         let mut req = Request::builder()
             .uri("/")
@@ -1357,7 +1383,12 @@ mod tests {
             .header("x-gone", "1")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &[]);
+        prepare_request(
+            &mut req,
+            &peer("192.0.2.1", false),
+            &upstream(),
+            &IdentityHeaders::new(Vec::new()),
+        );
         assert_eq!(req.headers()[HOST], "api.example.com");
         assert!(!req.headers().contains_key("x-gone"));
     }
@@ -1372,7 +1403,12 @@ mod tests {
             .header("x-forwarded-for", HeaderValue::from_bytes(b"\xff").unwrap())
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", true), &upstream(), &[]);
+        prepare_request(
+            &mut req,
+            &peer("192.0.2.1", true),
+            &upstream(),
+            &IdentityHeaders::new(Vec::new()),
+        );
         let cookies: Vec<_> = req.headers().get_all(COOKIE).iter().collect();
         assert_eq!(cookies, ["a=1; b=2"]);
         assert_eq!(
@@ -1387,7 +1423,12 @@ mod tests {
             .header("cookie", "b=2")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &[]);
+        prepare_request(
+            &mut req,
+            &peer("192.0.2.1", false),
+            &upstream(),
+            &IdentityHeaders::new(Vec::new()),
+        );
         assert_eq!(req.headers().get_all(COOKIE).iter().count(), 2);
     }
 
@@ -1555,7 +1596,12 @@ mod tests {
             .header("upgrades", "kept too")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &[]);
+        prepare_request(
+            &mut req,
+            &peer("192.0.2.1", false),
+            &upstream(),
+            &IdentityHeaders::new(Vec::new()),
+        );
         let h = req.headers();
         for gone in [
             "connection",
@@ -1592,14 +1638,24 @@ mod tests {
         };
         // A trusted proxy's chain goes on, the peer appended.
         let mut req = claimed();
-        prepare_request(&mut req, &peer("::ffff:192.0.2.1", true), &upstream(), &[]);
+        prepare_request(
+            &mut req,
+            &peer("::ffff:192.0.2.1", true),
+            &upstream(),
+            &IdentityHeaders::new(Vec::new()),
+        );
         let h = req.headers();
         assert_eq!(h["x-forwarded-for"], "203.0.113.9, 198.51.100.2, 192.0.2.1");
         assert_eq!(h["x-forwarded-proto"], "https");
         assert_eq!(h["x-real-ip"], "203.0.113.9");
         // Anyone else's claims are replaced by what the gateway saw.
         let mut req = claimed();
-        prepare_request(&mut req, &peer("::ffff:192.0.2.1", false), &upstream(), &[]);
+        prepare_request(
+            &mut req,
+            &peer("::ffff:192.0.2.1", false),
+            &upstream(),
+            &IdentityHeaders::new(Vec::new()),
+        );
         let h = req.headers();
         assert_eq!(h["x-forwarded-for"], "192.0.2.1");
         assert_eq!(
@@ -1608,7 +1664,12 @@ mod tests {
         );
         assert_eq!(h["x-real-ip"], "192.0.2.1");
         let mut req = Request::builder().uri("/").body(()).unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &[]);
+        prepare_request(
+            &mut req,
+            &peer("192.0.2.1", false),
+            &upstream(),
+            &IdentityHeaders::new(Vec::new()),
+        );
         assert!(!req.headers().contains_key("x-real-ip"), "not added");
     }
 
@@ -1636,7 +1697,7 @@ mod tests {
                 &mut req,
                 &peer("192.0.2.1", trusted),
                 &upstream(),
-                &identity,
+                &IdentityHeaders::new(identity.to_vec()),
             );
             let mut names: Vec<&str> = req.headers().keys().map(HeaderName::as_str).collect();
             names.sort_unstable();
@@ -1663,7 +1724,12 @@ mod tests {
             .header("x-other", "kept")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &identity);
+        prepare_request(
+            &mut req,
+            &peer("192.0.2.1", false),
+            &upstream(),
+            &IdentityHeaders::new(identity.to_vec()),
+        );
         let h = req.headers();
         assert_eq!(h["x_custom_key"], "k1");
         assert!(!h.contains_key("x-custom-key") && !h.contains_key("x-custom_key"));
@@ -1677,7 +1743,12 @@ mod tests {
             .header(format!("x_{}", "k".repeat(81)), "kept")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("192.0.2.1", false), &upstream(), &identity);
+        prepare_request(
+            &mut req,
+            &peer("192.0.2.1", false),
+            &upstream(),
+            &IdentityHeaders::new(identity.to_vec()),
+        );
         assert!(!req
             .headers()
             .contains_key(long.replacen('-', "_", 1).as_str()));
@@ -1710,7 +1781,12 @@ mod tests {
             .header("x-forwarded-proto", "https")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("10.0.0.1", true), &upstream(), &[]);
+        prepare_request(
+            &mut req,
+            &peer("10.0.0.1", true),
+            &upstream(),
+            &IdentityHeaders::new(Vec::new()),
+        );
         assert_eq!(req.headers()["x-forwarded-proto"], "https");
         assert_eq!(req.headers()["host"], "api.example.com");
     }
@@ -1730,13 +1806,23 @@ mod tests {
                 .unwrap()
         };
         let mut req = build();
-        prepare_request(&mut req, &peer("203.0.113.7", false), &upstream(), &[]);
+        prepare_request(
+            &mut req,
+            &peer("203.0.113.7", false),
+            &upstream(),
+            &IdentityHeaders::new(Vec::new()),
+        );
         let h = req.headers();
         let xfh: Vec<_> = h.get_all("x-forwarded-host").iter().collect();
         assert_eq!(xfh, ["other.example"]);
         assert!(!h.contains_key("forwarded"));
         let mut req = build();
-        prepare_request(&mut req, &peer("10.0.0.1", true), &upstream(), &[]);
+        prepare_request(
+            &mut req,
+            &peer("10.0.0.1", true),
+            &upstream(),
+            &IdentityHeaders::new(Vec::new()),
+        );
         assert_eq!(req.headers().get_all("x-forwarded-host").iter().count(), 2);
         assert!(req.headers().contains_key("forwarded"));
         // A request without them gets none.
@@ -1745,7 +1831,12 @@ mod tests {
             .header("host", "a")
             .body(())
             .unwrap();
-        prepare_request(&mut req, &peer("203.0.113.7", false), &upstream(), &[]);
+        prepare_request(
+            &mut req,
+            &peer("203.0.113.7", false),
+            &upstream(),
+            &IdentityHeaders::new(Vec::new()),
+        );
         assert!(!req.headers().contains_key("x-forwarded-host"));
     }
 }

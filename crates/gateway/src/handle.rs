@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::header::{HeaderName, HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
+use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use rand::Rng;
@@ -20,7 +20,7 @@ use crate::body::Body;
 use crate::capacity::Capacity;
 use crate::forward::{
     bad_host, prepare_request, set_upgrade, strip_hop_by_hop, unsupported_coding, upgrade_protocol,
-    Peer, UpstreamClient,
+    IdentityHeaders, Peer, UpstreamClient,
 };
 use crate::head_error::HeadErrors;
 use crate::head_timeout::Busy;
@@ -53,7 +53,7 @@ pub(crate) struct Shared {
     /// The headers callers are identified and counted by (API key sources, `Authorization`
     /// for bearer keys, headers limits count by, the client-IP header): a `Connection`
     /// header cannot remove them before the upstream sees them.
-    identity_headers: Vec<HeaderName>,
+    identity_headers: IdentityHeaders,
     /// `gateway.min_body_rate`.
     min_body_rate: Option<sluice_config::MinBodyRate>,
     /// The largest request body forwarded (`u64::MAX`: no limit).
@@ -91,7 +91,7 @@ impl Shared {
             upstreams: config.upstreams.iter().map(UpstreamClient::new).collect(),
             identify,
             quota,
-            identity_headers,
+            identity_headers: IdentityHeaders::new(identity_headers),
             capacity: Capacity::with_max_held(
                 config.gateway.max_in_flight.get(),
                 config.gateway.max_held.get(),
@@ -197,7 +197,7 @@ pub(crate) async fn handle(
                 break 'walk bad_path(why).into_response(&shared.problem_base);
             }
             if shared.health_path.as_deref() == Some(req.uri().path()) {
-                break 'walk readiness(shared);
+                break 'walk readiness(&shared.capacity);
             }
             // Routed by `Host` (health checks above need none): it must be one, and valid.
             if let Some(detail) = bad_host(&req) {
@@ -343,13 +343,12 @@ pub(crate) async fn handle(
                             let hold = (pass.slot, pass.held, busy.take_room());
                             let idle = shared.upstreams[*u].tunnel_idle_timeout();
                             // Tracked, for a cut at the end of the shutdown grace to end it.
-                            let entry = shared.capacity.tunnel_entry();
-                            let id = entry.id();
-                            let task = tokio::spawn(async move {
-                                let _entry = entry;
-                                crate::tunnel::splice(client_side, upstream_side, idle, hold).await;
-                            });
-                            shared.capacity.track_tunnel(id, task.abort_handle());
+                            shared.capacity.spawn_tunnel(crate::tunnel::splice(
+                                client_side,
+                                upstream_side,
+                                idle,
+                                hold,
+                            ));
                             break 'walk res;
                         }
                         (Ok(res), None) if res.status() == StatusCode::SWITCHING_PROTOCOLS => {
@@ -489,8 +488,7 @@ fn respond(r: &Respond) -> Response<Body> {
 /// `/ready` and `health_path`: 503 while draining and while `max_in_flight` requests run (when
 /// requests get 503), and only then. Not at `max_connections`: new connections wait in the
 /// backlog there, and the connections open (a load balancer's) are still served.
-pub(crate) fn readiness(shared: &Shared) -> Response<Body> {
-    let capacity = &shared.capacity;
+pub(crate) fn readiness(capacity: &Capacity) -> Response<Body> {
     let (status, text) = if capacity.is_ready() {
         (StatusCode::OK, "ready\n")
     } else if capacity.is_draining() {

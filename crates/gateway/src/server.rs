@@ -588,6 +588,14 @@ mod tests {
         head.begin().http2();
     }
 
+    /// Starts draining after `wait`, as a shutdown does; ends when every connection has.
+    fn drain_after(drain: Drain, wait: Duration) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            drain.shutdown().await;
+        })
+    }
+
     /// [`drive`]s `conn`: its result, and whether it was asked to shut down gracefully.
     async fn driven<F: Future<Output = Result<(), ()>>>(
         conn: Pin<&mut F>,
@@ -656,10 +664,7 @@ mod tests {
         let busy = head.begin();
         let start = Instant::now();
         let watcher = drain.watcher();
-        let shutdown = tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            drain.shutdown().await;
-        });
+        let shutdown = drain_after(drain, Duration::from_secs(2));
         let finish = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_secs(30)).await;
             drop(busy);
@@ -684,10 +689,7 @@ mod tests {
         let busy = head.begin();
         let start = Instant::now();
         let watcher = drain.watcher();
-        let shutdown = tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            drain.shutdown().await;
-        });
+        let shutdown = drain_after(drain, Duration::from_secs(2));
         // The grace ends 30 s after the drain; the connection would run on.
         let cut = tokio::time::sleep(Duration::from_secs(32));
         let (result, told) = driven(conn, &head, watcher, cut).await;
@@ -720,10 +722,7 @@ mod tests {
         let mut busy = head.begin();
         busy.sending();
         let watcher = drain.watcher();
-        let shutdown = tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            drain.shutdown().await;
-        });
+        let shutdown = drain_after(drain, Duration::from_secs(2));
         let start = Instant::now();
         let (result, told) = driven(conn, &head, watcher, pending()).await;
         assert_eq!(result, Ok(()));

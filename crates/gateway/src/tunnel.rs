@@ -28,7 +28,7 @@ use crate::server::Room;
 
 /// Splices the two sides once both have switched; `hold` is released when the tunnel ends
 /// (or its task is aborted, as a cut at the end of the shutdown grace does: see
-/// [`crate::capacity::Capacity::track_tunnel`]).
+/// [`crate::capacity::Capacity::spawn_tunnel`]).
 pub(crate) async fn splice(
     client: OnUpgrade,
     upstream: OnUpgrade,

@@ -87,6 +87,9 @@ enum Part {
 struct RouteLimits {
     enforced: SmallVec<[(LimitId, Option<Key>); INLINE]>,
     dry_run: SmallVec<[(LimitId, Option<Key>); 2]>,
+    /// The headers its enforcing limits count callers by, each once (see
+    /// [`Quota::bad_key_header`]).
+    key_headers: Vec<HeaderName>,
 }
 
 /// Who is calling, as the limits see it.
@@ -237,7 +240,16 @@ impl Quota {
                     let entry = (id(l), key_of(&hasher, &info.parts, &route_parts[r], None));
                     match l.mode {
                         Mode::DryRun => on_route.dry_run.push(entry),
-                        Mode::Enforce | Mode::Delay { .. } => on_route.enforced.push(entry),
+                        Mode::Enforce | Mode::Delay { .. } => {
+                            on_route.enforced.push(entry);
+                            for p in &info.parts {
+                                if let Part::Header(h) = p {
+                                    if !on_route.key_headers.contains(h) {
+                                        on_route.key_headers.push(h.clone());
+                                    }
+                                }
+                            }
+                        }
                     }
                 }
                 on_route
@@ -292,6 +304,7 @@ impl Quota {
     /// one with two API keys is: the limit would count the first value, and an upstream may
     /// read the last; and servers trim such bytes differently (Python's `str.strip()` takes a
     /// trailing `\xa0` off), so one caller could be counted as many.
+    ///
     /// Only the headers of enforcing limits on `route` (as [`Caller::route`]) are looked at:
     /// a header that no limit there counts by is the upstream's business, and a `dry_run`
     /// limit never refuses (it counts by the first value).
@@ -300,36 +313,18 @@ impl Quota {
         headers: &HeaderMap,
         route: usize,
     ) -> Option<(&HeaderName, KeyHeader)> {
-        if self.key_headers.is_empty() {
-            return None;
-        }
-        let on_route = &self.by_route[route];
-        let counted = |h: &HeaderName| {
-            on_route.enforced.iter().any(|(id, _)| {
-                self.limits[id.index()]
-                    .parts
-                    .iter()
-                    .any(|p| matches!(p, Part::Header(n) if n == h))
-            })
-        };
-        self.key_headers
-            .iter()
-            .filter(|h| counted(h))
-            .find_map(|h| {
-                let mut values = header_values(headers, h);
-                let first = values.next()?;
-                let mut why = None;
-                for v in std::iter::once(first).chain(values) {
-                    if !v.is_ascii() {
-                        why = Some(KeyHeader::NotAscii);
-                        break;
-                    }
-                    if v != first {
-                        why = Some(KeyHeader::Twice);
-                    }
+        self.by_route[route].key_headers.iter().find_map(|h| {
+            let mut values = header_values(headers, h);
+            let first = values.next()?;
+            let mut twice = false;
+            for v in std::iter::once(first).chain(values) {
+                if !v.is_ascii() {
+                    return Some((h, KeyHeader::NotAscii));
                 }
-                why.map(|why| (h, why))
-            })
+                twice |= v != first;
+            }
+            twice.then_some((h, KeyHeader::Twice))
+        })
     }
 
     pub(crate) fn info(&self, id: LimitId) -> &LimitInfo {
