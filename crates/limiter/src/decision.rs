@@ -414,7 +414,7 @@ mod tests {
                         let held = limiter.decide_with(&layers, cost, now, |d| match d {
                             super::Decision::Admitted(a) => {
                                 let held = !a.wait().is_zero();
-                                limiter.refund(a);
+                                limiter.refund(a, now);
                                 Some(held)
                             }
                             _ => None,
@@ -456,7 +456,7 @@ mod tests {
             let super::Decision::Admitted(a) = d else {
                 unreachable!()
             };
-            limiter.refund(a);
+            limiter.refund(a, Nanos(0));
             assert!(a.slots.is_empty());
             assert!(!d.holds_nothing(), "the slots' heap buffer is still owned");
         });

@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::algo::{Algo, Rule, Step};
+use crate::algo::{Algo, Charge, Rule, Step};
 use crate::clock::{duration_to_nanos, Nanos};
 use crate::decision::{
     Admission, Decision, Layer, Layers, LimitId, Report, SlotGuard, INLINE_LAYERS,
@@ -299,7 +299,7 @@ impl Limiter {
         cost: u32,
         now: u64,
     ) -> Decision {
-        self.take_back(admission, false);
+        self.take_back(admission, false, now);
         admission.slots.clear(); // releases its slots before the refusal looks at them
         match stop {
             Stop::TooLarge => match self.too_large(layers, cost, now) {
@@ -358,14 +358,19 @@ impl Limiter {
         })
     }
 
-    /// Takes back every charge of `admission` and releases the slots it still holds, e.g. when
-    /// the gateway answers 503 at capacity. Exact unless a charged key was evicted or swept in
-    /// between. The admission is left charging nothing: refunding it again changes nothing.
+    /// Takes back every charge of `admission` at `now` and releases the slots it still holds,
+    /// e.g. when the gateway answers 503 at capacity. Windows get the charge back while its
+    /// window still counts; a token bucket gets back what is still owed of it at `now` (once
+    /// the bucket has refilled past the charge there is nothing left to give back, and giving
+    /// it back anyway would undo a later request's charge). Pass the current time: an `now`
+    /// earlier than a charge made since by another request could give part of that one back.
+    /// Exact unless a charged key was evicted or swept in between. The admission is left
+    /// charging nothing: refunding it again changes nothing.
     ///
     /// # Panics
     /// If `admission` came from another limiter.
-    pub fn refund(&self, admission: &mut Admission) {
-        self.give_back(admission, false);
+    pub fn refund(&self, admission: &mut Admission, now: Nanos) {
+        self.give_back(admission, false, now);
     }
 
     /// Takes back an admission whose request will not be served after all, typically one held
@@ -378,15 +383,15 @@ impl Limiter {
     ///
     /// # Panics
     /// If `admission` came from another limiter.
-    pub fn withdraw(&self, admission: &mut Admission) {
-        self.give_back(admission, true);
+    pub fn withdraw(&self, admission: &mut Admission, now: Nanos) {
+        self.give_back(admission, true, now);
     }
 
     /// [`Limiter::refund`], or with `spare_queues` [`Limiter::withdraw`].
-    fn give_back(&self, admission: &mut Admission, spare_queues: bool) {
+    fn give_back(&self, admission: &mut Admission, spare_queues: bool, now: Nanos) {
         assert_eq!(admission.limiter, self.id, "admission from another limiter");
         if admission.charged {
-            self.take_back(admission, spare_queues);
+            self.take_back(admission, spare_queues, now.0.max(admission.now));
             admission.charged = false;
         }
         admission.slots.clear();
@@ -394,7 +399,8 @@ impl Limiter {
 
     /// Takes back the quota charges of `admission` (its slots are released by its drop); with
     /// `spare_queues`, a token bucket's only if its state is still the one the charge left.
-    fn take_back(&self, admission: &Admission, spare_queues: bool) {
+    /// `now` is when: no earlier than the admission.
+    fn take_back(&self, admission: &Admission, spare_queues: bool, now: u64) {
         for layer in admission.layers.iter().rev() {
             let c = &self.limits[layer.limit.index()];
             if c.rule.counts_requests() {
@@ -402,10 +408,16 @@ impl Limiter {
             }
             let only_from =
                 (spare_queues && matches!(c.rule, Rule::Gcra(_))).then(|| layer.state());
+            let charge = Charge {
+                cost: admission.cost,
+                tag: layer.tag(),
+                left: layer.state(),
+                now,
+            };
             c.table.existing(layer.key, |state| {
                 state.update(|s| match only_from {
                     Some(expected) if s != expected => None,
-                    _ => Some(c.rule.undo(s, admission.cost, layer.tag())),
+                    _ => Some(c.rule.undo(s, charge)),
                 });
             });
         }

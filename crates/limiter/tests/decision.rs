@@ -84,9 +84,9 @@ fn refund_restores_every_algorithm_exactly() {
         panic!()
     };
     assert_ne!(observe(&limiter, &layers, now), before);
-    limiter.refund(&mut a);
+    limiter.refund(&mut a, now);
     assert_eq!(observe(&limiter, &layers, now), before);
-    limiter.refund(&mut a);
+    limiter.refund(&mut a, now);
     assert_eq!(
         observe(&limiter, &layers, now),
         before,
@@ -124,8 +124,61 @@ fn refund_after_later_admissions_keeps_theirs() {
         panic!()
     };
     let _second = limiter.decide(&layers, 3, T0);
-    limiter.refund(&mut first);
+    limiter.refund(&mut first, T0);
     assert_eq!(observe(&limiter, &layers, T0)[0].remaining, 7);
+}
+
+/// A token bucket's charge that the bucket has since refilled past is owed no more: taking it
+/// back must not take a later charge back instead (review: a burst of 1 charged at 0 and at
+/// 5 s, the first refunded, admitted a third request at 5 s).
+#[test]
+fn refunding_a_charge_the_bucket_refilled_past_gives_nothing_back() {
+    let limiter = Limiter::new([bucket("b", 1, Duration::from_secs(1), 1)]).unwrap();
+    let layers = all_layers(&limiter, &["b"]);
+    let Decision::Admitted(mut first) = limiter.decide(&layers, 1, T0) else {
+        panic!()
+    };
+    let later = at(5 * SEC);
+    assert!(limiter.decide(&layers, 1, later).is_admitted());
+    limiter.refund(&mut first, later);
+    assert!(
+        !limiter.decide(&layers, 1, later).is_admitted(),
+        "the one token at 5 s is taken"
+    );
+    // Half refilled past: half of a cost-2 charge is still owed and comes back.
+    let limiter = Limiter::new([bucket("b", 4, Duration::from_secs(4), 4)]).unwrap();
+    let layers = all_layers(&limiter, &["b"]);
+    let Decision::Admitted(mut two) = limiter.decide(&layers, 2, T0) else {
+        panic!()
+    };
+    // A second later 3 are left (one refilled), and a request takes them all; without the
+    // first charge it would have found 4 and left 1.
+    let one_later = at(SEC);
+    assert!(limiter.decide(&layers, 3, one_later).is_admitted());
+    assert_eq!(observe(&limiter, &layers, one_later)[0].remaining, 0);
+    limiter.refund(&mut two, one_later);
+    assert_eq!(observe(&limiter, &layers, one_later)[0].remaining, 1);
+}
+
+/// A refused request's roll-back, with another request charged on the same bucket by a
+/// later clock in between, must not take that request's charge back: the bucket had refilled
+/// past the rolled-back charge by the other's clock.
+#[test]
+fn a_roll_back_owes_only_what_is_left_at_the_refund() {
+    let limiter = Limiter::new([bucket("b", 1, Duration::from_secs(1), 1)]).unwrap();
+    let layers = all_layers(&limiter, &["b"]);
+    let Decision::Admitted(mut a) = limiter.decide(&layers, 1, T0) else {
+        panic!()
+    };
+    // Another request, 1.5 s later by its clock, finds the bucket full again and takes it.
+    let later = at(SEC + SEC / 2);
+    assert!(limiter.decide(&layers, 1, later).is_admitted());
+    // The first is given back at the later time: 0 s of its charge is still owed.
+    limiter.refund(&mut a, later);
+    assert!(!limiter.decide(&layers, 1, later).is_admitted());
+    assert!(limiter
+        .decide(&layers, 1, at(2 * SEC + SEC / 2))
+        .is_admitted());
 }
 
 #[test]

@@ -144,7 +144,7 @@ fn a_held_admission_reports_as_of_its_decision_and_refunds_exactly() {
         (0, Some(secs(1.0))),
         "nothing left, and the next token comes 500 ms after the held request passes"
     );
-    limiter.refund(&mut a);
+    limiter.refund(&mut a, T0);
     assert_eq!(observe(&limiter, &layers, T0), before);
 }
 
@@ -175,13 +175,13 @@ fn a_withdrawn_token_bucket_charge_comes_back_only_from_the_end_of_the_queue() {
     // The second's client leaves while the third queues behind it: the third keeps its
     // moment (2 s) and the bucket keeps the charge. A refund would hand 2 s to the next
     // request as well: two requests at once where the bucket allows one.
-    limiter.withdraw(&mut second);
+    limiter.withdraw(&mut second, T0);
     assert_eq!(would_wait(&limiter, "b", T0), Some(secs(3.0)));
     // The last of the queue leaves: its moment goes to the next request.
-    limiter.withdraw(&mut third);
+    limiter.withdraw(&mut third, T0);
     assert_eq!(would_wait(&limiter, "b", T0), Some(secs(2.0)));
     // Withdrawing again takes nothing more.
-    limiter.withdraw(&mut third);
+    limiter.withdraw(&mut third, T0);
     assert_eq!(would_wait(&limiter, "b", T0), Some(secs(2.0)));
 }
 
@@ -193,9 +193,9 @@ fn a_withdrawn_window_charge_comes_back_while_its_window_is_counted() {
     let mut next_window = admit(&limiter, "f", now);
     assert_eq!(next_window.wait(), secs(5.0));
     // Windows count requests, not moments: the charge comes back, whoever came since.
-    limiter.withdraw(&mut next_window);
+    limiter.withdraw(&mut next_window, now);
     assert_eq!(would_wait(&limiter, "f", now), Some(secs(5.0)));
-    limiter.withdraw(&mut next_window);
+    limiter.withdraw(&mut next_window, now);
     assert_eq!(
         would_wait(&limiter, "f", now),
         Some(secs(5.0)),
@@ -204,6 +204,6 @@ fn a_withdrawn_window_charge_comes_back_while_its_window_is_counted() {
     // A fixed window keeps the count of its latest window only: once a later window is
     // charged, an earlier one's charge is gone, and nothing comes back.
     let _later = admit(&limiter, "f", now);
-    limiter.withdraw(&mut passes);
+    limiter.withdraw(&mut passes, now);
     assert_eq!(would_wait(&limiter, "f", now), Some(secs(15.0)));
 }

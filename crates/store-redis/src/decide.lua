@@ -333,7 +333,13 @@ local function decide(k, p)
           pcall_('ZREM', L[1], lease) -- a key of another type holds no lease
         else
           if algo == 'g' then
-            local d, scale = L[5] - cost * L[12], L[11]
+            -- What is still owed of the charge: its TAT (the tag, whole us) less now. Once the
+            -- bucket has refilled past it, later charges started from now, not from it, and
+            -- taking it back would take theirs.
+            local scale, give = L[11], cost * L[12]
+            local owed = (tag - now) * scale
+            if owed < give then give = math.max(owed, 0) end
+            local d = L[5] - give
             if d <= 0 then
               a, b = 0, 0 -- at or before now: a full bucket
             else

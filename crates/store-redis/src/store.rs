@@ -425,7 +425,18 @@ impl RedisStore {
         layers: &[Layer<'_>],
         admission: RemoteAdmission,
     ) -> Result<(), StoreError> {
-        self.take_back(layers, admission, "r").await
+        self.take_back(layers, admission, "r", None).await
+    }
+
+    /// [`RedisStore::refund`] at `now` instead of Redis `TIME`, as [`RedisStore::decide_at`]
+    /// is: for tests. Production code calls `refund`.
+    pub async fn refund_at(
+        &self,
+        layers: &[Layer<'_>],
+        admission: RemoteAdmission,
+        now: Nanos,
+    ) -> Result<(), StoreError> {
+        self.take_back(layers, admission, "r", Some(now)).await
     }
 
     /// Takes back the charges of an admission whose request will not be served after all (a
@@ -439,7 +450,7 @@ impl RedisStore {
         layers: &[Layer<'_>],
         admission: RemoteAdmission,
     ) -> Result<(), StoreError> {
-        self.take_back(layers, admission, "w").await
+        self.take_back(layers, admission, "w", None).await
     }
 
     async fn take_back(
@@ -447,6 +458,7 @@ impl RedisStore {
         layers: &[Layer<'_>],
         mut admission: RemoteAdmission,
         mode: &str,
+        now: Option<Nanos>,
     ) -> Result<(), StoreError> {
         check_layers(layers)?;
         if admission.tags.len() != layers.len() {
@@ -465,7 +477,7 @@ impl RedisStore {
             lease_id.clone_from(&lease.slots.id);
         }
         let tags = Some(admission.tags.as_slice());
-        let part = Part::new(layers, mode, admission.cost, &lease_id, (None, None), tags);
+        let part = Part::new(layers, mode, admission.cost, &lease_id, (now, None), tags);
         match self.call(part).await?.0.first() {
             Some(3) => Ok(()),
             _ => Err(StoreError::Reply("refund not confirmed".into())),

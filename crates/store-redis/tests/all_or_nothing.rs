@@ -132,6 +132,39 @@ async fn refund_takes_back_every_charge_and_lease() {
     assert_eq!(remaining(&store, &layers).await, vec![3, 3, 3, 1]);
 }
 
+/// A bucket's charge that the bucket has refilled past is owed no more: refunding it must not
+/// take a later request's charge back (as in memory: a burst of 1 charged at 0 and at 5 s, the
+/// first refunded, let a third request through at 5 s).
+#[tokio::test]
+async fn refunding_a_bucket_charge_it_refilled_past_gives_nothing_back() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limit = remote(&bucket("b", 1, Duration::from_secs(1), 1));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    let RemoteDecision::Admitted(first) = store
+        .decide_at(&layers, 1, Mode::Charge, at(0))
+        .await
+        .unwrap()
+    else {
+        panic!("fresh")
+    };
+    let later = at(5_000_000);
+    assert!(store
+        .decide_at(&layers, 1, Mode::Charge, later)
+        .await
+        .unwrap()
+        .is_admitted());
+    store.refund_at(&layers, first, later).await.unwrap();
+    assert!(
+        !store
+            .decide_at(&layers, 1, Mode::Charge, later)
+            .await
+            .unwrap()
+            .is_admitted(),
+        "the one token at 5 s is taken"
+    );
+}
+
 #[tokio::test]
 async fn dropped_lease_frees_its_slot_and_an_unreleased_lease_expires() {
     let server = RedisServer::start();

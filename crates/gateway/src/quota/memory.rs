@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use sluice_limiter::{Admission, Decision, LimitId, Limiter, Refusal, Slots};
+use sluice_limiter::{Admission, Clock, Decision, LimitId, Limiter, Refusal, Slots};
 
 use super::{place_after_hold, Held, Layers, Notes, Outcome, Pass, Quota, Refused, Reports, Stop};
 use crate::capacity::{Capacity, HeldPlace, InFlight};
@@ -43,6 +43,7 @@ impl Quota {
         notes.log.outcome(hold.outcome, self);
         let mut withdraw = Withdraw {
             limiter: &self.limiter,
+            clock: &*self.clock,
             admissions: hold.admissions,
         };
         let Some(slot) = place_after_hold(capacity, hold.wait).await else {
@@ -79,7 +80,7 @@ impl Quota {
                 Decision::Admitted(admission) => {
                     // A full gateway answers 503 now, to a request it would hold too.
                     let Some(slot) = slot.or_else(|| capacity.try_acquire()) else {
-                        self.limiter.refund(admission);
+                        self.limiter.refund(admission, self.clock.now());
                         // A 503 tells the caller what it has, nothing having been charged.
                         let figures = self.limiter.figures(&layers.enforced, now);
                         reports.extend(figures.map(|r| (r.limit, r)));
@@ -91,7 +92,7 @@ impl Quota {
                     // enforcing one does: charged nothing, told when it would pass.
                     let place = if held_back {
                         let Some(place) = capacity.try_hold() else {
-                            self.limiter.refund(admission);
+                            self.limiter.refund(admission, self.clock.now());
                             let figures = self.limiter.figures(&layers.enforced, now);
                             let figures = figures.map(|r| (r.limit, r)).collect();
                             return Decided::Now(Err(self.no_room_to_hold(figures, wait)));
@@ -194,13 +195,14 @@ pub(super) struct Hold {
 /// Withdraws a held request's charges when dropped, unless told it passed.
 struct Withdraw<'a> {
     limiter: &'a Limiter,
+    clock: &'a dyn Clock,
     admissions: Vec<Admission>,
 }
 
 impl Drop for Withdraw<'_> {
     fn drop(&mut self) {
         for admission in &mut self.admissions {
-            self.limiter.withdraw(admission);
+            self.limiter.withdraw(admission, self.clock.now());
         }
     }
 }

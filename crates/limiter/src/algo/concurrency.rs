@@ -1,7 +1,7 @@
 //! Concurrency: at most `quota` requests in flight per key. State: the count in flight. Every
 //! request takes one slot whatever its cost; the slot is released by the admission's guard.
 
-use super::{Algo, Step};
+use super::{Algo, Charge, Step};
 
 /// At most `quota` requests in flight.
 #[derive(Debug, Clone, Copy)]
@@ -28,7 +28,7 @@ impl Algo for Concurrency {
         }
     }
 
-    fn undo(&self, in_flight: u128, _cost: u32, _tag: u64) -> u128 {
+    fn undo(&self, in_flight: u128, _charge: Charge) -> u128 {
         in_flight.saturating_sub(1)
     }
 
@@ -68,7 +68,7 @@ mod tests {
         let c = Concurrency::new(1);
         assert_eq!(c.eval(0, 9, 0), Step::Admit { state: 1, tag: 0 });
         assert_eq!(c.eval(1, 1, 0), Step::Refuse { wait: None });
-        assert_eq!(c.undo(1, 1, 0), 0);
+        assert_eq!(c.undo(1, Charge::of(1, 0)), 0);
         assert_eq!(c.expiry(1), u64::MAX);
     }
 }

@@ -1,7 +1,7 @@
 //! Fixed window: one counter per window, windows aligned to multiples of the window length since
 //! the Unix epoch. State: window index in the high 64 bits, count in the low 64.
 
-use super::{later, Algo, Step};
+use super::{later, Algo, Charge, Step};
 
 /// `quota` per aligned window of `window` nanoseconds.
 #[derive(Debug, Clone, Copy)]
@@ -71,10 +71,10 @@ impl Algo for FixedWindow {
         }
     }
 
-    fn undo(&self, state: u128, cost: u32, tag: u64) -> u128 {
+    fn undo(&self, state: u128, charge: Charge) -> u128 {
         let (index, count) = unpack(state);
-        if index == tag {
-            pack(index, count.saturating_sub(u64::from(cost)))
+        if index == charge.tag {
+            pack(index, count.saturating_sub(u64::from(charge.cost)))
         } else {
             state // the charged window has ended: nothing left to take back
         }
@@ -171,7 +171,7 @@ mod tests {
     fn a_later_windows_state_emptied_by_a_withdrawal_keeps_this_window_spent_until_it_starts() {
         let fw = FixedWindow::new(2, SEC);
         // Window 10 is spent; a held request was charged in window 11, then withdrawn.
-        let back = fw.undo(pack(11, 1), 1, 11);
+        let back = fw.undo(pack(11, 1), Charge::of(1, 11));
         assert_eq!(back, pack(11, 0));
         assert_eq!(
             fw.remaining(back, 10 * SEC + 5),
@@ -196,7 +196,10 @@ mod tests {
         let Step::Admit { state, tag } = fw.eval(0, 3, 10 * SEC) else {
             panic!()
         };
-        assert_eq!(fw.remaining(fw.undo(state, 3, tag), 10 * SEC), 5);
-        assert_eq!(fw.undo(state, 3, tag + 1), state);
+        assert_eq!(
+            fw.remaining(fw.undo(state, Charge::of(3, tag)), 10 * SEC),
+            5
+        );
+        assert_eq!(fw.undo(state, Charge::of(3, tag + 1)), state);
     }
 }

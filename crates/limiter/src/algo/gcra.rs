@@ -4,7 +4,7 @@
 //! emission interval `window / quota` is a whole number of units and no rounding ever drifts
 //! (governor rounds it to whole nanoseconds). The TAT fits in 128 bits for any quota and window.
 
-use super::{ceil_div_u64, div, Algo, Step};
+use super::{ceil_div_u64, div, Algo, Charge, Step};
 
 /// A token bucket of `burst` tokens refilled at `quota` per `window`.
 #[derive(Debug, Clone, Copy)]
@@ -96,10 +96,19 @@ impl Algo for Gcra {
         }
     }
 
-    fn undo(&self, tat: u128, cost: u32, _tag: u64) -> u128 {
-        // Subtraction commutes with other keys' charges made since, so the refund is exact;
-        // a TAT pulled below `now` is equivalent to `now` (the bucket is full either way).
-        tat.saturating_sub(u128::from(cost) * self.interval)
+    /// Gives back what is still owed of the charge: the charge raised the TAT to `left`, and
+    /// the time since has paid off the part of it that `now` has passed. Subtracting the whole
+    /// charge would be wrong once the bucket has refilled past it: a later charge then started
+    /// from `now` (the `max` in [`Algo::eval`]), not from this charge's TAT, and taking this
+    /// charge back would take that later one back instead (a burst of 1 charged at 0 and again
+    /// at 5 s would, refunded for the first, admit a third request at 5 s). Charges made since
+    /// on top of this one (a debt that never fell to `now`) are not touched: subtraction
+    /// commutes with them. A TAT pulled below `now` is equivalent to `now`.
+    fn undo(&self, tat: u128, charge: Charge) -> u128 {
+        let owed = charge
+            .left
+            .saturating_sub(u128::from(charge.now) * self.scale);
+        tat.saturating_sub((u128::from(charge.cost) * self.interval).min(owed))
     }
 
     fn expiry(&self, tat: u128) -> u64 {
@@ -194,7 +203,42 @@ mod tests {
             panic!()
         };
         assert_eq!(g.remaining(state, now), 3);
-        assert_eq!(g.remaining(g.undo(state, 2, 0), now), 5);
+        let charge = Charge {
+            cost: 2,
+            tag: 0,
+            left: state,
+            now,
+        };
+        assert_eq!(g.remaining(g.undo(state, charge), now), 5);
+    }
+
+    /// Only what is still owed comes back: a charge the bucket refilled past gives nothing,
+    /// one half paid off gives half, and a charge under later ones comes back whole.
+    #[test]
+    fn undo_gives_back_what_is_still_owed() {
+        let g = Gcra::new(1, SEC, 4); // a token a second, four in the bucket
+        let charge = |left, now| Charge {
+            cost: 2,
+            tag: 0,
+            left,
+            now,
+        };
+        // Charged 2 at 0 on a full bucket: TAT 2 s.
+        let Step::Admit { state: a, .. } = g.eval(0, 2, 0) else {
+            panic!()
+        };
+        // At 5 s the charge is paid off; another charged 1 then (TAT 6 s) keeps its charge.
+        let Step::Admit { state: b, .. } = g.eval(a, 1, 5 * SEC) else {
+            panic!()
+        };
+        assert_eq!(g.undo(b, charge(a, 5 * SEC)), b);
+        // At 1 s half of it is owed.
+        assert_eq!(g.undo(a, charge(a, SEC)), a - u128::from(SEC));
+        // Under a later charge at 0 (TAT 3 s), all of it is owed at 0.
+        let Step::Admit { state: c, .. } = g.eval(a, 1, 0) else {
+            panic!()
+        };
+        assert_eq!(g.undo(c, charge(a, 0)), u128::from(SEC));
     }
 
     proptest::proptest! {

@@ -26,12 +26,38 @@ pub(crate) enum Step {
     Refuse { wait: Option<u64> },
 }
 
+/// An admission's charge on one key, to be taken back.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Charge {
+    pub(crate) cost: u32,
+    /// The charge's window ([`Step::Admit`]'s tag).
+    pub(crate) tag: u64,
+    /// The key's state right after the charge.
+    pub(crate) left: u128,
+    /// When it is taken back: no earlier than the charge, and than any charge made since.
+    pub(crate) now: u64,
+}
+
+#[cfg(test)]
+impl Charge {
+    /// A charge of `cost` in window `tag`, for the window algorithms' tests (which read neither
+    /// `left` nor `now`).
+    pub(crate) fn of(cost: u32, tag: u64) -> Self {
+        Charge {
+            cost,
+            tag,
+            left: 0,
+            now: 0,
+        }
+    }
+}
+
 /// The operations every algorithm provides over its state word.
 pub(crate) trait Algo {
     /// Decides `cost` at `now` against `state`, without side effects.
     fn eval(&self, state: u128, cost: u32, now: u64) -> Step;
-    /// The state with an earlier admission (`cost`, `tag`) taken back.
-    fn undo(&self, state: u128, cost: u32, tag: u64) -> u128;
+    /// The state with an earlier admission's `charge` taken back.
+    fn undo(&self, state: u128, charge: Charge) -> u128;
     /// When `state` becomes equivalent to fresh (`u64::MAX`: not by the passing of time).
     fn expiry(&self, state: u128) -> u64;
     /// Quota left at `now`.
@@ -116,8 +142,8 @@ impl Algo for Rule {
     fn eval(&self, state: u128, cost: u32, now: u64) -> Step {
         dispatch!(self, a => a.eval(state, cost, now))
     }
-    fn undo(&self, state: u128, cost: u32, tag: u64) -> u128 {
-        dispatch!(self, a => a.undo(state, cost, tag))
+    fn undo(&self, state: u128, charge: Charge) -> u128 {
+        dispatch!(self, a => a.undo(state, charge))
     }
     fn expiry(&self, state: u128) -> u64 {
         dispatch!(self, a => a.expiry(state))

@@ -2,7 +2,7 @@
 //! computed exactly in integers (`previous * (window - elapsed) + current * window`, compared
 //! with `quota * window`). State: window index (high 64 bits), previous count (32), current (32).
 
-use super::{div, later, Algo, Step};
+use super::{div, later, Algo, Charge, Step};
 
 /// `quota` per sliding window of `window` nanoseconds.
 #[derive(Debug, Clone, Copy)]
@@ -91,8 +91,9 @@ impl Algo for SlidingWindow {
         }
     }
 
-    fn undo(&self, state: u128, cost: u32, tag: u64) -> u128 {
+    fn undo(&self, state: u128, charge: Charge) -> u128 {
         let (index, previous, current) = unpack(state);
+        let (cost, tag) = (charge.cost, charge.tag);
         if index == tag {
             pack(index, previous, current.saturating_sub(cost))
         } else if tag.checked_add(1) == Some(index) {
@@ -228,7 +229,7 @@ mod tests {
         let sw = SlidingWindow::new(1, SEC);
         // Window 10 is spent (quota 1); a held request was charged two windows ahead, in 12
         // (in 11 the one of 10 still weighs), then withdrawn.
-        let back = sw.undo(pack(12, 0, 1), 1, 12);
+        let back = sw.undo(pack(12, 0, 1), Charge::of(1, 12));
         assert_eq!(unpack(back), (12, 0, 0));
         assert_eq!(
             sw.remaining(back, 11 * SEC + 5),
@@ -257,6 +258,6 @@ mod tests {
         let Step::Admit { state: later, .. } = rolled else {
             panic!()
         };
-        assert_eq!(unpack(sw.undo(later, 4, tag)), (4, 0, 1));
+        assert_eq!(unpack(sw.undo(later, Charge::of(4, tag))), (4, 0, 1));
     }
 }
