@@ -484,7 +484,6 @@ fn respond(r: &Respond) -> Response<Body> {
     res
 }
 
-/// `/ready` and `health_path`: 200 unless the gateway is full or draining.
 /// `/ready` and `health_path`: 503 while draining and while `max_in_flight` requests run (when
 /// requests get 503), and only then. Not at `max_connections`: new connections wait in the
 /// backlog there, and the connections open (a load balancer's) are still served.

@@ -93,7 +93,13 @@ impl ManualClock {
 
     /// Moves the clock forward by `d`.
     pub fn advance(&self, d: Duration) {
-        self.now.fetch_add(duration_to_nanos(d), Ordering::Relaxed);
+        let d = duration_to_nanos(d);
+        // Saturates at the end of time rather than wrapping to its start.
+        let _ = self
+            .now
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
+                Some(t.saturating_add(d))
+            });
     }
 
     /// Sets the clock to `t` (it may go backwards: tests of stale readings need that).

@@ -73,3 +73,18 @@ fn check_does_not_start_a_block() {
         "no block was started"
     );
 }
+
+/// A block as long as `with_block_for` allows ends past the end of time: it saturates there
+/// and blocks, instead of overflowing (a panic on the request path with overflow checks, a
+/// block ending in the past without).
+#[test]
+fn a_block_past_the_end_of_time_still_blocks() {
+    let limiter = blocked_limiter(Duration::from_secs(580 * 365 * 24 * 3600));
+    let layers = all_layers(&limiter, &["login"]);
+    assert!(limiter.decide(&layers, 2, at(0)).is_admitted());
+    let Decision::Refused(first) = limiter.decide(&layers, 1, at(0)) else {
+        panic!()
+    };
+    assert!(first.wait().unwrap() > Duration::from_secs(500 * 365 * 24 * 3600));
+    assert!(!limiter.decide(&layers, 1, at(2 * SEC)).is_admitted());
+}

@@ -81,7 +81,7 @@ impl Limiter {
                     Step::Refuse { wait } => match (&c.blocks, block) {
                         (Some((block_for, blocks)), true) => {
                             // The block covers the counters' wait too, so its end is a real retry time.
-                            let until = now + (*block_for).max(wait.unwrap_or(0));
+                            let until = now.saturating_add((*block_for).max(wait.unwrap_or(0)));
                             let until_state = u128::from(until);
                             blocks.update(layer.key, |s| {
                                 s.update(|end| (until_state > end).then_some(until_state));

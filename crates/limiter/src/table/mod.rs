@@ -226,7 +226,9 @@ pub(crate) struct Words<S> {
 
 impl<S: Cell> Words<S> {
     fn new(max_keys: usize, expiry: Expiry, sweep_interval: u64) -> Self {
-        let count = MAX_SHARDS.min(max_keys.next_power_of_two() / 2).max(1);
+        let count = MAX_SHARDS
+            .min(max_keys.min(2 * MAX_SHARDS).next_power_of_two() / 2)
+            .max(1);
         let shards = (0..count)
             .map(|i| Shard {
                 slots: RwLock::new(Slots::new(0x5eed ^ ((i as u64) << 32))),
