@@ -131,12 +131,17 @@ impl Sluice {
 
     /// Sends SIGTERM.
     pub fn terminate(&self) {
+        self.signal("TERM");
+    }
+
+    /// Sends the signal named `name` (`TERM`, `HUP`, ...).
+    pub fn signal(&self, name: &str) {
         let ok = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
+            .args([&format!("-{name}"), &self.child.id().to_string()])
             .status()
             .expect("run kill")
             .success();
-        assert!(ok, "kill -TERM failed");
+        assert!(ok, "kill -{name} failed");
     }
 
     /// Waits (bounded) for the process to exit.

@@ -1095,6 +1095,29 @@ async fn heads_refused_before_routing_still_get_problem_bodies() {
     )
     .await;
     assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
+    // Each refused head has its access-log line, though nothing of the request is known.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let unread: Vec<_> = gw
+            .access_logs()
+            .into_iter()
+            .filter(|l| l["method"] == "-")
+            .map(|l| (l["status"].as_u64(), l["client"].clone()))
+            .collect();
+        if unread.len() >= 4 {
+            assert_eq!(
+                unread.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+                [Some(400), Some(431), Some(400), Some(400)]
+            );
+            assert!(unread.iter().all(|(_, c)| c == "127.0.0.1"));
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "access-log lines of refused heads: {unread:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// A transfer coding other than `chunked` cannot be passed on (hyper takes the chunked framing

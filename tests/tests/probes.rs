@@ -284,6 +284,48 @@ async fn shutdown_grace_bounds_the_drain() {
     up.release(1);
 }
 
+/// A second SIGTERM (or SIGINT) during the drain ends the grace at once: an operator who
+/// asked twice should not wait out a long grace (or reach for SIGKILL, which would leave the
+/// shared store's leases behind). What still runs is cut as at the grace's end.
+#[tokio::test]
+async fn a_second_stop_signal_ends_the_grace_at_once() {
+    let up = MockUpstream::start().await;
+    let mut gw = Sluice::start(&config(&up.url(), 8, "10s", "60s"));
+    let main = gw.main;
+    let stuck = tokio::spawn(async move { sluice_tests::client::try_get(main, "/hold").await });
+    up.wait_holding(1).await;
+    gw.terminate();
+    gw.wait_draining().await;
+    gw.signal("INT");
+    let status = gw.wait_exit(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(0));
+    assert!(
+        stuck.await.unwrap().is_err(),
+        "the held request was cut, not answered"
+    );
+    assert!(gw.logs().iter().any(|v| v["message"]
+        .as_str()
+        .is_some_and(|m| m.starts_with("asked again to stop"))));
+    up.release(1);
+}
+
+/// SIGHUP (nginx's and HAProxy's reload) is logged and ignored: its default action would end
+/// the process and cut every request in flight.
+#[tokio::test]
+async fn sighup_is_logged_and_ignored() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), 8, "10s", "5s"));
+    let main = gw.main;
+    let held = tokio::spawn(async move { get(main, "/hold", &[]).await });
+    up.wait_holding(1).await;
+    gw.signal("HUP");
+    gw.wait_log("the ignored SIGHUP", |v| v["signal"] == "SIGHUP")
+        .await;
+    up.release(1);
+    assert_eq!(held.await.unwrap().status, 200);
+    assert_eq!(get(gw.main, "/after", &[]).await.status, 200);
+}
+
 /// A request a `delay` limit holds past the end of the shutdown grace is answered 503 (with
 /// `Retry-After`) when draining starts, rather than cut without an answer when the process
 /// exits; one whose hold ends within the grace is forwarded.

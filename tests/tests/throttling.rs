@@ -732,7 +732,7 @@ mode = "dry_run"
     assert!(
         gw.access_logs()[0]["key"]
             .as_str()
-            .is_some_and(|k| k.len() == 8),
+            .is_some_and(|k| k.len() == 16),
         "a fingerprint stands in for the key"
     );
 }

@@ -162,14 +162,16 @@ impl Drop for AccessLog {
         // 499: the client went away before a response head was sent (nginx's convention), or
         // the request was cut at the end of the shutdown grace (said by `cut`).
         let status = l.status.map_or(499, |s| s.as_u16());
+        // To the microsecond: a difference of two float milliseconds reads 0.5569999999999999.
         let upstream_ms = l
             .upstream_ms
-            .or_else(|| l.upstream_start.map(|s| ms_since(l.start) - s));
+            .or_else(|| l.upstream_start.map(|s| ms_since(l.start) - s))
+            .map(|ms| (ms * 1000.0).round() / 1000.0);
         let cut = l.cut.as_ref().filter(|c| c.is_cut()).map(|_| "shutdown");
         tracing::info!(
             target: "access",
             method = %l.method,
-            path = l.uri.path(),
+            path = &*shown_path(l.uri.path()),
             route = l.route.as_deref().unwrap_or("-"),
             key = l.key.as_deref(),
             decision = l.decision,
@@ -192,6 +194,22 @@ fn enabled() -> bool {
     tracing::enabled!(target: "access", tracing::Level::INFO)
 }
 
+/// The longest path written whole: a longer one (up to the 64 KiB a head may hold) is cut
+/// there and marked, so that a line stays under the 16 KiB at which log shippers (Docker's
+/// json-file driver) split lines and break the JSON.
+const MAX_LOGGED_PATH: usize = 4096;
+
+fn shown_path(path: &str) -> std::borrow::Cow<'_, str> {
+    if path.len() <= MAX_LOGGED_PATH {
+        return path.into();
+    }
+    let mut end = MAX_LOGGED_PATH;
+    while !path.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...(cut, {} bytes)", &path[..end], path.len()).into()
+}
+
 fn ms_since(start: Instant) -> f64 {
     (start.elapsed().as_micros() as f64) / 1000.0
 }
@@ -200,6 +218,15 @@ fn ms_since(start: Instant) -> f64 {
 mod tests {
     use super::*;
     use std::net::Ipv4Addr;
+
+    #[test]
+    fn long_paths_are_cut_and_marked() {
+        assert_eq!(shown_path("/a/b"), "/a/b");
+        let long = format!("/{}", "x".repeat(70_000));
+        let shown = shown_path(&long);
+        assert!(shown.len() < MAX_LOGGED_PATH + 40, "{}", shown.len());
+        assert!(shown.ends_with("...(cut, 70001 bytes)"));
+    }
     use tracing::span::{Attributes, Id, Record};
     use tracing::{Event, Metadata};
 

@@ -29,6 +29,9 @@ struct Inner {
     /// Requests held by `delay` limits now, and the most there may be (`gateway.max_held`).
     held: AtomicUsize,
     max_held: usize,
+    /// Set, and its waiters woken, when the grace is ended early (a second stop signal).
+    hurried: AtomicBool,
+    hurry_now: tokio::sync::Notify,
     /// Set, and its waiters woken, when the grace has ended with work still running.
     cut: AtomicBool,
     cut_now: tokio::sync::Notify,
@@ -84,6 +87,8 @@ impl Capacity {
                 draining_started: tokio::sync::Notify::new(),
                 held: AtomicUsize::new(0),
                 max_held,
+                hurried: AtomicBool::new(false),
+                hurry_now: tokio::sync::Notify::new(),
                 cut: AtomicBool::new(false),
                 cut_now: tokio::sync::Notify::new(),
                 tunnels: Mutex::new(HashMap::new()),
@@ -161,6 +166,32 @@ impl Capacity {
                 std::future::pending::<()>().await;
             }
             started.await;
+        }
+    }
+
+    /// Ends the shutdown grace now (an operator's second stop signal): every serving thread's
+    /// [`Capacity::grace_over`] resolves, and what still runs is cut as at the grace's end.
+    pub(crate) fn end_grace_now(&self) {
+        self.inner.hurried.store(true, Ordering::Release);
+        self.inner.hurry_now.notify_waiters();
+    }
+
+    /// Resolves at `deadline`, the grace's end, or earlier once [`Capacity::end_grace_now`]
+    /// has been called.
+    pub(crate) async fn grace_over(&self, deadline: Instant) {
+        let hurried = async {
+            loop {
+                // Registered before the check, so a hurry in between still wakes it.
+                let hurry = self.inner.hurry_now.notified();
+                if self.inner.hurried.load(Ordering::Acquire) {
+                    return;
+                }
+                hurry.await;
+            }
+        };
+        tokio::select! {
+            () = tokio::time::sleep_until(deadline) => {}
+            () = hurried => {}
         }
     }
 

@@ -156,6 +156,16 @@ impl Gateway {
     /// accepting, and in-flight requests get up to `shutdown_grace` to finish. Returns whether
     /// every request finished in time.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> bool {
+        self.run_until(shutdown, std::future::pending()).await
+    }
+
+    /// [`Gateway::run`], with the grace ended early when `hurry` resolves after `shutdown` (an
+    /// operator's second stop signal): what still runs is cut then, as at the grace's end.
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()>,
+        hurry: impl Future<Output = ()>,
+    ) -> bool {
         let Gateway {
             shared,
             main,
@@ -229,11 +239,27 @@ impl Gateway {
         .await;
         let _ = stop_workers.send(true);
         let deadline = tokio::time::Instant::now() + shutdown_grace;
-        let cut = wind_down(graceful, &shared, deadline).await;
-        let mut finished = cut.is_none();
-        for worker in workers {
-            finished &= worker.await.unwrap_or(false);
-        }
+        let stopping = async {
+            let cut = wind_down(graceful, &shared, deadline).await;
+            let mut finished = cut.is_none();
+            for worker in workers {
+                finished &= worker.await.unwrap_or(false);
+            }
+            (cut, finished)
+        };
+        let hurried = async {
+            hurry.await;
+            tracing::warn!(
+                in_flight = shared.capacity.in_flight(),
+                "asked again to stop: the shutdown grace ends now"
+            );
+            shared.capacity.end_grace_now();
+            std::future::pending::<()>().await;
+        };
+        let (cut, finished) = tokio::select! {
+            stopped = stopping => stopped,
+            () = hurried => unreachable!("pending"),
+        };
         if !finished {
             // Counted at the cut (every thread's cut comes within moments of this one's).
             tracing::warn!(
@@ -312,14 +338,24 @@ async fn wind_down(
 ) -> Option<usize> {
     let connections = graceful.shutdown();
     tokio::pin!(connections);
-    let closed = tokio::time::timeout_at(deadline, connections.as_mut())
-        .await
-        .is_ok();
+    let grace_over = shared.capacity.grace_over(deadline);
+    tokio::pin!(grace_over);
+    let closed = tokio::select! {
+        () = connections.as_mut() => true,
+        () = grace_over.as_mut() => false,
+    };
     let finished = closed
-        && tokio::time::timeout_at(deadline, shared.capacity.drained())
-            .await
-            .is_ok();
-    let until = settle_until(deadline);
+        && tokio::select! {
+            () = shared.capacity.drained() => true,
+            () = grace_over.as_mut() => false,
+        };
+    // From the grace's end, or from now if a second signal ended it early.
+    let cut_at = if finished {
+        deadline
+    } else {
+        tokio::time::Instant::now().min(deadline)
+    };
+    let until = settle_until(cut_at);
     let cut = (!finished).then(|| shared.capacity.in_flight());
     if !finished {
         shared.capacity.cut();

@@ -29,14 +29,16 @@ impl RequestIds {
         }
     }
 
-    /// The caller's id if it is printable and short, else a new one (and the header is set).
+    /// The caller's id if it sent one, printable and short, else a new one (and the header is
+    /// set). An id sent twice is replaced: the upstream would read one and the log the other.
     pub(crate) fn ensure(&self, headers: &mut HeaderMap) -> HeaderValue {
         let entry = match headers.entry(&X_REQUEST_ID) {
             Entry::Occupied(mut e) => {
                 let v = e.get();
                 let ok = !v.is_empty()
                     && v.len() <= MAX_LEN
-                    && v.as_bytes().iter().all(|b| b.is_ascii_graphic());
+                    && v.as_bytes().iter().all(|b| b.is_ascii_graphic())
+                    && e.iter().nth(1).is_none();
                 if ok {
                     return v.clone();
                 }
@@ -61,7 +63,7 @@ impl RequestIds {
 }
 
 /// `n` as 16 lower-case hex digits.
-fn hex(n: u64) -> [u8; 16] {
+pub(crate) fn hex(n: u64) -> [u8; 16] {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut out = [0u8; 16];
     for (i, d) in out.iter_mut().enumerate() {
@@ -84,6 +86,19 @@ mod tests {
         let made = ids.ensure(&mut h);
         assert_eq!(made.len(), 32);
         assert_eq!(h[&X_REQUEST_ID], made);
+    }
+
+    /// Sent twice, the upstream would read one id and the log the other: a new one replaces
+    /// both (review).
+    #[test]
+    fn an_id_sent_twice_is_replaced_by_one() {
+        let ids = RequestIds::new();
+        let mut h = HeaderMap::new();
+        h.append(&X_REQUEST_ID, HeaderValue::from_static("first"));
+        h.append(&X_REQUEST_ID, HeaderValue::from_static("second"));
+        let made = ids.ensure(&mut h);
+        assert_eq!(made.len(), 32);
+        assert_eq!(h.get_all(&X_REQUEST_ID).iter().collect::<Vec<_>>(), [made]);
     }
 
     #[test]

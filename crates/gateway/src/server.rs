@@ -469,9 +469,47 @@ impl Conn {
             }
         };
         if let Err(e) = result {
+            if let Some(status) = refused_head(&*e) {
+                unread_request_logged(status, self.peer, &*e);
+            }
             tracing::debug!(peer = %self.peer, error = %e, "connection ended with an error");
         }
     }
+}
+
+/// The status HTTP/1.1 answered a request head it could not read with, if `e` says that is
+/// how the connection ended: hyper writes 431 (head too large), 414 (target too long) or 400
+/// itself, before any request reaches the gateway.
+fn refused_head(e: &(dyn std::error::Error + 'static)) -> Option<u16> {
+    let e = e.downcast_ref::<hyper::Error>()?;
+    if !e.is_parse() {
+        return None;
+    }
+    // hyper's `is_parse_too_large` covers both 431 and 414; only its message tells them apart.
+    Some(if e.to_string().contains("URI too long") {
+        414
+    } else if e.is_parse_too_large() {
+        431
+    } else {
+        400
+    })
+}
+
+/// The access-log line of a request refused before it was read (see [`refused_head`]): every
+/// answered request has one, so that dashboards of 4xx and abuse see malformed traffic too.
+/// What it asked for is unknown, so those fields are `-`.
+fn unread_request_logged(status: u16, peer: SocketAddr, e: &(dyn std::error::Error + 'static)) {
+    tracing::info!(
+        target: "access",
+        method = "-",
+        path = "-",
+        route = "-",
+        status,
+        client = %peer.ip(),
+        request_id = "-",
+        error = %e,
+        "request"
+    );
 }
 
 /// How long a connection closed for its header timeout gets to say goodbye (HTTP/2 `GOAWAY`)

@@ -18,7 +18,8 @@ use sluice_gateway::Gateway;
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Cli {
-    /// Log format (level from the SLUICE_LOG variable, e.g. `info` or `sluice=debug`).
+    /// Log format of `run` (level from the SLUICE_LOG variable, `info` by default; e.g. `warn`,
+    /// or `sluice=debug`, which keeps `info` for the rest).
     #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
     log_format: LogFormat,
     #[command(subcommand)]
@@ -82,6 +83,11 @@ fn main() -> ExitCode {
         }
         Command::Check { config, upstream } => match check::load(&config, &upstream) {
             Ok(c) => {
+                // `run` would stop on a bad SLUICE_LOG: so does `check`.
+                if let Err(e) = logging::filter() {
+                    eprintln!("sluice: {e}");
+                    return ExitCode::from(2);
+                }
                 print!("{}", check::describe(&config, &c));
                 ExitCode::SUCCESS
             }
@@ -98,7 +104,15 @@ fn main() -> ExitCode {
             }
             let loaded = match check::load(&config, &upstream) {
                 Ok(c) => c,
-                Err(errors) => return invalid(&errors),
+                Err(errors) => {
+                    // In the log too, so that a collector of stdout (JSON lines) sees why an
+                    // instance keeps failing to start, not only stderr.
+                    tracing::error!(
+                        problems = errors.0.len(),
+                        "the configuration is invalid:\n{errors}"
+                    );
+                    return invalid(&errors);
+                }
             };
             match run(loaded, threads) {
                 Ok(()) => ExitCode::SUCCESS,
@@ -146,7 +160,31 @@ fn run(config: Config, threads: Option<u16>) -> anyhow::Result<()> {
             Gateway::bind(&config).await?
         };
         tracing::info!(main = %gateway.main_addr(), admin = %gateway.admin_addr(), threads, routes = config.routes.len(), limits = config.limits.len(), "listening");
-        let finished = gateway.run(signal()).await;
+        let mut signals = Signals::new()?;
+        let (first, second) = tokio::sync::oneshot::channel::<()>();
+        let (again, hurry) = tokio::sync::oneshot::channel::<()>();
+        // Signals are read by a task of their own, so that one arriving while the gateway
+        // winds down is still read (a second SIGTERM or SIGINT ends the grace at once).
+        tokio::spawn(async move {
+            let name = signals.stop().await;
+            tracing::info!(signal = name, "shutting down");
+            let _ = first.send(());
+            signals.stop().await;
+            let _ = again.send(());
+        });
+        let finished = gateway
+            .run_until(
+                async {
+                    let _ = second.await;
+                },
+                async {
+                    // A dropped sender (the task ended) is no request to hurry.
+                    if hurry.await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                },
+            )
+            .await;
         tracing::info!(every_request_finished = finished, "stopped");
         Ok(())
     })
@@ -172,13 +210,37 @@ fn raise_open_files_limit() -> Option<(u64, u64)> {
     Some((current, target))
 }
 
-async fn signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("installing a SIGINT handler");
-    let name = tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    };
-    tracing::info!(signal = name, "shutting down");
+/// The signals `run` answers: SIGTERM and SIGINT stop it (the first drains, a second ends the
+/// grace at once); SIGHUP, which asks nginx and HAProxy to reload, is logged and ignored, as
+/// sluice does not reload its configuration yet (its default action would end the process and
+/// every request in flight).
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate()).context("installing a SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("installing a SIGINT handler")?,
+            hup: signal(SignalKind::hangup()).context("installing a SIGHUP handler")?,
+        })
+    }
+
+    /// Waits for SIGTERM or SIGINT, and says which.
+    async fn stop(&mut self) -> &'static str {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return "SIGTERM",
+                _ = self.int.recv() => return "SIGINT",
+                _ = self.hup.recv() => tracing::warn!(
+                    signal = "SIGHUP",
+                    "ignored: sluice does not reload its configuration; restart it to apply changes"
+                ),
+            }
+        }
+    }
 }
