@@ -207,8 +207,14 @@ impl Limiter {
     /// (unless a key is blocked or a concurrency limit is full).
     ///
     /// Limits are charged in order by compare-and-swap; if a later one refuses, the earlier
-    /// charges are taken back. A concurrent request may meanwhile see a charge that is then
-    /// taken back and be refused: no limit ever admits more than its quota.
+    /// charges are taken back at `now`. A concurrent request may meanwhile see a charge that is
+    /// then taken back and be refused. Windows take a charge back exactly. A token bucket gives
+    /// back what is still owed of the charge at `now` ([`Limiter::refund`]); a concurrent
+    /// request whose `now` was read later, and found the bucket refilled past this charge, may
+    /// in the worst case keep the time between the two readings as extra tokens (a bucket
+    /// earning a token a microsecond, with readings 5 us apart on purpose, admitted a second
+    /// request in about 1 instant of 1,000; at a token a millisecond, nanoseconds apart, a
+    /// thousandth of a token per such race).
     ///
     /// # Panics
     /// If a [`LimitId`] does not belong to this limiter.

@@ -56,7 +56,9 @@ fn cost_above_burst_is_its_own_outcome_and_charges_nothing() {
     ])
     .unwrap();
     let layers = all_layers(&limiter, &["window", "bucket"]);
-    let Decision::CostTooLarge(c) = limiter.decide(&layers, 6, T0) else {
+    let decision = limiter.decide(&layers, 6, T0);
+    let figures = decision.reports(&limiter).collect::<Vec<_>>();
+    let Decision::CostTooLarge(c) = decision else {
         panic!("6 can never fit a bucket of 5");
     };
     assert_eq!(
@@ -64,6 +66,10 @@ fn cost_above_burst_is_its_own_outcome_and_charges_nothing() {
         (limiter.id("bucket").unwrap(), 5)
     );
     assert_eq!(observe(&limiter, &layers, T0)[0].remaining, 100);
+    // No limit says when 6 would fit the bucket: it never will (review: the bucket said
+    // 200 ms). The window, where 6 fits, says what it would after an admission.
+    assert_eq!(figures[1].reset, None);
+    assert_eq!(figures[0].reset, Some(Duration::ZERO));
     assert!(limiter.decide(&layers, 5, T0).is_admitted());
 }
 

@@ -131,9 +131,17 @@ impl Rule {
         (remaining, reset)
     }
 
-    /// `(remaining, wait)` for a request of `cost` not charged against `state`.
+    /// `(remaining, wait)` for a request of `cost` not charged against `state`; no wait for a
+    /// cost above the limit's capacity, which never fits (a finite one would send the caller
+    /// back to be refused again).
     pub(crate) fn pending(&self, state: u128, cost: u32, now: u64) -> (u32, Option<u64>) {
-        (self.remaining(state, now), self.wait(state, cost, now))
+        let never = !matches!(self, Rule::Concurrency(_)) && cost > self.quota();
+        let wait = if never {
+            None
+        } else {
+            self.wait(state, cost, now)
+        };
+        (self.remaining(state, now), wait)
     }
 }
 
