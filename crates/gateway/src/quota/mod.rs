@@ -252,6 +252,13 @@ impl Quota {
                         }
                     }
                 }
+                // Limits of each caller before those shared by all (by route or global): a
+                // caller over its own quota is then refused before its request charges, even
+                // for a moment, what everyone shares (a charge taken back at once still
+                // refused a concurrent request near the shared limit). Config order otherwise.
+                on_route
+                    .enforced
+                    .sort_by_key(|&(_, shared)| shared.is_some());
                 on_route
             })
             .collect();
@@ -737,14 +744,22 @@ mode = "dry_run"
                 .count()
         };
         assert_eq!(fixed(&quota), 4, "per-route and global, on both routes");
+        // Each caller's limits come first, then those all callers share (route and global,
+        // in the file's order), so that a caller over its own quota is refused before it
+        // charges what everyone shares.
+        for route in &quota.by_route {
+            let shared: Vec<bool> = route.enforced.iter().map(|(_, k)| k.is_some()).collect();
+            assert!(shared.is_sorted(), "{shared:?}");
+        }
+        // Enforced: per-ip-and-route, then per-route and global; then the dry-run per-key.
         // Route and global keys are the same for every caller; the others are not.
         let b = keys(&quota, "192.0.2.2", b"b", 0);
-        assert_eq!((a[0], a[1]), (b[0], b[1]));
-        assert_ne!(a[2], b[2]);
+        assert_eq!((a[1], a[2]), (b[1], b[2]));
+        assert_ne!(a[0], b[0]);
         assert_ne!(a[3], b[3]);
         let other_route = keys(&quota, "192.0.2.1", b"a", 1);
-        assert_ne!(a[0], other_route[0], "per-route differs between routes");
-        assert_eq!(a[1], other_route[1], "global does not");
+        assert_ne!(a[1], other_route[1], "per-route differs between routes");
+        assert_eq!(a[2], other_route[2], "global does not");
         // Without the keys made at start, every request makes the same keys itself.
         for route in &mut quota.by_route {
             for (_, fixed) in route.enforced.iter_mut().chain(route.dry_run.iter_mut()) {
