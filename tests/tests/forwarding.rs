@@ -1120,6 +1120,37 @@ async fn heads_refused_before_routing_still_get_problem_bodies() {
     }
 }
 
+/// Only heads hyper answered get a line of their own: an HTTP/2 preface after an HTTP/1.1
+/// request ends the connection with a parse error but no answer, so no line (review: it was
+/// logged 400).
+#[tokio::test]
+async fn a_parse_error_that_got_no_answer_writes_no_access_line() {
+    let up = MockUpstream::start().await;
+    let mut gw = Sluice::start(&config(&up.url(), "5s"));
+    let reply = raw_exchange(
+        gw.main,
+        b"GET /status HTTP/1.1\r\nhost: x\r\n\r\nPRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    )
+    .await;
+    assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
+    assert_eq!(reply.matches("HTTP/1.1 ").count(), 1, "{reply}");
+    let reply = raw_exchange(gw.main, b"HELLO\r\n\r\n").await;
+    assert!(reply.starts_with("HTTP/1.1 400 "), "{reply}");
+    // Every line is written once the process has exited.
+    gw.terminate();
+    assert_eq!(gw.wait_exit(Duration::from_secs(10)).await.code(), Some(0));
+    let unread: Vec<_> = gw
+        .access_logs()
+        .into_iter()
+        .filter(|l| l["method"] == "-")
+        .collect();
+    assert_eq!(unread.len(), 1, "{unread:#?}");
+    assert_eq!(unread[0]["status"], 400);
+    assert!(unread[0]["error"]
+        .as_str()
+        .is_some_and(|e| e.contains("method")));
+}
+
 /// A transfer coding other than `chunked` cannot be passed on (hyper takes the chunked framing
 /// off and the upstream would read still-encoded bytes as plain): 501 with a problem body,
 /// nothing forwarded. `chunked` alone is forwarded as usual.

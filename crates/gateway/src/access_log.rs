@@ -170,8 +170,8 @@ impl Drop for AccessLog {
         let cut = l.cut.as_ref().filter(|c| c.is_cut()).map(|_| "shutdown");
         tracing::info!(
             target: "access",
-            method = %l.method,
-            path = &*shown_path(l.uri.path()),
+            method = &*shown(l.method.as_str()),
+            path = &*shown(l.uri.path()),
             route = l.route.as_deref().unwrap_or("-"),
             key = l.key.as_deref(),
             decision = l.decision,
@@ -194,20 +194,21 @@ fn enabled() -> bool {
     tracing::enabled!(target: "access", tracing::Level::INFO)
 }
 
-/// The longest path written whole: a longer one (up to the 64 KiB a head may hold) is cut
-/// there and marked, so that a line stays under the 16 KiB at which log shippers (Docker's
-/// json-file driver) split lines and break the JSON.
-const MAX_LOGGED_PATH: usize = 4096;
+/// The longest path or method written whole: a longer one (up to the 64 KiB a head may
+/// hold) is cut there and marked, so that a line stays under the 16 KiB at which log shippers
+/// (Docker's json-file driver) split lines and break the JSON. (The request id is at most 128
+/// bytes, the other fields are the gateway's.)
+const MAX_LOGGED: usize = 4096;
 
-fn shown_path(path: &str) -> std::borrow::Cow<'_, str> {
-    if path.len() <= MAX_LOGGED_PATH {
-        return path.into();
+fn shown(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.len() <= MAX_LOGGED {
+        return text.into();
     }
-    let mut end = MAX_LOGGED_PATH;
-    while !path.is_char_boundary(end) {
+    let mut end = MAX_LOGGED;
+    while !text.is_char_boundary(end) {
         end -= 1;
     }
-    format!("{}...(cut, {} bytes)", &path[..end], path.len()).into()
+    format!("{}...(cut, {} bytes)", &text[..end], text.len()).into()
 }
 
 fn ms_since(start: Instant) -> f64 {
@@ -221,11 +222,11 @@ mod tests {
 
     #[test]
     fn long_paths_are_cut_and_marked() {
-        assert_eq!(shown_path("/a/b"), "/a/b");
+        assert_eq!(shown("/a/b"), "/a/b");
         let long = format!("/{}", "x".repeat(70_000));
-        let shown = shown_path(&long);
-        assert!(shown.len() < MAX_LOGGED_PATH + 40, "{}", shown.len());
-        assert!(shown.ends_with("...(cut, 70001 bytes)"));
+        let cut = shown(&long);
+        assert!(cut.len() < MAX_LOGGED + 40, "{}", cut.len());
+        assert!(cut.ends_with("...(cut, 70001 bytes)"));
     }
     use tracing::span::{Attributes, Id, Record};
     use tracing::{Event, Metadata};

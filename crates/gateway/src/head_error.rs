@@ -32,6 +32,7 @@ pub(crate) struct HeadErrors {
 
 #[derive(Debug)]
 struct Answer {
+    status: u16,
     /// hyper's answer up to its `date` field.
     hyper: Vec<u8>,
     /// Ours up to the `date` field, which is taken from hyper's.
@@ -53,6 +54,7 @@ impl Answer {
             body.len()
         );
         Answer {
+            status: status.as_u16(),
             hyper: format!("{line}content-length: 0\r\n").into_bytes(),
             head: head.into_bytes(),
             body,
@@ -76,9 +78,9 @@ impl HeadErrors {
         }
     }
 
-    /// The answer to write instead of `buf`, if `buf` is exactly one of hyper's automatic
-    /// answers to a request head it refused.
-    pub(crate) fn replacement(&self, buf: &[u8]) -> Option<Vec<u8>> {
+    /// The answer to write instead of `buf`, and its status, if `buf` is exactly one of
+    /// hyper's automatic answers to a request head it refused.
+    pub(crate) fn replacement(&self, buf: &[u8]) -> Option<(u16, Vec<u8>)> {
         if buf.len() > LONGEST || !buf.starts_with(START) {
             return None;
         }
@@ -86,7 +88,7 @@ impl HeadErrors {
             let date = buf.strip_prefix(a.hyper.as_slice())?;
             let value = date.strip_prefix(b"date: ")?.strip_suffix(b"\r\n\r\n")?;
             let plain = !value.is_empty() && value.iter().all(|b| (b' '..=b'~').contains(b));
-            plain.then(|| [&a.head, date, &a.body].concat())
+            plain.then(|| (a.status, [&a.head, date, &a.body].concat()))
         })
     }
 }
@@ -116,7 +118,8 @@ mod tests {
             let hyper = format!(
                 "HTTP/1.1 {status} {reason}\r\nconnection: close\r\ncontent-length: 0\r\n{DATE}"
             );
-            let ours = errors().replacement(hyper.as_bytes()).expect("replaced");
+            let (code, ours) = errors().replacement(hyper.as_bytes()).expect("replaced");
+            assert_eq!(code.to_string(), status);
             let ours = String::from_utf8(ours).unwrap();
             let (head, body) = ours.split_once("\r\n\r\n").unwrap();
             assert!(

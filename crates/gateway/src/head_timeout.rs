@@ -27,7 +27,7 @@
 
 use std::io;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -81,6 +81,9 @@ pub(crate) struct HeadTimeout {
     /// Whether a tunnel has taken the connection: its bytes are no longer HTTP for the
     /// gateway to look at ([`HeadErrors`]).
     tunnel: AtomicBool,
+    /// The status of hyper's automatic answer to a head it refused, once one is written
+    /// (0: none): that request's access-log line, which no handler writes.
+    refused: AtomicU16,
     /// The connection's room in the gateway, until the connection ends or a tunnel takes it.
     room: Mutex<Option<Room>>,
 }
@@ -98,6 +101,7 @@ impl HeadTimeout {
             streams: Mutex::new(Vec::new()),
             http2: AtomicBool::new(false),
             tunnel: AtomicBool::new(false),
+            refused: AtomicU16::new(0),
             room: Mutex::new(None),
         })
     }
@@ -123,6 +127,15 @@ impl HeadTimeout {
     /// Whether a request is in flight on the connection.
     pub(crate) fn is_busy(&self) -> bool {
         self.in_flight.load(Ordering::Acquire) > 0
+    }
+
+    /// The status hyper answered a request head it could not read with, if it did (400, 414
+    /// or 431; the connection then ends).
+    pub(crate) fn refused(&self) -> Option<u16> {
+        match self.refused.load(Ordering::Acquire) {
+            0 => None,
+            status => Some(status),
+        }
     }
 
     /// Whether the connection speaks HTTP/2 (its preface was read, or a request said so).
@@ -335,7 +348,8 @@ impl<T: AsyncWrite> Counted<T> {
         if self.head.tunnel.load(Ordering::Acquire) {
             return None;
         }
-        let answer = self.errors.replacement(buf)?;
+        let (status, answer) = self.errors.replacement(buf)?;
+        self.head.refused.store(status, Ordering::Release);
         Some(Swap {
             answer,
             sent: 0,

@@ -468,37 +468,24 @@ impl Conn {
                 drive(conn, shut, &head, drain, cut, self.peer).await
             }
         };
+        if let Some(status) = head.refused() {
+            unread_request_logged(status, self.peer, result.as_ref().err().map(|e| &**e));
+        }
         if let Err(e) = result {
-            if let Some(status) = refused_head(&*e) {
-                unread_request_logged(status, self.peer, &*e);
-            }
             tracing::debug!(peer = %self.peer, error = %e, "connection ended with an error");
         }
     }
 }
 
-/// The status HTTP/1.1 answered a request head it could not read with, if `e` says that is
-/// how the connection ended: hyper writes 431 (head too large), 414 (target too long) or 400
-/// itself, before any request reaches the gateway.
-fn refused_head(e: &(dyn std::error::Error + 'static)) -> Option<u16> {
-    let e = e.downcast_ref::<hyper::Error>()?;
-    if !e.is_parse() {
-        return None;
-    }
-    // hyper's `is_parse_too_large` covers both 431 and 414; only its message tells them apart.
-    Some(if e.to_string().contains("URI too long") {
-        414
-    } else if e.is_parse_too_large() {
-        431
-    } else {
-        400
-    })
-}
-
-/// The access-log line of a request refused before it was read (see [`refused_head`]): every
-/// answered request has one, so that dashboards of 4xx and abuse see malformed traffic too.
-/// What it asked for is unknown, so those fields are `-`.
-fn unread_request_logged(status: u16, peer: SocketAddr, e: &(dyn std::error::Error + 'static)) {
+/// The access-log line of a request whose head HTTP/1.1 could not read, answered by hyper
+/// (400, 414 or 431, with the gateway's problem body) before any handler saw it: every answered
+/// request has a line, so that dashboards of 4xx and abuse see malformed traffic too. What it
+/// asked for is unknown, so those fields are `-`.
+fn unread_request_logged(
+    status: u16,
+    peer: SocketAddr,
+    error: Option<&(dyn std::error::Error + Send + Sync)>,
+) {
     tracing::info!(
         target: "access",
         method = "-",
@@ -507,7 +494,7 @@ fn unread_request_logged(status: u16, peer: SocketAddr, e: &(dyn std::error::Err
         status,
         client = %peer.ip(),
         request_id = "-",
-        error = %e,
+        error = error.map(tracing::field::display),
         "request"
     );
 }

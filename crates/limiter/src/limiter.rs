@@ -370,8 +370,18 @@ impl Limiter {
     /// the bucket has refilled past the charge there is nothing left to give back, and giving
     /// it back anyway would undo a later request's charge). Pass the current time: an `now`
     /// earlier than a charge made since by another request could give part of that one back.
-    /// Exact unless a charged key was evicted or swept in between. The admission is left
-    /// charging nothing: refunding it again changes nothing.
+    ///
+    /// A token bucket keeps one time per key, not the history of its charges, so what is owed
+    /// is worked out from the time this charge left: exact for a refund made soon after the
+    /// charge (as the gateway's are, within microseconds). Made later, it errs both ways by up
+    /// to the time since the charge: a charge under later ones is owed whole while the bucket
+    /// stays in debt, but gets back only what its own time still covers (ten requests at once
+    /// at 10 per second, the first refunded 100 ms later, gets nothing back); and after another
+    /// request of the key was refunded meanwhile, that time overstates what is owed (a burst
+    /// of 2 charged twice, the first refunded at once and the second a second later, after a
+    /// third request, let two more through). Windows are exact. Also exact but for keys
+    /// evicted or swept in between. The admission is left charging nothing: refunding it again
+    /// changes nothing.
     ///
     /// # Panics
     /// If `admission` came from another limiter.

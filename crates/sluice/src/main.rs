@@ -154,13 +154,14 @@ fn run(config: Config, threads: Option<u16>) -> anyhow::Result<()> {
         .build()
         .context("starting the runtime")?;
     runtime.block_on(async {
+        // Before binding, which may wait for Redis: a SIGHUP meanwhile would end the process.
+        let mut signals = Signals::new()?;
         let gateway = if threads > 1 {
             Gateway::bind_workers(&config, threads - 1).await?
         } else {
             Gateway::bind(&config).await?
         };
         tracing::info!(main = %gateway.main_addr(), admin = %gateway.admin_addr(), threads, routes = config.routes.len(), limits = config.limits.len(), "listening");
-        let mut signals = Signals::new()?;
         let (first, second) = tokio::sync::oneshot::channel::<()>();
         let (again, hurry) = tokio::sync::oneshot::channel::<()>();
         // Signals are read by a task of their own, so that one arriving while the gateway
