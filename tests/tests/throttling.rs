@@ -552,6 +552,36 @@ window = "1h"
     assert_eq!(policy["key-quota"]["w"], body["window"].as_i64().unwrap());
 }
 
+/// The RateLimit fields list the limits in the configuration's order, though each caller's
+/// limits are charged before those everyone shares.
+#[tokio::test]
+async fn ratelimit_fields_list_limits_in_configuration_order() {
+    let up = MockUpstream::start().await;
+    let limits = r#"
+[[limits]]
+name = "everyone"
+by = "global"
+quota = 1000
+window = "1s"
+
+[[limits]]
+name = "key-quota"
+by = "api_key"
+quota = 3
+window = "1h"
+"#;
+    let gw = InProcess::start(&config(&up.url(), 64, limits), Duration::from_secs(1000)).await;
+    let ok = call(gw.main, "/v1/items", "k").await;
+    let names = |field: &str| -> Vec<String> {
+        ok.header(field)
+            .split(',')
+            .map(|m| m.trim().split(';').next().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(names("ratelimit-policy"), ["\"everyone\"", "\"key-quota\""]);
+    assert_eq!(names("ratelimit"), ["\"everyone\"", "\"key-quota\""]);
+}
+
 both_stores!(route_cost_is_charged_and_echoed);
 async fn route_cost_is_charged_and_echoed(store: TestStore) {
     let up = MockUpstream::start().await;

@@ -11,7 +11,7 @@ use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use rand::Rng;
 use sluice_config::{Config, Respond, RetryRange, RouteAction};
-use sluice_limiter::{Clock, Report};
+use sluice_limiter::{Clock, LimitId, Report};
 use smallvec::SmallVec;
 
 use crate::access_log::AccessLog;
@@ -462,7 +462,10 @@ fn advertise(
     reports: &Reports,
     cost: u32,
 ) {
-    let items: SmallVec<[(&str, Report); 8]> = reports
+    // In configuration order (limits are charged each caller's first, then the shared ones).
+    let mut sorted: SmallVec<[(LimitId, Report); 8]> = reports.iter().copied().collect();
+    sorted.sort_unstable_by_key(|(id, _)| *id);
+    let items: SmallVec<[(&str, Report); 8]> = sorted
         .iter()
         .map(|(id, r)| (&*shared.quota.info(*id).field_name, *r))
         .collect();
