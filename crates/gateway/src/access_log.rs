@@ -219,6 +219,8 @@ fn ms_since(start: Instant) -> f64 {
 mod tests {
     use super::*;
     use std::net::Ipv4Addr;
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::{Event, Metadata};
 
     #[test]
     fn long_paths_are_cut_and_marked() {
@@ -228,8 +230,6 @@ mod tests {
         assert!(cut.len() < MAX_LOGGED + 40, "{}", cut.len());
         assert!(cut.ends_with("...(cut, 70001 bytes)"));
     }
-    use tracing::span::{Attributes, Id, Record};
-    use tracing::{Event, Metadata};
 
     /// Counts the events it is given; `level` is the most verbose it wants.
     struct Counting {
