@@ -309,6 +309,37 @@ async fn a_second_stop_signal_ends_the_grace_at_once() {
     up.release(1);
 }
 
+/// Held requests are answered at a second stop signal, as at a drain whose grace ends before
+/// their hold: 503 with `Retry-After`, rather than cut without an answer (review).
+#[tokio::test]
+async fn a_second_stop_signal_answers_held_requests_503() {
+    let up = MockUpstream::start().await;
+    // One request every 10 s from this address, held up to 25 s; a grace of 60 s.
+    let limits = "[[limits]]\nname = \"slow\"\nby = \"ip\"\nquota = 1\nwindow = \"10s\"\nmode = \"delay\"\nmax_delay = \"25s\"\n";
+    let cfg = format!("{}{limits}", config(&up.url(), 8, "10s", "60s"));
+    // One serving thread: requests are decided in the order they were sent.
+    let mut gw = Sluice::start_with_args(&cfg, &["--threads", "1"]);
+    assert_eq!(get(gw.main, "/a", &[]).await.status, 200);
+    // Held about 10 s (within the grace, so the drain alone would wait for it).
+    let held = Pending::send(gw.main, "/a", "k").await;
+    // And one held about 20 s.
+    let second = Pending::send(gw.main, "/a", "k").await;
+    // Both are held: a fourth would wait about 30 s, past max_delay.
+    assert_eq!(get(gw.main, "/a", &[]).await.status, 429);
+    gw.terminate();
+    gw.wait_draining().await;
+    gw.signal("TERM");
+    for pending in [held, second] {
+        let answer = pending.answer().await;
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        assert!(
+            answer.to_ascii_lowercase().contains("\r\nretry-after: "),
+            "{answer}"
+        );
+    }
+    assert_eq!(gw.wait_exit(Duration::from_secs(10)).await.code(), Some(0));
+}
+
 /// SIGHUP (nginx's and HAProxy's reload) is logged and ignored: its default action would end
 /// the process and cut every request in flight.
 #[tokio::test]

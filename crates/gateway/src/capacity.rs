@@ -153,20 +153,28 @@ impl Capacity {
         self.inner.draining_started.notify_waiters();
     }
 
-    /// Resolves once draining has started with a grace that ends before `moment`; never
-    /// otherwise. A request held until `moment` would be cut at exit without an answer.
+    /// Resolves once draining has started with a grace that ends before `moment` (or was
+    /// ended early by [`Capacity::end_grace_now`]); never otherwise. A request held until
+    /// `moment` would be cut at exit without an answer.
     pub(crate) async fn draining_before(&self, moment: Instant) {
         loop {
-            // Registered before the check, so a start in between still wakes it.
+            // Registered before the check, so a start (or a hurry) in between still wakes it.
             let started = self.inner.draining_started.notified();
+            if self.inner.hurried.load(Ordering::Acquire) {
+                return;
+            }
             if let Some(&end) = self.inner.grace_ends.get() {
                 if end < moment {
                     return;
                 }
-                std::future::pending::<()>().await;
             }
             started.await;
         }
+    }
+
+    /// Requests held by `delay` limits now.
+    pub(crate) fn held(&self) -> usize {
+        self.inner.held.load(Ordering::Acquire)
     }
 
     /// Ends the shutdown grace now (an operator's second stop signal): every serving thread's
@@ -174,6 +182,8 @@ impl Capacity {
     pub(crate) fn end_grace_now(&self) {
         self.inner.hurried.store(true, Ordering::Release);
         self.inner.hurry_now.notify_waiters();
+        // Held requests are answered 503 now, as those whose hold outlasts the grace are.
+        self.inner.draining_started.notify_waiters();
     }
 
     /// Resolves at `deadline`, the grace's end, or earlier once [`Capacity::end_grace_now`]

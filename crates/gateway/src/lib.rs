@@ -251,7 +251,8 @@ impl Gateway {
             hurry.await;
             tracing::warn!(
                 in_flight = shared.capacity.in_flight(),
-                "asked again to stop: the shutdown grace ends now"
+                held = shared.capacity.held(),
+                "asked again to stop: the shutdown grace ends now (held requests are answered 503)"
             );
             shared.capacity.end_grace_now();
             std::future::pending::<()>().await;
@@ -263,7 +264,7 @@ impl Gateway {
         if !finished {
             // Counted at the cut (every thread's cut comes within moments of this one's).
             tracing::warn!(
-                in_flight = cut.unwrap_or_default(),
+                requests = cut.unwrap_or_default(),
                 "shutdown grace ran out; the requests still running were cut"
             );
         }
@@ -356,7 +357,7 @@ async fn wind_down(
         tokio::time::Instant::now().min(deadline)
     };
     let until = settle_until(cut_at);
-    let cut = (!finished).then(|| shared.capacity.in_flight());
+    let cut = (!finished).then(|| shared.capacity.in_flight() + shared.capacity.held());
     if !finished {
         shared.capacity.cut();
         // The cut connections end at their next poll, HTTP/2 streams when their connection
