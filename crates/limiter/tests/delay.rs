@@ -207,3 +207,50 @@ fn a_withdrawn_window_charge_comes_back_while_its_window_is_counted() {
     limiter.withdraw(&mut passes, now);
     assert_eq!(would_wait(&limiter, "f", now), Some(secs(15.0)));
 }
+
+/// The moment each request of `caller` passes, deciding `[per-caller, everyone]` at `now`.
+fn passes(limiter: &Limiter, caller: &str, now: Nanos) -> Option<Nanos> {
+    let layers = [
+        (limiter.id("per-caller").unwrap(), key(caller)),
+        (limiter.id("everyone").unwrap(), key("everyone")),
+    ];
+    match limiter.decide(&layers, 1, now) {
+        Decision::Admitted(a) => Some(Nanos(now.0 + a.wait().as_nanos() as u64)),
+        _ => None,
+    }
+}
+
+/// A request held by one limit passes later than it arrives: every limit on it must count it
+/// then. Charged at its arrival by a per-caller limit of one a second, a request held two
+/// seconds by a shared smoothing limit reached the upstream 100 ms before the caller's next
+/// one, charged a second later (review; the same with a fixed window let four requests of one
+/// caller through in a second against a quota of two).
+#[test]
+fn a_held_request_is_charged_by_every_limit_as_of_when_it_passes() {
+    for per_caller in [
+        bucket("per-caller", 1, Duration::from_secs(1), 1),
+        fixed("per-caller", 1, Duration::from_secs(1)),
+        sliding("per-caller", 1, Duration::from_secs(1)),
+    ] {
+        let limiter = Limiter::new([
+            per_caller.with_max_delay(secs(5.0)).unwrap(),
+            bucket("everyone", 10, Duration::from_secs(1), 1)
+                .with_max_delay(secs(5.0))
+                .unwrap(),
+        ])
+        .unwrap();
+        // Twenty other callers fill the shared queue for two seconds.
+        for i in 0..20 {
+            assert!(passes(&limiter, &format!("other-{i}"), T0).is_some());
+        }
+        let first = passes(&limiter, "a", at(SEC / 20)).expect("held, not refused");
+        let second = passes(&limiter, "a", at(SEC + SEC / 10)).expect("held, not refused");
+        assert!(first.0 >= T0.0 + 2 * SEC - SEC / 10, "{first:?}");
+        assert!(
+            second.0 >= first.0 + SEC,
+            "{}: one a second, yet {} ms apart",
+            limiter.limit(limiter.id("per-caller").unwrap()).name(),
+            (second.0 - first.0) / 1_000_000
+        );
+    }
+}

@@ -420,3 +420,56 @@ async fn settling_waits_for_releases_but_not_for_their_retries() {
     let settled = tokio::time::timeout(Duration::from_secs(5), store.settle()).await;
     assert!(settled.is_ok(), "the exit waited out the release's retries");
 }
+
+/// A request held by one limit passes later than it arrives: every limit on it counts it then,
+/// as in memory. Charged at its arrival by a per-caller limit of one a second, a request held
+/// two seconds by a shared smoothing limit reached the upstream 100 ms before the caller's next
+/// one (review).
+#[tokio::test]
+async fn a_held_request_is_charged_by_every_limit_as_of_when_it_passes() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let five = Duration::from_secs(5);
+    for (n, per_caller) in [
+        bucket("per-caller", 1, Duration::from_secs(1), 1),
+        fixed("per-caller", 1, Duration::from_secs(1)),
+        sliding("per-caller", 1, Duration::from_secs(1)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let per_caller = remote(&per_caller.with_max_delay(five).unwrap());
+        let everyone = bucket("everyone", 10, Duration::from_secs(1), 1);
+        let everyone = remote(&everyone.with_max_delay(five).unwrap());
+        // Each algorithm on its own keys (a fresh shared queue, fresh callers).
+        let shared = key(&format!("everyone-{n}"));
+        let passes = |caller: String, at_us: u64| {
+            let layers = [
+                Layer::enforced(&per_caller, key(&caller)),
+                Layer::enforced(&everyone, shared),
+            ];
+            let store = &store;
+            async move {
+                match store
+                    .decide_at(&layers, 1, Mode::Charge, at(at_us))
+                    .await
+                    .unwrap()
+                {
+                    RemoteDecision::Admitted(a) => Some(at_us + a.hold.as_micros() as u64),
+                    _ => None,
+                }
+            }
+        };
+        for i in 0..20 {
+            assert!(passes(format!("other-{n}-{i}"), 0).await.is_some());
+        }
+        let first = passes(format!("a-{n}"), 50_000).await.expect("held");
+        let second = passes(format!("a-{n}"), 1_100_000).await.expect("held");
+        assert!(first >= 1_900_000, "{first}");
+        assert!(
+            second >= first + 1_000_000,
+            "case {n}: one a second, yet {} ms apart",
+            (second - first) / 1000
+        );
+    }
+}
