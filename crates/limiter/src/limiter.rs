@@ -243,11 +243,7 @@ impl Limiter {
         let admission = self.empty_admission(layers.len(), cost, now.0, true);
         let mut decision = Decision::Admitted(admission);
         if let Decision::Admitted(admission) = &mut decision {
-            let mut charged = self.charge_all(admission, layers, cost, now.0);
-            if charged.is_ok() && admission.wait > 0 && admission.layers.len() > 1 {
-                charged = self.charge_at_pass(admission, cost, now.0);
-            }
-            if let Err(stop) = charged {
+            if let Err(stop) = self.charge_all(admission, layers, cost, now.0) {
                 let not_admitted = self.not_admitted(admission, layers, stop, cost, now.0);
                 decision = not_admitted;
             }
@@ -293,57 +289,6 @@ impl Limiter {
                     }
                 }
                 Err(seen) => return Err(Stop::Refused(position, Some(seen))),
-            }
-        }
-        Ok(())
-    }
-
-    /// Re-times the charges of a request held by a limit (its `wait`): every limit is charged
-    /// as of the moment it passes, `now + wait`, not only the one that holds it. Charged at
-    /// its arrival, another limit (one a second by address, say) would count the request in
-    /// the second it arrived while the upstream sees it later, together with a later request
-    /// of the same caller charged in the second after: both would reach the upstream closer
-    /// together than that limit allows. Each layer's charge is taken back and made again at
-    /// the passing moment in one compare-and-swap; a limit that admitted the request at its
-    /// arrival admits it later too (every algorithm only refills with time), unless a
-    /// concurrent request took the room meanwhile: then the request is refused, as in any race.
-    #[cold]
-    #[inline(never)]
-    fn charge_at_pass(&self, admission: &mut Admission, cost: u32, now: u64) -> Result<(), Stop> {
-        let pass = now.saturating_add(admission.wait);
-        for (position, layer) in admission.layers.iter_mut().enumerate() {
-            let c = &self.limits[layer.limit.index()];
-            if c.rule.counts_requests() {
-                continue; // slots count requests in flight, not moments
-            }
-            let charge = Charge {
-                cost,
-                tag: layer.tag(),
-                left: layer.state(),
-                now,
-            };
-            let mut outcome = None;
-            c.table.update(layer.key, |state| {
-                state.update(|s| {
-                    let back = c.rule.undo(s, charge);
-                    match c.rule.eval(back, cost, pass) {
-                        Step::Admit { state, tag } => {
-                            outcome = Some(Ok((state, tag)));
-                            Some(state)
-                        }
-                        Step::Refuse { wait } => {
-                            outcome = Some(Err((s, wait)));
-                            None
-                        }
-                    }
-                });
-            });
-            match outcome {
-                Some(Ok((state, tag))) => {
-                    *layer = Layer::admitted(layer.limit, layer.key, state, tag)
-                }
-                Some(Err(seen)) => return Err(Stop::Refused(position, Some(seen))),
-                None => unreachable!("update calls its closure at least once"),
             }
         }
         Ok(())

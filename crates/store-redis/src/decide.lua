@@ -385,16 +385,7 @@ local function decide(k, p)
       out[5] = cap
     elseif ok then
       -- Charges every layer (when writing) and reports the figures after the charge, with the
-      -- charge's window index for a refund (-1: nothing written). A request held by a layer
-      -- (L[17]) passes after its longest hold, `held`: every layer charges it as of then, not
-      -- only the one that holds it, or another layer (one a second by address, say) would count
-      -- it at its arrival while the upstream sees it later, beside a later request of the same
-      -- caller charged a second after (as in memory: Limiter::charge_at_pass).
-      local held = 0
-      for i = 1, n do
-        local L = layers[i]
-        if L[3] == dry and L[17] and L[17] > held then held = L[17] end
-      end
+      -- charge's window index for a refund (-1: nothing written).
       for i = 1, n do
         local L = layers[i]
         if L[3] == dry then
@@ -412,12 +403,7 @@ local function decide(k, p)
               call('PEXPIRE', L[1], (ttl + -ttl % 1000) / 1000)
             end
           elseif algo == 'g' then
-            -- Charged at now + held: the debt then, at least that of passing then (the layer
-            -- that holds longest is charged ahead as it is, exactly: `held` is its hold
-            -- rounded up to the microsecond).
-            local scale, d = L[11], L[5]
-            if held > 0 and L[17] ~= held then d = math.max(d, held * scale) end
-            d = d + cost * L[12]
+            local d, scale = L[5] + cost * L[12], L[11]
             L[5] = d
             if write then
               local frac = d % scale
@@ -426,7 +412,6 @@ local function decide(k, p)
             end
           else
             local w, hold = L[11], L[17]
-            if held > 0 then hold = held end
             tag = (now - now % w) / w
             if hold then
               -- Charged in the window it passes in, from the state as it will be seen then.

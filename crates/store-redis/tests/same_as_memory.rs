@@ -177,32 +177,6 @@ async fn a_held_token_bucket_request_is_charged_ahead_and_held_as_in_memory() {
     same_sequence(layers, 42, 250, 300_000, 1).await;
 }
 
-/// A request held by one limit is charged by every limit as of when it passes, in the store
-/// as in memory: a held bucket beside a bucket, a fixed and a sliding window that do not hold,
-/// and two limits that hold for different times.
-#[tokio::test]
-async fn every_limit_charges_a_held_request_as_of_when_it_passes_as_in_memory() {
-    let second = Duration::from_secs(1);
-    let layers = vec![
-        bucket("held", 4, second, 1)
-            .with_max_delay(Duration::from_millis(1_500))
-            .unwrap(),
-        bucket("plain", 3, second, 2),
-        fixed("fixed", 5, second),
-        sliding("sliding", 6, 2 * second),
-    ];
-    same_sequence(layers, 60, 300, 250_000, 1).await;
-    let layers = vec![
-        bucket("short", 5, second, 1)
-            .with_max_delay(Duration::from_millis(800))
-            .unwrap(),
-        fixed("long", 3, second)
-            .with_max_delay(Duration::from_millis(2_000))
-            .unwrap(),
-    ];
-    same_sequence(layers, 61, 300, 200_000, 1).await;
-}
-
 #[tokio::test]
 async fn block_for_matches_memory() {
     let second = Duration::from_secs(1);
