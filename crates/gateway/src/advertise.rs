@@ -62,7 +62,7 @@ pub(crate) fn write(
     headers: &mut HeaderMap,
     items: &[(&str, Report)],
     cost: u32,
-    legacy: bool,
+    legacy: Legacy,
     cache: &PolicyCache,
 ) {
     if items.is_empty() {
@@ -87,12 +87,16 @@ pub(crate) fn write(
     if cost != 1 {
         headers.insert(RATELIMIT_COST.clone(), HeaderValue::from(cost));
     }
-    if legacy {
-        // The limit closest to refusing: least remaining, then the longest wait.
-        let (_, r) = items
-            .iter()
-            .min_by_key(|(_, r)| (r.remaining, std::cmp::Reverse(r.reset)))
-            .expect("items is not empty");
+    if let Legacy::On { refusing } = legacy {
+        // The limit that refused, on a 429; else the one closest to refusing: least
+        // remaining, then the longest wait.
+        let closest = || {
+            items
+                .iter()
+                .min_by_key(|(_, r)| (r.remaining, std::cmp::Reverse(r.reset)))
+                .expect("items is not empty")
+        };
+        let (_, r) = refusing.and_then(|i| items.get(i)).unwrap_or_else(closest);
         headers.insert(X_LIMIT.clone(), HeaderValue::from(r.quota));
         headers.insert(X_REMAINING.clone(), HeaderValue::from(r.remaining));
         // A limit with no reset time (concurrency: a slot frees when a request ends) says
@@ -101,6 +105,14 @@ pub(crate) fn write(
             headers.insert(X_RESET.clone(), HeaderValue::from(ceil_secs(reset)));
         }
     }
+}
+
+/// Whether to write the legacy `X-RateLimit-*` trio, and for a 429, which item refused (the
+/// trio then describes it: a client reading only the trio learns why it was refused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Legacy {
+    Off,
+    On { refusing: Option<usize> },
 }
 
 /// `RateLimit-Policy`: each limit's quota and window.
@@ -195,7 +207,7 @@ mod tests {
             (&*ip, report(40, Some(2), 31, Some(400))),
             (&*key, report(1000, Some(3600), 997, Some(2_112_300))),
         ];
-        write(&mut h, &items, 1, false, &PolicyCache::default());
+        write(&mut h, &items, 1, Legacy::Off, &PolicyCache::default());
         assert_eq!(
             h["ratelimit-policy"],
             "\"per-ip\";q=40;w=2, \"key-quota\";q=1000;w=3600"
@@ -218,12 +230,29 @@ mod tests {
             // A concurrency limit with free slots: the limiter says "now" (zero); no `t`.
             (&*names[2], report(10, None, 4, Some(0))),
         ];
-        write(&mut h, &items, 5, true, &PolicyCache::default());
+        write(
+            &mut h,
+            &items,
+            5,
+            Legacy::On { refusing: None },
+            &PolicyCache::default(),
+        );
         assert_eq!(h["x-ratelimit-limit"], "5");
         assert_eq!(h["x-ratelimit-remaining"], "3");
         assert_eq!(h["x-ratelimit-reset"], "9");
         assert_eq!(h["ratelimit-cost"], "5");
         assert_eq!(h["ratelimit"], "\"a\";r=3;t=5, \"b\";r=3;t=9, \"c\";r=4");
+        // On a 429 the trio describes the limit that refused, here a full concurrency limit,
+        // not another that also has nothing left (review: it named a `delay` limit).
+        let mut h = HeaderMap::new();
+        let spent = [
+            (&*names[0], report(10, Some(60), 0, Some(5_000))),
+            (&*names[2], report(2, None, 0, None)),
+        ];
+        let refusing = Legacy::On { refusing: Some(1) };
+        write(&mut h, &spent, 1, refusing, &PolicyCache::default());
+        assert_eq!(h["x-ratelimit-limit"], "2");
+        assert!(!h.contains_key("x-ratelimit-reset"));
         // A concurrency limit has no reset time, spent or not: no X-RateLimit-Reset, not 0.
         for (remaining, reset) in [(0, None), (1, Some(0))] {
             let mut h = HeaderMap::new();
@@ -231,7 +260,7 @@ mod tests {
                 &mut h,
                 &[(&*names[2], report(2, None, remaining, reset))],
                 1,
-                true,
+                Legacy::On { refusing: None },
                 &PolicyCache::default(),
             );
             assert_eq!(h["x-ratelimit-remaining"], remaining.to_string().as_str());
@@ -246,7 +275,7 @@ mod tests {
         let (a, b) = (sf_string("a"), sf_string("b"));
         let policy = |items: &[(&str, Report)]| {
             let mut h = HeaderMap::new();
-            write(&mut h, items, 1, false, &cache);
+            write(&mut h, items, 1, Legacy::Off, &cache);
             h["ratelimit-policy"].clone()
         };
         let two = [

@@ -304,7 +304,7 @@ pub(crate) async fn handle(
             // Forward or respond.
             let Some(route) = route else {
                 let mut res = Problem::not_found().into_response(&shared.problem_base);
-                advertise(shared, index, res.headers_mut(), &reports, cost);
+                advertise(shared, index, res.headers_mut(), &reports, cost, None);
                 res.body_mut().hold(pass.slot, pass.held);
                 break 'walk res;
             };
@@ -339,7 +339,7 @@ pub(crate) async fn handle(
                                 set_upgrade(&mut parts.headers, protocol);
                             }
                             let mut res = Response::from_parts(parts, Body::full(Bytes::new()));
-                            advertise(shared, index, res.headers_mut(), &reports, cost);
+                            advertise(shared, index, res.headers_mut(), &reports, cost, None);
                             let hold = (pass.slot, pass.held, busy.take_room());
                             let idle = shared.upstreams[*u].tunnel_idle_timeout();
                             // Tracked, for a cut at the end of the shutdown grace to end it.
@@ -393,7 +393,7 @@ pub(crate) async fn handle(
                     }
                 }
             };
-            advertise(shared, index, res.headers_mut(), &reports, cost);
+            advertise(shared, index, res.headers_mut(), &reports, cost, None);
             res.body_mut().hold(pass.slot, pass.held);
             res
         }
@@ -420,7 +420,15 @@ fn stopped(
             log.outcome(Outcome::Rejected(refused.limit), &shared.quota);
             let info = shared.quota.info(refused.limit);
             let mut res = quota_exceeded(info, &refused, cost).into_response(&shared.problem_base);
-            advertise(shared, route, res.headers_mut(), &refused.reports, cost);
+            let limit = Some(refused.limit);
+            advertise(
+                shared,
+                route,
+                res.headers_mut(),
+                &refused.reports,
+                cost,
+                limit,
+            );
             res
         }
         Stop::StoreUnavailable => {
@@ -434,7 +442,7 @@ fn stopped(
             let after_hold = matches!(stop, Stop::OverloadedAfterHold);
             let mut res =
                 Problem::overloaded(retry_after, after_hold).into_response(&shared.problem_base);
-            advertise(shared, route, res.headers_mut(), reports, cost);
+            advertise(shared, route, res.headers_mut(), reports, cost, None);
             res
         }
         Stop::CostTooLarge(id) => {
@@ -461,16 +469,23 @@ fn advertise(
     headers: &mut http::HeaderMap,
     reports: &Reports,
     cost: u32,
+    refusing: Option<LimitId>,
 ) {
     // In configuration order (limits are charged each caller's first, then the shared ones).
     let mut sorted: SmallVec<[(LimitId, Report); 8]> = reports.iter().copied().collect();
     sorted.sort_unstable_by_key(|(id, _)| *id);
+    let legacy = if shared.legacy_headers {
+        let refusing = refusing.and_then(|id| sorted.iter().position(|(i, _)| *i == id));
+        advertise::Legacy::On { refusing }
+    } else {
+        advertise::Legacy::Off
+    };
     let items: SmallVec<[(&str, Report); 8]> = sorted
         .iter()
         .map(|(id, r)| (&*shared.quota.info(*id).field_name, *r))
         .collect();
     let policy = &shared.policies[route];
-    advertise::write(headers, &items, cost, shared.legacy_headers, policy);
+    advertise::write(headers, &items, cost, legacy, policy);
 }
 
 /// Whole seconds drawn uniformly from the configured range, so refused callers spread out.
