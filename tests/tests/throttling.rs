@@ -1122,6 +1122,42 @@ async fn a_full_table_of_callers_is_warned_about() {
     assert!((1..=8).contains(&evicted), "{line}");
 }
 
+/// One request every 2 s, burst 1, held up to 3 s.
+const SLOW_DELAY_LIMIT: &str = "[[limits]]\nname = \"slow\"\nby = \"api_key\"\nquota = 1\nwindow = \"2s\"\nmode = \"delay\"\nmax_delay = \"3s\"\n";
+
+/// A held request's `RateLimit` `t` counts from when its answer goes out, not from its
+/// admission a hold earlier: a caller that waits `t` is not sent back late (review: after a 4 s
+/// hold, `t` said 5 s where the next request could go 1 s later).
+async fn held_figures_count_from_forwarding(main: std::net::SocketAddr) {
+    let first = call(main, "/v1/items", "k").await;
+    assert_eq!(first.status, 200);
+    assert_eq!(sf_list(&first, "ratelimit")["slow"]["t"], 2);
+    // Held about 2 s; at its answer the next token is about 2 s away, not 4.
+    let held = call(main, "/v1/items", "k").await;
+    assert_eq!(held.status, 200);
+    let slow = &sf_list(&held, "ratelimit")["slow"];
+    assert_eq!(slow["r"], 0, "{slow:?}");
+    assert!((1..=2).contains(&slow["t"]), "{slow:?}");
+}
+
+/// In memory, on the real clock (the in-process gateway's clock stands still).
+#[tokio::test]
+async fn a_held_request_s_figures_count_from_its_forwarding_in_memory() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), 8, SLOW_DELAY_LIMIT));
+    held_figures_count_from_forwarding(gw.main).await;
+}
+
+/// On Redis, whose clock (`TIME`) runs.
+#[tokio::test]
+async fn a_held_request_s_figures_count_from_its_forwarding_on_redis() {
+    let up = MockUpstream::start().await;
+    let store = TestStore::Redis(RedisServer::start());
+    let cfg = store.apply(&config(&up.url(), 8, SLOW_DELAY_LIMIT));
+    let gw = InProcess::start(&cfg, Duration::ZERO).await;
+    held_figures_count_from_forwarding(gw.main).await;
+}
+
 both_stores!(a_held_request_takes_no_place_in_flight_while_it_waits);
 /// A caller sending faster than its rate is slowed, and the gateway is not filled by it: its
 /// held request takes no place in `max_in_flight` while it waits, so that others are served

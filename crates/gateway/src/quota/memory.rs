@@ -55,6 +55,11 @@ impl Quota {
             return Err(Stop::OverloadedAfterHold);
         };
         withdraw.admissions.clear(); // it passes: the charges stay
+                                     // Its figures as it is forwarded, not as of its admission a hold ago (a `t` counted
+                                     // from then would send the caller back that much too late).
+        let figures = self.limiter.figures(&layers.enforced, self.clock.now());
+        notes.reports.clear();
+        notes.reports.extend(figures.map(|r| (r.limit, r)));
         Ok(Pass {
             slot,
             held: hold.held,

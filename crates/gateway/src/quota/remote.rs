@@ -216,6 +216,11 @@ impl Remote {
                     };
                     withdraw.admission = None; // it passes: the charges stay
                     drop(place);
+                    // Its figures are its admission's, a hold ago: their times are counted
+                    // from its forwarding instead (without another call to Redis).
+                    for (_, r) in notes.reports.iter_mut() {
+                        r.reset = r.reset.map(|t| t.saturating_sub(hold));
+                    }
                     slot
                 };
                 Ok(Pass {
