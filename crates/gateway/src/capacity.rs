@@ -24,14 +24,14 @@ struct Inner {
     drained: tokio::sync::Notify,
     /// When the shutdown grace ends, once draining has started.
     grace_ends: OnceLock<Instant>,
-    /// Woken when draining starts.
+    /// Woken when draining starts, and when its grace is ended early.
     draining_started: tokio::sync::Notify,
     /// Requests held by `delay` limits now, and the most there may be (`gateway.max_held`).
     held: AtomicUsize,
     max_held: usize,
-    /// Set, and its waiters woken, when the grace is ended early (a second stop signal).
+    /// Set when the grace is ended early (a second stop signal); `draining_started`'s
+    /// waiters are woken then too.
     hurried: AtomicBool,
-    hurry_now: tokio::sync::Notify,
     /// Set, and its waiters woken, when the grace has ended with work still running.
     cut: AtomicBool,
     cut_now: tokio::sync::Notify,
@@ -88,7 +88,6 @@ impl Capacity {
                 held: AtomicUsize::new(0),
                 max_held,
                 hurried: AtomicBool::new(false),
-                hurry_now: tokio::sync::Notify::new(),
                 cut: AtomicBool::new(false),
                 cut_now: tokio::sync::Notify::new(),
                 tunnels: Mutex::new(HashMap::new()),
@@ -181,8 +180,8 @@ impl Capacity {
     /// [`Capacity::grace_over`] resolves, and what still runs is cut as at the grace's end.
     pub(crate) fn end_grace_now(&self) {
         self.inner.hurried.store(true, Ordering::Release);
-        self.inner.hurry_now.notify_waiters();
-        // Held requests are answered 503 now, as those whose hold outlasts the grace are.
+        // Wakes `grace_over`, and `draining_before`, so that held requests are answered 503
+        // now, as those whose hold outlasts the grace are.
         self.inner.draining_started.notify_waiters();
     }
 
@@ -192,7 +191,7 @@ impl Capacity {
         let hurried = async {
             loop {
                 // Registered before the check, so a hurry in between still wakes it.
-                let hurry = self.inner.hurry_now.notified();
+                let hurry = self.inner.draining_started.notified();
                 if self.inner.hurried.load(Ordering::Acquire) {
                     return;
                 }

@@ -1358,6 +1358,16 @@ mod tests {
         assert_eq!(m.verdict(timeout, at(26)), Verdict::ClientStalled);
     }
 
+    /// [`prepare_request`] from `peer` to [`upstream`], with `identity`'s headers read.
+    fn prepare<B>(req: &mut Request<B>, peer: Peer, identity: &[HeaderName]) {
+        prepare_request(
+            req,
+            &peer,
+            &upstream(),
+            &IdentityHeaders::new(identity.to_vec()),
+        );
+    }
+
     fn upstream() -> Authority {
         Authority::from_static("127.0.0.1:3000")
     }
@@ -1369,12 +1379,7 @@ mod tests {
             .version(http::Version::HTTP_10)
             .body(())
             .unwrap();
-        prepare_request(
-            &mut req,
-            &peer("192.0.2.1", false),
-            &upstream(),
-            &IdentityHeaders::new(Vec::new()),
-        );
+        prepare(&mut req, peer("192.0.2.1", false), &[]);
         assert_eq!(req.headers()[HOST], "127.0.0.1:3000");
         let mut req = Request::builder()
             .uri("/")
@@ -1383,12 +1388,7 @@ mod tests {
             .header("x-gone", "1")
             .body(())
             .unwrap();
-        prepare_request(
-            &mut req,
-            &peer("192.0.2.1", false),
-            &upstream(),
-            &IdentityHeaders::new(Vec::new()),
-        );
+        prepare(&mut req, peer("192.0.2.1", false), &[]);
         assert_eq!(req.headers()[HOST], "api.example.com");
         assert!(!req.headers().contains_key("x-gone"));
     }
@@ -1403,12 +1403,7 @@ mod tests {
             .header("x-forwarded-for", HeaderValue::from_bytes(b"\xff").unwrap())
             .body(())
             .unwrap();
-        prepare_request(
-            &mut req,
-            &peer("192.0.2.1", true),
-            &upstream(),
-            &IdentityHeaders::new(Vec::new()),
-        );
+        prepare(&mut req, peer("192.0.2.1", true), &[]);
         let cookies: Vec<_> = req.headers().get_all(COOKIE).iter().collect();
         assert_eq!(cookies, ["a=1; b=2"]);
         assert_eq!(
@@ -1423,12 +1418,7 @@ mod tests {
             .header("cookie", "b=2")
             .body(())
             .unwrap();
-        prepare_request(
-            &mut req,
-            &peer("192.0.2.1", false),
-            &upstream(),
-            &IdentityHeaders::new(Vec::new()),
-        );
+        prepare(&mut req, peer("192.0.2.1", false), &[]);
         assert_eq!(req.headers().get_all(COOKIE).iter().count(), 2);
     }
 
@@ -1596,12 +1586,7 @@ mod tests {
             .header("upgrades", "kept too")
             .body(())
             .unwrap();
-        prepare_request(
-            &mut req,
-            &peer("192.0.2.1", false),
-            &upstream(),
-            &IdentityHeaders::new(Vec::new()),
-        );
+        prepare(&mut req, peer("192.0.2.1", false), &[]);
         let h = req.headers();
         for gone in [
             "connection",
@@ -1638,24 +1623,14 @@ mod tests {
         };
         // A trusted proxy's chain goes on, the peer appended.
         let mut req = claimed();
-        prepare_request(
-            &mut req,
-            &peer("::ffff:192.0.2.1", true),
-            &upstream(),
-            &IdentityHeaders::new(Vec::new()),
-        );
+        prepare(&mut req, peer("::ffff:192.0.2.1", true), &[]);
         let h = req.headers();
         assert_eq!(h["x-forwarded-for"], "203.0.113.9, 198.51.100.2, 192.0.2.1");
         assert_eq!(h["x-forwarded-proto"], "https");
         assert_eq!(h["x-real-ip"], "203.0.113.9");
         // Anyone else's claims are replaced by what the gateway saw.
         let mut req = claimed();
-        prepare_request(
-            &mut req,
-            &peer("::ffff:192.0.2.1", false),
-            &upstream(),
-            &IdentityHeaders::new(Vec::new()),
-        );
+        prepare(&mut req, peer("::ffff:192.0.2.1", false), &[]);
         let h = req.headers();
         assert_eq!(h["x-forwarded-for"], "192.0.2.1");
         assert_eq!(
@@ -1664,12 +1639,7 @@ mod tests {
         );
         assert_eq!(h["x-real-ip"], "192.0.2.1");
         let mut req = Request::builder().uri("/").body(()).unwrap();
-        prepare_request(
-            &mut req,
-            &peer("192.0.2.1", false),
-            &upstream(),
-            &IdentityHeaders::new(Vec::new()),
-        );
+        prepare(&mut req, peer("192.0.2.1", false), &[]);
         assert!(!req.headers().contains_key("x-real-ip"), "not added");
     }
 
@@ -1693,12 +1663,7 @@ mod tests {
                 .header("my_header", "kept")
                 .body(())
                 .unwrap();
-            prepare_request(
-                &mut req,
-                &peer("192.0.2.1", trusted),
-                &upstream(),
-                &IdentityHeaders::new(identity.to_vec()),
-            );
+            prepare(&mut req, peer("192.0.2.1", trusted), &identity);
             let mut names: Vec<&str> = req.headers().keys().map(HeaderName::as_str).collect();
             names.sort_unstable();
             assert_eq!(
@@ -1724,12 +1689,7 @@ mod tests {
             .header("x-other", "kept")
             .body(())
             .unwrap();
-        prepare_request(
-            &mut req,
-            &peer("192.0.2.1", false),
-            &upstream(),
-            &IdentityHeaders::new(identity.to_vec()),
-        );
+        prepare(&mut req, peer("192.0.2.1", false), &identity);
         let h = req.headers();
         assert_eq!(h["x_custom_key"], "k1");
         assert!(!h.contains_key("x-custom-key") && !h.contains_key("x-custom_key"));
@@ -1743,12 +1703,7 @@ mod tests {
             .header(format!("x_{}", "k".repeat(81)), "kept")
             .body(())
             .unwrap();
-        prepare_request(
-            &mut req,
-            &peer("192.0.2.1", false),
-            &upstream(),
-            &IdentityHeaders::new(identity.to_vec()),
-        );
+        prepare(&mut req, peer("192.0.2.1", false), &identity);
         assert!(!req
             .headers()
             .contains_key(long.replacen('-', "_", 1).as_str()));
@@ -1781,12 +1736,7 @@ mod tests {
             .header("x-forwarded-proto", "https")
             .body(())
             .unwrap();
-        prepare_request(
-            &mut req,
-            &peer("10.0.0.1", true),
-            &upstream(),
-            &IdentityHeaders::new(Vec::new()),
-        );
+        prepare(&mut req, peer("10.0.0.1", true), &[]);
         assert_eq!(req.headers()["x-forwarded-proto"], "https");
         assert_eq!(req.headers()["host"], "api.example.com");
     }
@@ -1806,23 +1756,13 @@ mod tests {
                 .unwrap()
         };
         let mut req = build();
-        prepare_request(
-            &mut req,
-            &peer("203.0.113.7", false),
-            &upstream(),
-            &IdentityHeaders::new(Vec::new()),
-        );
+        prepare(&mut req, peer("203.0.113.7", false), &[]);
         let h = req.headers();
         let xfh: Vec<_> = h.get_all("x-forwarded-host").iter().collect();
         assert_eq!(xfh, ["other.example"]);
         assert!(!h.contains_key("forwarded"));
         let mut req = build();
-        prepare_request(
-            &mut req,
-            &peer("10.0.0.1", true),
-            &upstream(),
-            &IdentityHeaders::new(Vec::new()),
-        );
+        prepare(&mut req, peer("10.0.0.1", true), &[]);
         assert_eq!(req.headers().get_all("x-forwarded-host").iter().count(), 2);
         assert!(req.headers().contains_key("forwarded"));
         // A request without them gets none.
@@ -1831,12 +1771,7 @@ mod tests {
             .header("host", "a")
             .body(())
             .unwrap();
-        prepare_request(
-            &mut req,
-            &peer("203.0.113.7", false),
-            &upstream(),
-            &IdentityHeaders::new(Vec::new()),
-        );
+        prepare(&mut req, peer("203.0.113.7", false), &[]);
         assert!(!req.headers().contains_key("x-forwarded-host"));
     }
 }
