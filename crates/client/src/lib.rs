@@ -10,9 +10,10 @@
 //!   the `RateLimit-Policy` and `RateLimit` Structured Fields of
 //!   draft-ietf-httpapi-ratelimit-headers (revision 11), into [`Policy`] and [`Limit`].
 //! - [`Problem`]: the problem details body, with `policy` and `retry_after`.
-//! - [`RetryPolicy`]: the retry decision without I/O. It waits `Retry-After` on 429 and 503, falls
-//!   back to full-jitter [`Backoff`], caps attempts and total time, and retries only idempotent
-//!   methods unless told otherwise.
+//! - [`RetryPolicy`]: the retry decision without I/O. It waits `Retry-After` on 429 and 503, else
+//!   until a spent `RateLimit` limit resets, else a full-jitter [`Backoff`] draw; honours a zero
+//!   wait once only; caps attempts and total time; and retries only idempotent methods unless
+//!   told otherwise.
 //! - [`send_with_retry`]: drives any `FnMut() -> Future<Output = Result<Response<B>, E>>`
 //!   through a [`RetryPolicy`], sleeping with `tokio::time::sleep`.
 //!
@@ -62,6 +63,7 @@
 #![warn(missing_docs)]
 
 mod backoff;
+mod date;
 mod drive;
 mod problem;
 mod ratelimit;

@@ -1,8 +1,11 @@
 //! Problem details bodies (RFC 9457), with the members sluice adds: `policy`, `retry_after`,
 //! `quota` and `window`.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
+use serde_json::error::Category;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 /// Media type of a problem details body.
@@ -49,10 +52,20 @@ pub enum ProblemError {
 impl Problem {
     /// Reads a problem details body.
     pub fn from_slice(body: &[u8]) -> Result<Self, ProblemError> {
-        match serde_json::from_slice(body)? {
-            Value::Object(members) => Ok(Self::from_members(&members)),
-            _ => Err(ProblemError::NotAnObject),
-        }
+        // Member by member, so that one serde_json cannot hold (a number beyond a double,
+        // `1e400`) is ignored as RFC 9457 asks of a bad member, rather than failing the body
+        // and losing its `policy` (review).
+        let raw: HashMap<String, Box<RawValue>> = match serde_json::from_slice(body) {
+            Ok(members) => members,
+            // Valid JSON of another type than an object.
+            Err(e) if e.classify() == Category::Data => return Err(ProblemError::NotAnObject),
+            Err(e) => return Err(e.into()),
+        };
+        let members: Map<String, Value> = raw
+            .into_iter()
+            .filter_map(|(k, v)| Some((k, serde_json::from_str(v.get()).ok()?)))
+            .collect();
+        Ok(Self::from_members(&members))
     }
 
     fn from_members(m: &Map<String, Value>) -> Self {
@@ -63,7 +76,8 @@ impl Problem {
             let v = m.get(key)?;
             v.as_u64().or_else(|| {
                 let f = v.as_f64()?;
-                (f.fract() == 0.0 && (0.0..=u64::MAX as f64).contains(&f)).then_some(f as u64)
+                // `u64::MAX as f64` is 2^64, itself out of range.
+                (f.fract() == 0.0 && (0.0..u64::MAX as f64).contains(&f)).then_some(f as u64)
             })
         };
         Problem {
@@ -153,6 +167,23 @@ mod tests {
     fn html_error_page_is_an_error() {
         let err = Problem::from_slice(b"<html>503 Service Unavailable</html>").unwrap_err();
         assert!(matches!(err, ProblemError::Json(_)));
+    }
+
+    #[test]
+    fn a_number_beyond_a_double_is_an_absent_member_not_a_bad_body() {
+        // Review: `1e400` failed the whole body, and 2^64 read as u64::MAX.
+        let p = Problem::from_slice(
+            br#"{"status":429,"policy":"key-quota","retry_after":1e400,"quota":18446744073709551616.0,"window":18446744073709551616}"#,
+        )
+        .unwrap();
+        assert_eq!(p.policy.as_deref(), Some("key-quota"));
+        assert_eq!(p.status, Some(429));
+        assert_eq!((p.retry_after, p.quota, p.window), (None, None, None));
+        // Malformed JSON is still an error.
+        assert!(matches!(
+            Problem::from_slice(br#"{"status":429,"#),
+            Err(ProblemError::Json(_))
+        ));
     }
 
     #[test]

@@ -24,7 +24,9 @@ pub struct Policy {
     pub quota: u64,
     /// `w`: the window; `None` when the field has no `w` (a concurrency limit).
     pub window: Option<Duration>,
-    /// `qu`: the quota unit (`request`, `content-bytes`, `concurrency`); `None` means `request`.
+    /// `qu`: the quota unit as the server wrote it; `None` means requests. Revisions of the
+    /// draft name the units differently (`request` or `requests`, `content-bytes`,
+    /// `concurrency` or `concurrent-requests`), so the value is passed on, not checked.
     pub unit: Option<String>,
     /// `pk`: the partition key the server counts this request under.
     pub partition_key: Option<Vec<u8>>,
@@ -75,8 +77,9 @@ pub enum RateLimitError {
         /// The missing parameter's key.
         param: &'static str,
     },
-    /// A known parameter has the wrong type or a negative value.
-    #[error("policy {name:?}: parameter {param} has the wrong type or a negative value")]
+    /// A known parameter has the wrong type or a value out of its range (negative, or a window
+    /// of zero).
+    #[error("policy {name:?}: parameter {param} has the wrong type or a value out of range")]
     BadParam {
         /// The policy's name.
         name: String,
@@ -91,7 +94,7 @@ impl Policy {
         let params = Params { name: &name, item };
         Ok(Policy {
             quota: params.required_u64("q")?,
-            window: params.seconds("w")?,
+            window: params.window("w")?,
             unit: params.string("qu")?,
             partition_key: params.bytes("pk")?,
             name,
@@ -219,6 +222,15 @@ impl Params<'_> {
         Ok(self.u64(param)?.map(Duration::from_secs))
     }
 
+    /// A window: seconds, and not zero (draft section 3.1: "a non-negative, non-zero" integer;
+    /// a client dividing a quota by it must not be handed zero).
+    fn window(&self, param: &'static str) -> Result<Option<Duration>, RateLimitError> {
+        match self.seconds(param)? {
+            Some(w) if w.is_zero() => Err(self.bad(param)),
+            w => Ok(w),
+        }
+    }
+
     fn string(&self, param: &'static str) -> Result<Option<String>, RateLimitError> {
         self.get(param)
             .map(|v| match v {
@@ -343,6 +355,7 @@ mod tests {
             r#""b";q=1.5"#,
             r#""b";q="10""#,
             r#""b";q=10;w=-60"#,
+            r#""b";q=10;w=0"#, // review: a window of zero was accepted
             r#""b";q=10;w=?1"#,
             r#""b";q=10;qu=request"#,
             r#""b";q=10;pk="text""#,

@@ -12,7 +12,12 @@ use crate::retry_after::retry_after_header;
 /// When to retry a refused request, and how long to wait first.
 ///
 /// - Only `429 Too Many Requests` and `503 Service Unavailable` are retried.
-/// - The wait is the response's `Retry-After`; without a usable one, a [`Backoff`] draw.
+/// - The wait is the response's `Retry-After`. Without a usable one, it is the longest `t` of
+///   the `RateLimit` limits the response says are spent (`r=0`), as the RateLimit draft asks a
+///   client not to exceed a quota before it resets; without either, a [`Backoff`] draw.
+/// - A wait of zero (`Retry-After: 0`, a date already past, or `t=0`) is honoured for the first
+///   retry only; after that it is a [`Backoff`] draw, so a server (or a clock) that keeps saying
+///   "now" does not get the attempts back to back.
 /// - Only idempotent methods are retried (GET, HEAD, OPTIONS, TRACE, PUT, DELETE, and QUERY,
 ///   which the `http` crate also counts), unless [`RetryPolicy::retry_non_idempotent`] opts in.
 /// - At most `max_attempts` requests are sent, first one included.
@@ -39,7 +44,8 @@ pub struct Attempt<'a> {
     pub headers: &'a HeaderMap,
     /// Time since the first request was sent.
     pub elapsed: Duration,
-    /// The wall clock, to read a `Retry-After` HTTP-date against.
+    /// The wall clock, to read a `Retry-After` HTTP-date against when the response has no
+    /// readable `Date` (with one, the date is counted from the server's `Date`).
     pub now: SystemTime,
 }
 
@@ -117,7 +123,10 @@ impl RetryPolicy {
         let remaining = self.budget.saturating_sub(attempt.elapsed);
         // A server's wait is kept as it is (over the budget, the caller stops); a backoff of our
         // own is drawn within what is left of the budget, so the draw alone never ends it.
-        let wait = retry_after_header(attempt.headers, attempt.now).unwrap_or_else(|| {
+        let asked = retry_after_header(attempt.headers, attempt.now)
+            .or_else(|| spent_until(attempt.headers))
+            .filter(|wait| !wait.is_zero() || attempt.number == 1);
+        let wait = asked.unwrap_or_else(|| {
             let retry = attempt.number.saturating_sub(1);
             self.backoff.wait_within(retry, remaining, rng)
         });
@@ -134,6 +143,18 @@ impl Default for RetryPolicy {
         let five = NonZeroU32::new(5).unwrap_or(NonZeroU32::MIN);
         RetryPolicy::new(five, Duration::from_secs(60), Backoff::default())
     }
+}
+
+/// The longest reset time `t` of the limits a `RateLimit` field says are spent (`r=0`), if it
+/// is readable and names one. Draft-ietf-httpapi-ratelimit-headers section 7: a client should
+/// not exceed the quota before it resets.
+fn spent_until(headers: &HeaderMap) -> Option<Duration> {
+    crate::ratelimit::limits(headers)
+        .ok()?
+        .iter()
+        .filter(|l| l.remaining == 0)
+        .filter_map(|l| l.reset)
+        .max()
 }
 
 /// The refusals this crate knows how to honour: a spent quota and a full server.
@@ -397,6 +418,63 @@ mod tests {
             assert!(
                 matches!(d, Decision::Retry(w) if w <= Duration::from_millis(100)),
                 "{d:?}"
+            );
+        }
+    }
+
+    /// Review: `Retry-After: 0` (or a date already past) on every answer had the attempts sent
+    /// back to back, stopped only by their count.
+    #[test]
+    fn a_zero_wait_is_honoured_once_then_backed_off() {
+        let p = policy(10, secs(60));
+        for zero in ["0", "Thu, 01 Jan 2015 00:00:00 GMT"] {
+            let h = retry_after(zero);
+            assert_eq!(
+                decide(&p, 1, Method::GET, 429, &h),
+                Decision::Retry(Duration::ZERO)
+            );
+            for n in 2..10 {
+                let d = decide(&p, n, Method::GET, 429, &h);
+                assert!(
+                    matches!(d, Decision::Retry(w) if !w.is_zero()),
+                    "{zero}: {n}: {d:?}"
+                );
+            }
+        }
+    }
+
+    /// Review: a refusal with no `Retry-After` but `RateLimit: "dynamic";r=0;t=20` (the draft's
+    /// own example) was retried after a 100 ms backoff.
+    #[test]
+    fn a_spent_limit_s_reset_is_the_wait_without_retry_after() {
+        let p = policy(5, secs(60));
+        let mut h = HeaderMap::new();
+        h.insert(
+            "ratelimit",
+            HeaderValue::from_static(r#""dynamic";r=0;t=20, "other";r=3;t=40"#),
+        );
+        assert_eq!(
+            decide(&p, 1, Method::GET, 429, &h),
+            Decision::Retry(secs(20))
+        );
+        assert_eq!(
+            decide(&p, 1, Method::GET, 503, &h),
+            Decision::Retry(secs(20))
+        );
+        // Retry-After comes first.
+        h.insert(RETRY_AFTER, HeaderValue::from_static("7"));
+        assert_eq!(
+            decide(&p, 1, Method::GET, 429, &h),
+            Decision::Retry(secs(7))
+        );
+        // Nothing spent, or a field that cannot be read: backoff.
+        for value in [r#""a";r=1;t=20"#, r#""a";r=0"#, "garbage;;"] {
+            let mut h = HeaderMap::new();
+            h.insert("ratelimit", HeaderValue::from_static(value));
+            let d = decide(&p, 1, Method::GET, 429, &h);
+            assert!(
+                matches!(d, Decision::Retry(w) if w <= secs(2)),
+                "{value}: {d:?}"
             );
         }
     }

@@ -7,17 +7,19 @@ use http::header::{HeaderMap, RETRY_AFTER};
 /// Reads a `Retry-After` field value as a wait counted from `now`.
 ///
 /// Accepts `delay-seconds` (`1*DIGIT`) and the three HTTP-date forms a recipient must accept
-/// (IMF-fixdate, the obsolete RFC 850 form and asctime). Everything else is `None`, meaning
-/// *absent*, never a wait of zero: `1.5`, `-3`, `+5`, the empty string, whitespace, garbage, and
-/// a number too large for a `u64`. A zero wait comes only from `0` or a date that is not in the
-/// future, which are real instructions to retry now.
+/// (IMF-fixdate, the obsolete RFC 850 form and asctime, a leap second and any four-digit year
+/// included). Everything else is `None`, meaning *absent*, never a wait of zero: `1.5`, `-3`,
+/// `+5`, the empty string, whitespace and garbage. A zero wait comes only from `0` or a date
+/// that is not in the future, which are real instructions to retry now ([`RetryPolicy`] honours
+/// one once, then backs off instead). Seconds beyond a `u64` are `u64::MAX` seconds: the grammar
+/// allows any number of digits, and a server that says "not for ages" must not be asked again
+/// sooner than one that says a day (as it was when such a value read as absent).
 ///
-/// `now` is the caller's wall clock, used only for the date form. Leading and trailing spaces or
-/// tabs are ignored, as a field parser strips them.
+/// `now` is the caller's wall clock, used only for the date form (and to place an RFC 850
+/// date's two-digit year, within 50 years of it as RFC 9110 asks). Leading and trailing spaces
+/// or tabs are ignored, as a field parser strips them.
 ///
-/// RFC 850 two-digit years are read by `httpdate`'s rule (`00`-`69` are 20xx, `70`-`99` are
-/// 19xx) rather than RFC 9110's "more than 50 years ahead" rule; they differ only for years
-/// 2070-2076, which no throttle sends.
+/// [`RetryPolicy`]: crate::RetryPolicy
 pub fn retry_after(value: impl AsRef<[u8]>, now: SystemTime) -> Option<Duration> {
     let text = std::str::from_utf8(value.as_ref()).ok()?;
     let text = text.trim_matches([' ', '\t']);
@@ -25,11 +27,10 @@ pub fn retry_after(value: impl AsRef<[u8]>, now: SystemTime) -> Option<Duration>
         return None;
     }
     if text.bytes().all(|b| b.is_ascii_digit()) {
-        // All digits, so the only possible failure is overflow: absent, as the brief says,
-        // rather than RFC 9111's "treat as 2^31", because a wait that long is a server bug.
-        return text.parse::<u64>().ok().map(Duration::from_secs);
+        // All digits, so the only possible failure is overflow.
+        return Some(Duration::from_secs(text.parse::<u64>().unwrap_or(u64::MAX)));
     }
-    let date = httpdate::parse_http_date(text).ok()?;
+    let date = crate::date::parse(text, now)?;
     Some(date.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
@@ -48,20 +49,34 @@ pub fn retry_after_header(headers: &HeaderMap, now: SystemTime) -> Option<Durati
     let mut longest: Option<Duration> = None;
     for value in headers.get_all(RETRY_AFTER) {
         let text = std::str::from_utf8(value.as_bytes()).ok()?;
-        // A comma joins repeated values; an HTTP-date holds one itself ("Sun, 06 Nov ..."),
-        // so only lists of delay-seconds are split.
-        let pieces: Vec<&str> = text.split(',').collect();
-        let split = pieces.len() > 1
-            && pieces
-                .iter()
-                .all(|p| !p.trim().is_empty() && p.trim().bytes().all(|b| b.is_ascii_digit()));
-        let waits: Vec<&str> = if split { pieces } else { vec![text] };
-        for wait in waits {
+        for wait in list(text) {
             let wait = retry_after(wait, now)?;
             longest = Some(longest.map_or(wait, |l| l.max(wait)));
         }
     }
     longest
+}
+
+/// The values a comma joined on one line (`60, 60`, or two dates). An HTTP-date holds a comma
+/// itself, after its day name (`Sun, 06 Nov ...`), so a piece that is a day name is joined
+/// with the next one again.
+fn list(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut pieces = text.match_indices(',').map(|(i, _)| i).chain([text.len()]);
+    while let Some(end) = pieces.next() {
+        let piece = &text[start..end];
+        if crate::date::is_day_name(piece.trim_start_matches([' ', '\t'])) {
+            if let Some(next) = pieces.next() {
+                out.push(&text[start..next]);
+                start = next + 1;
+                continue;
+            }
+        }
+        out.push(piece);
+        start = end + 1;
+    }
+    out
 }
 
 /// The response's `Date`, if it has exactly one that reads as an HTTP-date.
@@ -71,7 +86,10 @@ fn server_date(headers: &HeaderMap) -> Option<SystemTime> {
     if values.next().is_some() {
         return None;
     }
-    httpdate::parse_http_date(value.to_str().ok()?).ok()
+    crate::date::parse(
+        value.to_str().ok()?.trim_matches([' ', '\t']),
+        SystemTime::now(),
+    )
 }
 
 #[cfg(test)]
@@ -120,15 +138,41 @@ mod tests {
         }
     }
 
+    /// Review: a wait past `u64` read as absent, so the caller backed off for 100 ms where a
+    /// smaller wait had it stop.
     #[test]
-    fn overflowing_seconds_are_absent() {
+    fn overflowing_seconds_are_the_longest_wait() {
         let now = SystemTime::now();
-        assert_eq!(retry_after("18446744073709551616", now), None);
-        assert_eq!(retry_after("99999999999999999999999999", now), None);
-        assert_eq!(
-            retry_after("18446744073709551615", now),
-            Some(Duration::from_secs(u64::MAX))
-        );
+        for huge in [
+            "18446744073709551615",
+            "18446744073709551616",
+            "99999999999999999999999999",
+        ] {
+            assert_eq!(
+                retry_after(huge, now),
+                Some(Duration::from_secs(u64::MAX)),
+                "{huge}"
+            );
+        }
+    }
+
+    /// Review: two dates on one line (a proxy's repetition) read as absent, since only lists
+    /// of seconds were split.
+    #[test]
+    fn dates_joined_on_one_line_give_the_longest_wait() {
+        let now = before_example(90);
+        let h = headers(&[(
+            "retry-after",
+            "Sun, 06 Nov 1994 08:49:37 GMT, Sun, 06 Nov 1994 08:48:37 GMT",
+        )]);
+        assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(90)));
+        let h = headers(&[("retry-after", "60, Sunday, 06-Nov-94 08:49:37 GMT,120")]);
+        assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(120)));
+        let h = headers(&[("retry-after", "Sun Nov  6 08:49:37 1994, 5")]);
+        assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(90)));
+        // A day name with nothing after it is not a date.
+        let h = headers(&[("retry-after", "60, Sun,")]);
+        assert_eq!(retry_after_header(&h, now), None);
     }
 
     fn headers(fields: &[(&'static str, &'static str)]) -> HeaderMap {
