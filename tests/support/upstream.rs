@@ -3,7 +3,9 @@
 //! `/download?bytes=N` (streams N bytes), `/upload` (counts the body without keeping it),
 //! `/reset` (drops the connection), `/hop` (answers with hop-by-hop headers), `/stall` (promises
 //! 1000 bytes, sends 10, then nothing), `/pause?ms=N` (sends `before\n`, waits N ms, sends
-//! `after\n`: a stream whose upstream is slow, not stalled).
+//! `after\n`: a stream whose upstream is slow, not stalled), `/early` (answers `ok` at once,
+//! then reads the request body to its end, counting it), `/deaf` (answers `ok` at once and
+//! never reads the request body, for a minute).
 
 use std::convert::Infallible;
 use std::future::Future as _;
@@ -40,6 +42,8 @@ struct State {
     holding: AtomicUsize,
     requests: AtomicUsize,
     connections: AtomicUsize,
+    /// Body bytes `/early` has read after answering.
+    early_bytes: AtomicUsize,
 }
 
 impl MockUpstream {
@@ -54,6 +58,7 @@ impl MockUpstream {
             holding: AtomicUsize::new(0),
             requests: AtomicUsize::new(0),
             connections: AtomicUsize::new(0),
+            early_bytes: AtomicUsize::new(0),
         });
         let st = state.clone();
         let task = tokio::spawn(async move {
@@ -97,6 +102,11 @@ impl MockUpstream {
     /// Connections accepted so far.
     pub fn connections(&self) -> usize {
         self.state.connections.load(Ordering::SeqCst)
+    }
+
+    /// Request body bytes `/early` has read after its answer.
+    pub fn early_bytes(&self) -> usize {
+        self.state.early_bytes.load(Ordering::SeqCst)
     }
 
     /// Waits (bounded) until `n` requests are held.
@@ -147,6 +157,25 @@ async fn serve(
         }
         "stall" => Ok(Response::new(Stall { sent: false }.boxed())),
         "mirror" => Ok(Response::new(Mirror(req.into_body()).boxed())),
+        "early" => {
+            let mut body = req.into_body();
+            tokio::spawn(async move {
+                while let Some(Ok(frame)) = body.frame().await {
+                    if let Ok(data) = frame.into_data() {
+                        st.early_bytes.fetch_add(data.len(), Ordering::SeqCst);
+                    }
+                }
+            });
+            Ok(text(StatusCode::OK, "ok\n"))
+        }
+        "deaf" => {
+            let body = req.into_body();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                drop(body);
+            });
+            Ok(text(StatusCode::OK, "ok\n"))
+        }
         "pause" => {
             let ms: u64 = query
                 .strip_prefix("ms=")

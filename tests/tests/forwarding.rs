@@ -523,6 +523,83 @@ async fn an_upload_the_upstream_answered_early_is_still_held_to_the_minimum_rate
     assert_eq!(line["body_failed"], true, "{line}");
 }
 
+/// An upstream that answers at once and reads the upload after (as Go's net/http does with
+/// an unread body): the request keeps its in-flight place until the upload is over too, not
+/// only until its response is (review: six such uploads streamed at once past
+/// `max_in_flight = 3` and a concurrency limit of two, with `/ready` at 200).
+#[tokio::test]
+async fn an_upload_that_outlives_its_response_keeps_its_slot_until_it_is_over() {
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), "10s").replace("max_in_flight = 64", "max_in_flight = 1");
+    let gw = Sluice::start(&cfg);
+    // 20 KiB, 1 KiB every 50 ms: about a second of upload after the answer.
+    let upload = Request::post("/api/early")
+        .header("host", "x")
+        .body(Trickle::new(20, Duration::from_millis(50), false))
+        .unwrap();
+    let reply = send(gw.main, upload).await;
+    assert_eq!(
+        (reply.status.as_u16(), &reply.body[..]),
+        (200, &b"ok\n"[..])
+    );
+    assert!(up.early_bytes() < 20 * 1024, "the upload is still going");
+    assert_eq!(
+        get(gw.main, "/api/echo", &[]).await.status,
+        503,
+        "the running upload's place was free"
+    );
+    slot_freed_after(gw.main, "the upload").await;
+    assert_eq!(
+        up.early_bytes(),
+        20 * 1024,
+        "freed before the upload was over"
+    );
+}
+
+/// An upload that goes on after its answer is not cut by the connection's header timeout,
+/// which counts from the end of a request, not of its response (it was: 1 s after the
+/// answer, with a third of the body through).
+#[tokio::test]
+async fn an_upload_that_outlives_its_response_is_not_cut_by_the_header_timeout() {
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), "10s").replace(
+        "max_in_flight = 64",
+        "max_in_flight = 4\nheader_timeout = \"1s\"",
+    );
+    let gw = Sluice::start(&cfg);
+    // 30 KiB, 1 KiB every 100 ms: three header timeouts of upload after the answer.
+    let upload = Request::post("/api/early")
+        .header("host", "x")
+        .body(Trickle::new(30, Duration::from_millis(100), false))
+        .unwrap();
+    let reply = send(gw.main, upload).await;
+    assert_eq!(reply.status, 200);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while up.early_bytes() < 30 * 1024 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(up.early_bytes(), 30 * 1024, "the upload was cut");
+}
+
+/// The same, with an upstream that answers and then takes none of the upload: once it has
+/// made no progress for the upstream's `timeout`, the place is free again.
+#[tokio::test]
+async fn an_upload_that_outlives_its_response_and_stalls_frees_its_slot() {
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), "1s").replace("max_in_flight = 64", "max_in_flight = 1");
+    let gw = Sluice::start(&cfg);
+    // More than the loopback buffers on the way hold, so that the upload stops moving.
+    let upload = Request::post("/api/deaf")
+        .header("host", "x")
+        .body(Repeat::new(256 << 20))
+        .unwrap();
+    let reply = send(gw.main, upload).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 503);
+    let freed = slot_freed_after(gw.main, "the stalled upload").await;
+    assert!(freed < Duration::from_secs(8), "freed after {freed:?}");
+}
+
 /// A malformed request body is the caller's error: 400 with a problem body, not a 502 that
 /// would blame the upstream.
 #[tokio::test]

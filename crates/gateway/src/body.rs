@@ -1,6 +1,8 @@
 //! The response body: either bytes the gateway wrote or the upstream's body streamed through.
 //! It carries the request's in-flight slot and access-log record, so both end exactly when the
-//! body does, or when the client goes away and hyper drops it. An upstream body that stops
+//! body does, or when the client goes away and hyper drops it (the slot, and the connection's
+//! busy mark, wait for the request's upload too when the upstream answered before reading it
+//! all: `forward::UploadTail`). An upstream body that stops
 //! arriving for the upstream's `timeout` ends in an error, which closes the exchange: a stalled
 //! upstream cannot hold an in-flight slot for ever. The body also tells the connection's send
 //! timeout (`head_timeout.rs`) whether the response waits on the client or on its upstream, and
@@ -19,7 +21,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::access_log::AccessLog;
 use crate::capacity::InFlight;
-use crate::forward::Upstreamed;
+use crate::forward::{UploadTail, Upstreamed};
 use crate::head_timeout::Busy;
 use crate::quota::Held;
 
@@ -45,8 +47,37 @@ pin_project! {
 #[derive(Debug, Default)]
 struct Extras {
     slot: Option<(InFlight, Held)>,
+    /// The request's upload, when it may outlast this body: the slot then waits for it.
+    upload: Option<UploadTail>,
     log: Option<AccessLog>,
     busy: Option<Busy>,
+}
+
+impl Extras {
+    /// The response is over: the request's slots are freed and its connection no longer
+    /// counted busy, unless the request's upload is still going. Then both wait for it: the
+    /// request is not over, and its connection's header timeout (counted from the end of its
+    /// last request) must not cut the upload (it did, 1 s after an early answer with
+    /// `header_timeout = "1s"`, the upstream left with a third of the body).
+    fn request_over(&mut self) {
+        let slot = self.slot.take();
+        let busy = self.busy.take().map(|mut busy| {
+            busy.waiting(); // sending nothing more: no send timeout
+            busy
+        });
+        match self.upload.take() {
+            Some(upload) if slot.is_some() || busy.is_some() => {
+                upload.keep_until_over(Box::new((slot, busy)));
+            }
+            _ => drop((slot, busy)),
+        }
+    }
+}
+
+impl Drop for Extras {
+    fn drop(&mut self) {
+        self.request_over();
+    }
 }
 
 pin_project! {
@@ -125,9 +156,11 @@ impl Body {
     }
 
     /// Keeps the in-flight slot and the quota admission (with its concurrency slots) until
-    /// the body ends or is dropped.
-    pub(crate) fn hold(&mut self, slot: InFlight, held: Held) {
-        self.extras.get_or_insert_default().slot = Some((slot, held));
+    /// the body ends or is dropped, and the request's `upload`, if any, is over.
+    pub(crate) fn hold(&mut self, slot: InFlight, held: Held, upload: Option<UploadTail>) {
+        let extras = self.extras.get_or_insert_default();
+        extras.slot = Some((slot, held));
+        extras.upload = upload;
     }
 
     /// Keeps the connection counted busy (no header timeout) until the body ends or is
@@ -216,8 +249,7 @@ impl http_body::Body for Body {
                 // not whenever hyper drops the body, and start the connection's header timeout.
                 None => {
                     if let Some(e) = extras {
-                        drop(e.slot.take());
-                        drop(e.busy.take());
+                        e.request_over();
                     }
                 }
             }

@@ -161,6 +161,10 @@ impl UpstreamClient {
                 .insert(http::header::TRANSFER_ENCODING, chunked);
         }
         *req.version_mut() = http::Version::HTTP_11;
+        let tail = req.body().moved.as_ref().map(|moved| UploadTail {
+            moved: Arc::clone(moved),
+            timeout: self.timeout,
+        });
         let now = Instant::now();
         // The client's body broken or cut: its connection cannot go on.
         let ends = |mut p: Problem| {
@@ -170,7 +174,13 @@ impl UpstreamClient {
         match self.exchange(req, now, now + self.timeout).await {
             Err(Failure::Timeout) => Err(Problem::upstream_timeout()),
             Err(Failure::ClientStalled) => Err(ends(Problem::body_timeout())),
-            Ok(res) => Ok(res.map(Upstreamed::Hyper)),
+            Ok(res) => {
+                let mut res = res.map(Upstreamed::Hyper);
+                if let Some(tail) = tail {
+                    res.extensions_mut().insert(tail);
+                }
+                Ok(res)
+            }
             Err(Failure::Connect(e)) => Err(self.unreachable(&e)),
             Err(Failure::Http(e)) if caused_by_timeout(&e) => Err(Problem::upstream_timeout()),
             Err(Failure::Http(e)) if caused_by::<ClientTooSlow>(&e) => {
@@ -438,6 +448,77 @@ pin_project! {
         timeout: Duration,
         // Armed the first time the body waits on the client.
         client_timer: Option<Pin<Box<Sleep>>>,
+        // Tells the response's side when the upload is over (ended, failed or dropped).
+        gone: Option<Gone>,
+    }
+}
+
+/// Dropped with its [`Upload`]: the upload is over, so what its response left to it (the
+/// request's slots) is freed.
+#[derive(Debug)]
+struct Gone(Arc<Moved>);
+
+impl Drop for Gone {
+    fn drop(&mut self) {
+        self.0.upload_over();
+    }
+}
+
+/// The upload of a request whose response may end before it does (an upstream that answers
+/// at once and reads the body after). The request's slots (its place in `max_in_flight` and
+/// its concurrency slots) are then kept until the upload is over too, so that a client
+/// trickling an upload still holds them (review: six uploads past a concurrency limit of two
+/// and `max_in_flight = 3`, all streaming at once), but not for longer than the upload goes
+/// on making progress: after `timeout` without a piece (the client's stall is also the
+/// upload's own error; an upstream that stops taking it is not), they are freed.
+#[derive(Debug, Clone)]
+pub(crate) struct UploadTail {
+    moved: Arc<Moved>,
+    timeout: Duration,
+}
+
+impl UploadTail {
+    /// Keeps `slots` until the upload is over or stalls; drops them at once if it is over.
+    pub(crate) fn keep_until_over(self, slots: Box<dyn Send>) {
+        let runtime = tokio::runtime::Handle::try_current();
+        let refused = {
+            let mut tail = self.moved.tail.lock().unwrap_or_else(|e| e.into_inner());
+            if tail.over || runtime.is_err() {
+                Some(slots)
+            } else {
+                tail.kept = Some(slots);
+                None
+            }
+        };
+        if refused.is_some() {
+            return;
+        }
+        if let Ok(runtime) = runtime {
+            runtime.spawn(self.watch());
+        }
+    }
+
+    /// Frees the slots kept once the upload has made no progress for `timeout`.
+    async fn watch(self) {
+        loop {
+            tokio::time::sleep_until(self.moved.deadline(self.timeout)).await;
+            let tail = self.moved.tail.lock().unwrap_or_else(|e| e.into_inner());
+            if tail.over {
+                return;
+            }
+            if self.moved.deadline(self.timeout) <= Instant::now() {
+                break;
+            }
+        }
+        tracing::debug!(timeout = ?self.timeout, "an upload that outlived its response made no progress: its slots are freed");
+        let kept = self
+            .moved
+            .tail
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .kept
+            .take();
+        drop(kept);
     }
 }
 
@@ -473,6 +554,25 @@ struct Moved {
     /// Nanoseconds after `start` when the current stretch of waiting began.
     wait_since: AtomicU64,
     min_rate: Option<MinBodyRate>,
+    /// What the response, if it ended first, left for the upload's end to free.
+    tail: Mutex<Tail>,
+}
+
+/// The slots a response that ended before its upload left to it.
+#[derive(Default)]
+struct Tail {
+    kept: Option<Box<dyn Send>>,
+    /// The upload is over: nothing more is kept.
+    over: bool,
+}
+
+impl std::fmt::Debug for Tail {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tail")
+            .field("kept", &self.kept.is_some())
+            .field("over", &self.over)
+            .finish()
+    }
 }
 
 /// The body's last poll gave a piece: the next is not asked for yet (the upstream may not be
@@ -505,7 +605,18 @@ impl Moved {
             waited: AtomicU64::new(0),
             wait_since: AtomicU64::new(0),
             min_rate,
+            tail: Mutex::default(),
         }
+    }
+
+    /// The upload has ended, failed or been dropped: what its response left is freed.
+    fn upload_over(&self) {
+        let kept = {
+            let mut tail = self.tail.lock().unwrap_or_else(|e| e.into_inner());
+            tail.over = true;
+            tail.kept.take()
+        };
+        drop(kept);
     }
 
     fn nanos_since_start(&self) -> u64 {
@@ -594,6 +705,7 @@ impl Upload {
             (!http_body::Body::is_end_stream(&body)).then(|| Arc::new(Moved::new(min_rate)));
         Upload {
             body,
+            gone: moved.clone().map(Gone),
             moved,
             allowed,
             timeout,
@@ -652,7 +764,10 @@ impl http_body::Body for Upload {
                     }
                 }
                 Poll::Ready(Some(Ok(_))) if !this.body.is_end_stream() => moved.note(MOVING, len),
-                Poll::Ready(_) => moved.note(ENDED, len),
+                Poll::Ready(_) => {
+                    moved.note(ENDED, len);
+                    moved.upload_over();
+                }
             }
         }
         if len > 0 {

@@ -20,7 +20,7 @@ use crate::body::Body;
 use crate::capacity::Capacity;
 use crate::forward::{
     bad_host, prepare_request, set_upgrade, strip_hop_by_hop, unsupported_coding, upgrade_protocol,
-    IdentityHeaders, Peer, UpstreamClient,
+    IdentityHeaders, Peer, UploadTail, UpstreamClient,
 };
 use crate::head_error::HeadErrors;
 use crate::head_timeout::Busy;
@@ -305,7 +305,7 @@ pub(crate) async fn handle(
             let Some(route) = route else {
                 let mut res = Problem::not_found().into_response(&shared.problem_base);
                 advertise(shared, index, res.headers_mut(), &reports, cost, None);
-                res.body_mut().hold(pass.slot, pass.held);
+                res.body_mut().hold(pass.slot, pass.held, None);
                 break 'walk res;
             };
             let mut res = match &route.action {
@@ -394,7 +394,8 @@ pub(crate) async fn handle(
                 }
             };
             advertise(shared, index, res.headers_mut(), &reports, cost, None);
-            res.body_mut().hold(pass.slot, pass.held);
+            let upload = res.extensions_mut().remove::<UploadTail>();
+            res.body_mut().hold(pass.slot, pass.held, upload);
             res
         }
     };
