@@ -187,6 +187,12 @@ async fn an_open_tunnel_holds_its_concurrency_slot_until_it_closes() {
         get(gw.main, "/ws", &[("x-api-key", "other")]).await.status,
         200
     );
+    // The tunnel's access-log line waits for its end.
+    assert!(
+        !gw.access_logs().iter().any(|v| v["status"] == 101),
+        "{:?}",
+        gw.access_logs()
+    );
     // Closing the tunnel frees it.
     drop(tunnel);
     let freed = tokio::time::timeout(PATIENCE, async {
@@ -203,6 +209,17 @@ async fn an_open_tunnel_holds_its_concurrency_slot_until_it_closes() {
         freed.is_ok(),
         "the slot was not released after the tunnel closed"
     );
+    // Its line, once it has closed: how long it lived and what it carried each way.
+    let line = gw
+        .wait_log("the tunnel's line", |v| v["status"] == 101)
+        .await;
+    assert_eq!(line["tunnel_end"], "closed", "{line}");
+    assert_eq!(
+        (&line["tunnel_up"], &line["tunnel_down"]),
+        (&10.into(), &10.into()),
+        "{line}"
+    );
+    assert_eq!(line["bytes"], 10, "{line}");
 }
 
 #[tokio::test]
@@ -293,6 +310,14 @@ async fn a_tunnel_open_when_the_grace_ends_is_closed_and_its_lease_released() {
     gw.terminate();
     assert_eq!(gw.wait_exit(PATIENCE).await.code(), Some(0));
     assert_eq!(leases(), "0", "the lease was released at the cut");
+    let line = gw
+        .wait_log("the tunnel's line", |v| v["status"] == 101)
+        .await;
+    assert_eq!(
+        (&line["tunnel_end"], &line["cut"]),
+        (&"cut".into(), &"shutdown".into()),
+        "{line}"
+    );
     let mut rest = Vec::new();
     let closed = tokio::time::timeout(PATIENCE, tunnel.read_to_end(&mut rest)).await;
     assert!(matches!(closed, Ok(Ok(0))), "{closed:?}");
@@ -317,6 +342,16 @@ async fn a_tunnel_idle_for_its_timeout_is_closed_and_frees_its_slot() {
         "the idle tunnel was not closed: {closed:?}"
     );
     assert_eq!(get(gw.main, "/ws", &[("x-api-key", "k")]).await.status, 200);
+    let line = gw
+        .wait_log("the tunnel's line", |v| v["status"] == 101)
+        .await;
+    assert_eq!(line["tunnel_end"], "idle", "{line}");
+    assert_eq!(
+        (&line["tunnel_up"], &line["tunnel_down"]),
+        (&32.into(), &32.into()),
+        "{line}"
+    );
+    assert!(line["total_ms"].as_f64().unwrap() >= 1000.0, "{line}");
 }
 
 /// A tunnel is still a client connection: it counts against `max_connections` until it

@@ -38,6 +38,8 @@ struct Line {
     /// Tells whether the request was cut at the end of the shutdown grace (see
     /// [`AccessLog::watch_cut`]).
     cut: Option<Capacity>,
+    /// A tunnel's bytes each way and how it ended, written when it closes.
+    tunnel: Option<(u64, u64, &'static str)>,
 }
 
 impl AccessLog {
@@ -61,6 +63,7 @@ impl AccessLog {
             bytes: 0,
             body_failed: false,
             cut: None,
+            tunnel: None,
         })))
     }
 
@@ -149,6 +152,20 @@ impl AccessLog {
         }
     }
 
+    /// Takes the line over, for a tunnel to write when it closes (a protocol switch's
+    /// exchange lasts as long as the tunnel); this one is left inert.
+    pub(crate) fn take(&mut self) -> AccessLog {
+        AccessLog(self.0.take())
+    }
+
+    /// A tunnel's end: bytes from the client (`up`) and to it (`down`), and why it ended.
+    pub(crate) fn tunnel(&mut self, up: u64, down: u64, end: &'static str) {
+        if let Some(l) = &mut self.0 {
+            l.bytes = down;
+            l.tunnel = Some((up, down, end));
+        }
+    }
+
     pub(crate) fn upstream_body_failed(&mut self) {
         if let Some(l) = &mut self.0 {
             l.body_failed = true;
@@ -168,6 +185,10 @@ impl Drop for AccessLog {
             .or_else(|| l.upstream_start.map(|s| ms_since(l.start) - s))
             .map(|ms| (ms * 1000.0).round() / 1000.0);
         let cut = l.cut.as_ref().filter(|c| c.is_cut()).map(|_| "shutdown");
+        let (tunnel_up, tunnel_down, tunnel_end) = match l.tunnel {
+            Some((up, down, end)) => (Some(up), Some(down), Some(end)),
+            None => (None, None, None),
+        };
         tracing::info!(
             target: "access",
             method = &*shown(l.method.as_str()),
@@ -184,6 +205,9 @@ impl Drop for AccessLog {
             bytes = l.bytes,
             body_failed = l.body_failed,
             cut,
+            tunnel_up,
+            tunnel_down,
+            tunnel_end,
             "request"
         );
     }

@@ -34,6 +34,9 @@ struct Inner {
     hurried: AtomicBool,
     /// Set, and its waiters woken, when the grace has ended with work still running.
     cut: AtomicBool,
+    /// Requests running (in flight or held) when the first thread cut: the threads cut moments
+    /// apart, and a later one would count what an earlier one has already cut.
+    cut_count: std::sync::OnceLock<usize>,
     cut_now: tokio::sync::Notify,
     /// Open tunnels, aborted by a cut: a tunnel does not poll for the cut on its every wake.
     tunnels: Mutex<HashMap<u64, AbortHandle>>,
@@ -89,6 +92,7 @@ impl Capacity {
                 max_held,
                 hurried: AtomicBool::new(false),
                 cut: AtomicBool::new(false),
+                cut_count: std::sync::OnceLock::new(),
                 cut_now: tokio::sync::Notify::new(),
                 tunnels: Mutex::new(HashMap::new()),
                 next_tunnel: AtomicU64::new(0),
@@ -208,7 +212,13 @@ impl Capacity {
     /// and tunnels close (see [`Capacity::cut_off`]), while the runtimes still run, so that
     /// those requests' last writes to the shared store (lease releases) go out rather than
     /// being dropped with the runtime, leaving leases until they expire.
-    pub(crate) fn cut(&self) {
+    ///
+    /// Returns how many requests were running (in flight or held) at the first cut.
+    pub(crate) fn cut(&self) -> usize {
+        let count = *self
+            .inner
+            .cut_count
+            .get_or_init(|| self.in_flight() + self.held());
         self.inner.cut.store(true, Ordering::Release);
         self.inner.cut_now.notify_waiters();
         let tunnels =
@@ -216,6 +226,7 @@ impl Capacity {
         for tunnel in tunnels.into_values() {
             tunnel.abort();
         }
+        count
     }
 
     /// Spawns a tunnel's task, tracked until it ends so that a cut aborts it (a tunnel does
@@ -351,6 +362,18 @@ mod tests {
         let late = spawn(&cap);
         assert!(late.await.unwrap_err().is_cancelled());
         assert!(cap.inner.tunnels.lock().unwrap().is_empty());
+    }
+
+    /// What the cut counts is what ran at the first thread's cut: a later thread's count
+    /// (each thread cuts, moments apart) missed what the first had already cut (review: the
+    /// warning said `requests: 0` while a tunnel was cut).
+    #[test]
+    fn the_cut_counts_what_ran_at_the_first_cut() {
+        let cap = Capacity::new(4);
+        let (a, b) = (cap.try_acquire().unwrap(), cap.try_acquire().unwrap());
+        assert_eq!(cap.cut(), 2);
+        drop((a, b));
+        assert_eq!(cap.cut(), 2, "a later thread's cut");
     }
 
     #[tokio::test]

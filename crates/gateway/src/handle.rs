@@ -342,12 +342,17 @@ pub(crate) async fn handle(
                             advertise(shared, index, res.headers_mut(), &reports, cost, None);
                             let hold = (pass.slot, pass.held, busy.take_room());
                             let idle = shared.upstreams[*u].tunnel_idle_timeout();
+                            // The exchange lasts as long as the tunnel: its line is written
+                            // when that ends.
+                            log.status(res.status());
+                            let tunnel_log = log.take();
                             // Tracked, for a cut at the end of the shutdown grace to end it.
                             shared.capacity.spawn_tunnel(crate::tunnel::splice(
                                 client_side,
                                 upstream_side,
                                 idle,
                                 hold,
+                                tunnel_log,
                             ));
                             break 'walk res;
                         }

@@ -357,9 +357,8 @@ async fn wind_down(
         tokio::time::Instant::now().min(deadline)
     };
     let until = settle_until(cut_at);
-    let cut = (!finished).then(|| shared.capacity.in_flight() + shared.capacity.held());
+    let cut = (!finished).then(|| shared.capacity.cut());
     if !finished {
-        shared.capacity.cut();
         // The cut connections end at their next poll, HTTP/2 streams when their connection
         // has, tunnels at theirs, and the slots their requests held go with them.
         if !closed {

@@ -22,6 +22,7 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
+use crate::access_log::AccessLog;
 use crate::capacity::InFlight;
 use crate::quota::Held;
 use crate::server::Room;
@@ -29,40 +30,80 @@ use crate::server::Room;
 /// Splices the two sides once both have switched; `hold` is released when the tunnel ends
 /// (or its task is aborted, as a cut at the end of the shutdown grace does: see
 /// [`crate::capacity::Capacity::spawn_tunnel`]).
+///
+/// `log` is the request's access-log line, written when the tunnel ends (so its `total_ms` is
+/// the tunnel's life, `bytes` what went to the client), with `tunnel_up` and `tunnel_down`
+/// (bytes each way) and `tunnel_end`: `closed` (either side), `error`, `idle`, `not_switched`
+/// (a side never completed the switch), or `cut` (the task was aborted at the end of the
+/// shutdown grace; the line's `cut` then says `shutdown`).
 pub(crate) async fn splice(
     client: OnUpgrade,
     upstream: OnUpgrade,
     idle_timeout: Duration,
     hold: (InFlight, Held, Option<Room>),
+    log: AccessLog,
 ) {
+    let activity = Activity::new();
+    let mut ending = Ending {
+        log,
+        activity: Arc::clone(&activity),
+        end: "cut",
+    };
     let (client, upstream) = match tokio::try_join!(client, upstream) {
         Ok(both) => both,
         Err(e) => {
             tracing::debug!(error = %e, "a protocol switch did not complete");
+            ending.end = "not_switched";
             return;
         }
     };
-    let activity = Activity::new();
-    let mut client = Watched::new(TokioIo::new(client), &activity);
-    let mut upstream = Watched::new(TokioIo::new(upstream), &activity);
-    tokio::select! {
+    let mut client = Watched::new(TokioIo::new(client), &activity, Side::Client);
+    let mut upstream = Watched::new(TokioIo::new(upstream), &activity, Side::Upstream);
+    ending.end = tokio::select! {
         copied = tokio::io::copy_bidirectional(&mut client, &mut upstream) => match copied {
-            Ok((up, down)) => tracing::debug!(up, down, "tunnel closed"),
-            Err(e) => tracing::debug!(error = %e, "tunnel ended with an error"),
+            Ok((up, down)) => {
+                tracing::debug!(up, down, "tunnel closed");
+                "closed"
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "tunnel ended with an error");
+                "error"
+            }
         },
         () = activity.idle_for(idle_timeout) => {
             tracing::debug!(idle_ms = idle_timeout.as_millis() as u64, "idle tunnel closed");
+            "idle"
         }
-    }
+    };
     drop(hold);
 }
 
-/// When bytes last passed through a tunnel, either way.
+/// Writes the tunnel's access-log line when the tunnel ends, however it ends (an aborted task
+/// drops it too).
+struct Ending {
+    log: AccessLog,
+    activity: Arc<Activity>,
+    end: &'static str,
+}
+
+impl Drop for Ending {
+    fn drop(&mut self) {
+        let up = self.activity.up.load(Ordering::Relaxed);
+        let down = self.activity.down.load(Ordering::Relaxed);
+        self.log.tunnel(up, down, self.end);
+    }
+}
+
+/// When bytes last passed through a tunnel, either way, and how many each way.
 #[derive(Debug)]
 struct Activity {
     start: Instant,
     /// Milliseconds since `start`.
     last_ms: AtomicU64,
+    /// Read from the client.
+    up: AtomicU64,
+    /// Read from the upstream.
+    down: AtomicU64,
 }
 
 impl Activity {
@@ -70,12 +111,24 @@ impl Activity {
         Arc::new(Activity {
             start: Instant::now(),
             last_ms: AtomicU64::new(0),
+            up: AtomicU64::new(0),
+            down: AtomicU64::new(0),
         })
     }
 
     fn touch(&self) {
         let now = self.start.elapsed().as_millis() as u64;
         self.last_ms.store(now, Ordering::Relaxed);
+    }
+
+    /// `n` bytes were read from `side`.
+    fn read(&self, side: Side, n: usize) {
+        self.touch();
+        let counter = match side {
+            Side::Client => &self.up,
+            Side::Upstream => &self.down,
+        };
+        counter.fetch_add(n as u64, Ordering::Relaxed);
     }
 
     /// Resolves once nothing has passed for `timeout`.
@@ -90,17 +143,26 @@ impl Activity {
     }
 }
 
+/// Which side of a tunnel a [`Watched`] is.
+#[derive(Debug, Clone, Copy)]
+enum Side {
+    Client,
+    Upstream,
+}
+
 /// One side of a tunnel, noting every read or write that moved bytes.
 struct Watched<T> {
     io: T,
     activity: Arc<Activity>,
+    side: Side,
 }
 
 impl<T> Watched<T> {
-    fn new(io: T, activity: &Arc<Activity>) -> Self {
+    fn new(io: T, activity: &Arc<Activity>, side: Side) -> Self {
         Watched {
             io,
             activity: Arc::clone(activity),
+            side,
         }
     }
 }
@@ -113,8 +175,9 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let polled = Pin::new(&mut self.io).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.activity.touch();
+        let read = buf.filled().len() - before;
+        if read > 0 {
+            self.activity.read(self.side, read);
         }
         polled
     }
