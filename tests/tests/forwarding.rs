@@ -600,6 +600,67 @@ async fn an_upload_that_outlives_its_response_and_stalls_frees_its_slot() {
     assert!(freed < Duration::from_secs(8), "freed after {freed:?}");
 }
 
+/// An upload kept after its answer that the upstream stops taking ends its HTTP/1.1
+/// connection once it has not moved for the upstream's `timeout`: the connection cannot be
+/// read past a body nobody takes, so it would not even see its client close (review: a
+/// client that had closed kept its place under `max_connections_per_ip` for the `timeout`,
+/// then the `header_timeout` on top).
+#[tokio::test]
+async fn a_kept_upload_that_stalls_ends_its_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), "2s").replace(
+        "max_in_flight = 64",
+        "max_in_flight = 4\nmax_connections = 8\nmax_connections_per_ip = 1",
+    );
+    let gw = Sluice::start(&cfg);
+    let mut client = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    client
+        .write_all(b"POST /api/deaf HTTP/1.1\r\nhost: x\r\ncontent-length: 1073741824\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !answer.ends_with(b"ok\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut buf))
+            .await
+            .expect("the answer in time")
+            .unwrap();
+        assert!(n > 0, "closed: {}", String::from_utf8_lossy(&answer));
+        answer.extend_from_slice(&buf[..n]);
+    }
+    // Push until every buffer on the way is full (bounded: 512 MiB, 20 s).
+    let piece = vec![b'u'; 1 << 20];
+    let started = tokio::time::Instant::now();
+    for _ in 0..512 {
+        match tokio::time::timeout(Duration::from_millis(300), client.write_all(&piece)).await {
+            Ok(written) => written.unwrap(),
+            Err(_) => break,
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "never blocked");
+    }
+    drop(client);
+    // The address's one place is free once the upload has stalled for 2 s (not after the
+    // 10 s header timeout on top).
+    let closed = tokio::time::Instant::now();
+    loop {
+        let mut s = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+        let _ = s
+            .write_all(b"GET /api/echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await;
+        let mut reply = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut reply)).await;
+        if reply.starts_with(b"HTTP/1.1 200") {
+            break;
+        }
+        assert!(
+            closed.elapsed() < Duration::from_secs(7),
+            "the closed connection's place is still taken"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A malformed request body is the caller's error: 400 with a problem body, not a 502 that
 /// would blame the upstream.
 #[tokio::test]

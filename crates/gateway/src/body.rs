@@ -21,8 +21,8 @@ use tokio::time::{Instant, Sleep};
 
 use crate::access_log::AccessLog;
 use crate::capacity::InFlight;
-use crate::forward::{UploadTail, Upstreamed};
-use crate::head_timeout::Busy;
+use crate::forward::{KeptUntilOver, UploadTail, Upstreamed};
+use crate::head_timeout::{Busy, Lingering};
 use crate::quota::Held;
 
 /// The largest piece of an upstream body handed to an HTTP/2 connection at once. hyper takes
@@ -61,15 +61,27 @@ impl Extras {
     /// `header_timeout = "1s"`, the upstream left with a third of the body).
     fn request_over(&mut self) {
         let slot = self.slot.take();
-        let busy = self.busy.take().map(|mut busy| {
-            busy.waiting(); // sending nothing more: no send timeout
-            busy
-        });
         match self.upload.take() {
-            Some(upload) if slot.is_some() || busy.is_some() => {
-                upload.keep_until_over(Box::new((slot, busy)));
+            Some(upload) if slot.is_some() || self.busy.is_some() => {
+                let busy = self.busy.take().map(Busy::linger);
+                let capacity = slot.as_ref().map(|(in_flight, _)| in_flight.capacity());
+                upload.keep_until_over(Box::new(KeptRequest { _slot: slot, busy }), capacity);
             }
-            _ => drop((slot, busy)),
+            _ => drop((slot, self.busy.take())),
+        }
+    }
+}
+
+/// What a request whose upload outlives its response keeps until the upload is over.
+struct KeptRequest {
+    _slot: Option<(InFlight, Held)>,
+    busy: Option<Lingering>,
+}
+
+impl KeptUntilOver for KeptRequest {
+    fn stalled(&mut self) {
+        if let Some(busy) = &self.busy {
+            busy.abandon();
         }
     }
 }

@@ -298,6 +298,15 @@ impl Drop for HeldPlace {
     }
 }
 
+impl InFlight {
+    /// The gateway's capacity this slot belongs to.
+    pub(crate) fn capacity(&self) -> Capacity {
+        Capacity {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
         let before = self.inner.in_flight.fetch_sub(1, Ordering::AcqRel);

@@ -27,6 +27,7 @@ use pin_project_lite::pin_project;
 use sluice_config::{MinBodyRate, Upstream};
 use tokio::net::TcpStream;
 
+use crate::capacity::Capacity;
 use crate::h1_client::{self, Answer};
 use crate::problem::Problem;
 
@@ -464,6 +465,12 @@ impl Drop for Gone {
     }
 }
 
+/// What a request whose response ended before its upload keeps until the upload is over.
+pub(crate) trait KeptUntilOver: Send {
+    /// The upload stalled: what it kept is about to be freed.
+    fn stalled(&mut self);
+}
+
 /// The upload of a request whose response may end before it does (an upstream that answers
 /// at once and reads the body after). The request's slots (its place in `max_in_flight` and
 /// its concurrency slots) are then kept until the upload is over too, so that a client
@@ -478,8 +485,9 @@ pub(crate) struct UploadTail {
 }
 
 impl UploadTail {
-    /// Keeps `slots` until the upload is over or stalls; drops them at once if it is over.
-    pub(crate) fn keep_until_over(self, slots: Box<dyn Send>) {
+    /// Keeps `slots` until the upload is over or stalls, or `capacity` is cut at the end of
+    /// the shutdown grace; drops them at once if the upload is over.
+    pub(crate) fn keep_until_over(self, slots: Box<dyn KeptUntilOver>, capacity: Option<Capacity>) {
         let runtime = tokio::runtime::Handle::try_current();
         let refused = {
             let mut tail = self.moved.tail.lock().unwrap_or_else(|e| e.into_inner());
@@ -494,23 +502,37 @@ impl UploadTail {
             return;
         }
         if let Ok(runtime) = runtime {
-            runtime.spawn(self.watch());
+            runtime.spawn(self.watch(capacity));
         }
     }
 
-    /// Frees the slots kept once the upload has made no progress for `timeout`.
-    async fn watch(self) {
-        loop {
-            tokio::time::sleep_until(self.moved.deadline(self.timeout)).await;
+    /// Ends when the upload is over, or frees the slots kept once it has made no progress for
+    /// `timeout`, or at the cut (an upload the upstream is not taking is not polled, so would
+    /// not see the cut itself: its concurrency leases in the shared store must still be
+    /// released in the grace's last second, not left to expire).
+    async fn watch(self, capacity: Option<Capacity>) {
+        let cut = async {
+            match &capacity {
+                Some(capacity) => capacity.cut_off().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(cut);
+        let stalled = loop {
+            tokio::select! {
+                () = tokio::time::sleep_until(self.moved.deadline(self.timeout)) => {}
+                // Woken as the upload ends, so that a watcher lives no longer than its upload.
+                () = self.moved.over_now.notified() => {}
+                () = cut.as_mut() => break false,
+            }
             let tail = self.moved.tail.lock().unwrap_or_else(|e| e.into_inner());
             if tail.over {
                 return;
             }
             if self.moved.deadline(self.timeout) <= Instant::now() {
-                break;
+                break true;
             }
-        }
-        tracing::debug!(timeout = ?self.timeout, "an upload that outlived its response made no progress: its slots are freed");
+        };
         let kept = self
             .moved
             .tail
@@ -518,7 +540,13 @@ impl UploadTail {
             .unwrap_or_else(|e| e.into_inner())
             .kept
             .take();
-        drop(kept);
+        if let Some(mut kept) = kept {
+            if stalled {
+                tracing::debug!(timeout = ?self.timeout, "an upload that outlived its response made no progress: its request ends");
+                kept.stalled();
+            }
+            drop(kept);
+        }
     }
 }
 
@@ -556,12 +584,14 @@ struct Moved {
     min_rate: Option<MinBodyRate>,
     /// What the response, if it ended first, left for the upload's end to free.
     tail: Mutex<Tail>,
+    /// Wakes the watcher of what is kept when the upload is over.
+    over_now: tokio::sync::Notify,
 }
 
 /// The slots a response that ended before its upload left to it.
 #[derive(Default)]
 struct Tail {
-    kept: Option<Box<dyn Send>>,
+    kept: Option<Box<dyn KeptUntilOver>>,
     /// The upload is over: nothing more is kept.
     over: bool,
 }
@@ -606,6 +636,7 @@ impl Moved {
             wait_since: AtomicU64::new(0),
             min_rate,
             tail: Mutex::default(),
+            over_now: tokio::sync::Notify::new(),
         }
     }
 
@@ -616,6 +647,9 @@ impl Moved {
             tail.over = true;
             tail.kept.take()
         };
+        if kept.is_some() {
+            self.over_now.notify_one();
+        }
         drop(kept);
     }
 
@@ -1414,6 +1448,99 @@ impl<C> Pool<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What an upload keeps in these tests: a channel that closes when it is dropped.
+    struct Probe(#[allow(dead_code)] tokio::sync::oneshot::Sender<()>);
+
+    impl KeptUntilOver for Probe {
+        fn stalled(&mut self) {}
+    }
+
+    fn kept() -> (Box<dyn KeptUntilOver>, tokio::sync::oneshot::Receiver<()>) {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        (Box::new(Probe(tx)), rx)
+    }
+
+    fn freed(rx: &mut tokio::sync::oneshot::Receiver<()>) -> bool {
+        matches!(
+            rx.try_recv(),
+            Err(tokio::sync::oneshot::error::TryRecvError::Closed)
+        )
+    }
+
+    fn watched(timeout: Duration) -> (Arc<Moved>, UploadTail) {
+        let moved = Arc::new(Moved::new(None));
+        let tail = UploadTail {
+            moved: Arc::clone(&moved),
+            timeout,
+        };
+        (moved, tail)
+    }
+
+    /// The slots an upload keeps are freed as it ends, and its watcher ends then too, not at
+    /// the timeout (review: a task per such request lived the upstream's timeout, memory grew
+    /// with the request rate).
+    #[tokio::test(start_paused = true)]
+    async fn what_an_upload_keeps_is_freed_when_it_ends_and_its_watcher_ends_too() {
+        let metrics = tokio::runtime::Handle::current().metrics();
+        let before = metrics.num_alive_tasks();
+        let (moved, tail) = watched(Duration::from_secs(30));
+        let (slots, mut rx) = kept();
+        tail.keep_until_over(slots, None);
+        tokio::task::yield_now().await;
+        assert_eq!(metrics.num_alive_tasks(), before + 1, "a watcher");
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(!freed(&mut rx), "kept while the upload goes on");
+        moved.upload_over();
+        assert!(freed(&mut rx));
+        for _ in 0..3 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            metrics.num_alive_tasks(),
+            before,
+            "the watcher outlived the upload"
+        );
+        // Kept after the upload is over: freed at once, no watcher.
+        let (slots, mut rx) = kept();
+        let (_, tail) = {
+            let (moved, tail) = watched(Duration::from_secs(30));
+            moved.upload_over();
+            (moved, tail)
+        };
+        tail.keep_until_over(slots, None);
+        assert!(freed(&mut rx));
+        assert_eq!(metrics.num_alive_tasks(), before);
+    }
+
+    /// An upload that stops moving frees what it keeps after the timeout; a cut at the end
+    /// of the shutdown grace frees it at once (review: with Redis, the lease was left to
+    /// expire).
+    #[tokio::test(start_paused = true)]
+    async fn what_a_stalled_or_cut_upload_keeps_is_freed() {
+        let (moved, tail) = watched(Duration::from_secs(30));
+        let (slots, mut rx) = kept();
+        tail.keep_until_over(slots, None);
+        tokio::time::sleep(Duration::from_secs(29)).await;
+        assert!(!freed(&mut rx));
+        moved.note(MOVING, 100); // a piece at 29 s
+        tokio::time::sleep(Duration::from_secs(29)).await;
+        assert!(!freed(&mut rx), "58 s: 29 s since the last piece");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(freed(&mut rx), "60 s: 31 s since the last piece");
+
+        let capacity = Capacity::new(4);
+        let (_moved, tail) = watched(Duration::from_secs(30));
+        let (slots, mut rx) = kept();
+        tail.keep_until_over(slots, Some(capacity.clone()));
+        tokio::task::yield_now().await;
+        assert!(!freed(&mut rx));
+        capacity.cut();
+        for _ in 0..3 {
+            tokio::task::yield_now().await;
+        }
+        assert!(freed(&mut rx), "kept past the cut");
+    }
 
     fn peer(addr: &str, trusted: bool) -> Peer {
         Peer::new(addr.parse().unwrap(), |_| trusted)

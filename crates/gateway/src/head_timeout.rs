@@ -28,7 +28,7 @@
 use std::io;
 use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
@@ -86,6 +86,10 @@ pub(crate) struct HeadTimeout {
     refused: AtomicU16,
     /// The connection's room in the gateway, until the connection ends or a tunnel takes it.
     room: Mutex<Option<Room>>,
+    /// Set when an HTTP/1.1 request's upload stalled after its response (see
+    /// [`Lingering::abandon`]): the connection is dropped, as for a stalled response.
+    abandoned: AtomicBool,
+    abandon_now: tokio::sync::Notify,
 }
 
 impl HeadTimeout {
@@ -103,6 +107,8 @@ impl HeadTimeout {
             tunnel: AtomicBool::new(false),
             refused: AtomicU16::new(0),
             room: Mutex::new(None),
+            abandoned: AtomicBool::new(false),
+            abandon_now: tokio::sync::Notify::new(),
         })
     }
 
@@ -162,7 +168,13 @@ impl HeadTimeout {
         // connection has been sending without a byte moving, as of then.
         let (mut seen, mut looked, mut still) = (self.moved(), Instant::now(), Duration::ZERO);
         loop {
-            timer.as_mut().await;
+            tokio::select! {
+                () = timer.as_mut() => {}
+                () = self.abandon_now.notified() => {}
+            }
+            if self.abandoned.load(Ordering::Acquire) {
+                return Expiry::Stalled;
+            }
             let now = Instant::now();
             let left = if self.http2.load(Ordering::Relaxed) {
                 // Each response on its own: one stuck on its stream's flow-control window
@@ -294,15 +306,66 @@ impl Busy {
     }
 }
 
+impl Busy {
+    /// The request goes on after its response (its upload does): the connection stays busy,
+    /// sending nothing, but is held only weakly, so that once it ends its room (its place
+    /// under `max_connections` and `max_connections_per_ip`) goes with it rather than waiting
+    /// for the upload (review: a closed connection kept its place for the upstream's timeout).
+    pub(crate) fn linger(mut self) -> Lingering {
+        self.waiting();
+        // This guard's drop takes the request off the count: the lingering one will instead.
+        self.head.in_flight.fetch_add(1, Ordering::AcqRel);
+        Lingering {
+            head: Arc::downgrade(&self.head),
+            http2: self.http2,
+        }
+    }
+}
+
 impl Drop for Busy {
     fn drop(&mut self) {
         self.waiting();
-        let t = &self.head;
-        let now = u64::try_from(t.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        // Before the count: whoever sees no request in flight sees this end too.
-        t.idle_since.fetch_max(now, Ordering::AcqRel);
-        t.in_flight.fetch_sub(1, Ordering::AcqRel);
+        request_ended(&self.head);
     }
+}
+
+/// A request in flight after its response; see [`Busy::linger`].
+#[derive(Debug)]
+pub(crate) struct Lingering {
+    head: Weak<HeadTimeout>,
+    http2: bool,
+}
+
+impl Lingering {
+    /// The request's upload stalled: an HTTP/1.1 connection is dropped (it cannot be read
+    /// past a body nobody takes, so it would not even see its client close), as one whose
+    /// response stalls is. An HTTP/2 stream goes alone (its connection reads on, and sees a
+    /// reset or a close).
+    pub(crate) fn abandon(&self) {
+        if self.http2 {
+            return;
+        }
+        if let Some(head) = self.head.upgrade() {
+            head.abandoned.store(true, Ordering::Release);
+            head.abandon_now.notify_one();
+        }
+    }
+}
+
+impl Drop for Lingering {
+    fn drop(&mut self) {
+        if let Some(head) = self.head.upgrade() {
+            request_ended(&head);
+        }
+    }
+}
+
+/// One request fewer in flight on the connection: idle from now if it was the last.
+fn request_ended(t: &HeadTimeout) {
+    let now = u64::try_from(t.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    // Before the count: whoever sees no request in flight sees this end too.
+    t.idle_since.fetch_max(now, Ordering::AcqRel);
+    t.in_flight.fetch_sub(1, Ordering::AcqRel);
 }
 
 pin_project! {
