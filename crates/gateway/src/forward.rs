@@ -488,22 +488,17 @@ impl UploadTail {
     /// Keeps `slots` until the upload is over or stalls, or `capacity` is cut at the end of
     /// the shutdown grace; drops them at once if the upload is over.
     pub(crate) fn keep_until_over(self, slots: Box<dyn KeptUntilOver>, capacity: Option<Capacity>) {
-        let runtime = tokio::runtime::Handle::try_current();
-        let refused = {
-            let mut tail = self.moved.tail.lock().unwrap_or_else(|e| e.into_inner());
-            if tail.over || runtime.is_err() {
-                Some(slots)
-            } else {
-                tail.kept = Some(slots);
-                None
-            }
+        // (`slots`, a parameter, is dropped after the lock's guard when it is not kept.)
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
         };
-        if refused.is_some() {
+        let mut tail = self.moved.tail.lock().unwrap_or_else(|e| e.into_inner());
+        if tail.over {
             return;
         }
-        if let Ok(runtime) = runtime {
-            runtime.spawn(self.watch(capacity));
-        }
+        tail.kept = Some(slots);
+        drop(tail);
+        runtime.spawn(self.watch(capacity));
     }
 
     /// Ends when the upload is over, or frees the slots kept once it has made no progress for
