@@ -65,6 +65,8 @@ pub(crate) struct HeadTimeout {
     start: Instant,
     /// Requests whose heads have arrived and whose responses have not ended.
     in_flight: AtomicUsize,
+    /// Request heads that have arrived in all.
+    begun: AtomicU64,
     /// When the last response ended, in nanoseconds after `start` (0: none yet).
     idle_since: AtomicU64,
     /// Responses waiting on the client: their head has gone to hyper, their body has not
@@ -99,6 +101,7 @@ impl HeadTimeout {
             send: timeouts.send,
             start: Instant::now(),
             in_flight: AtomicUsize::new(0),
+            begun: AtomicU64::new(0),
             idle_since: AtomicU64::new(0),
             sending: AtomicUsize::new(0),
             moved: AtomicU64::new(0),
@@ -122,6 +125,7 @@ impl HeadTimeout {
     /// (when the response ends, or the request is abandoned).
     pub(crate) fn begin(self: &Arc<Self>) -> Busy {
         self.in_flight.fetch_add(1, Ordering::AcqRel);
+        self.begun.fetch_add(1, Ordering::AcqRel);
         Busy {
             head: Arc::clone(self),
             sending: false,
@@ -318,6 +322,7 @@ impl Busy {
         Lingering {
             head: Arc::downgrade(&self.head),
             http2: self.http2,
+            begun: self.head.begun.load(Ordering::Acquire),
         }
     }
 }
@@ -334,18 +339,25 @@ impl Drop for Busy {
 pub(crate) struct Lingering {
     head: Weak<HeadTimeout>,
     http2: bool,
+    /// Heads begun on the connection when the response ended.
+    begun: u64,
 }
 
 impl Lingering {
     /// The request's upload stalled: an HTTP/1.1 connection is dropped (it cannot be read
     /// past a body nobody takes, so it would not even see its client close), as one whose
-    /// response stalls is. An HTTP/2 stream goes alone (its connection reads on, and sees a
-    /// reset or a close).
+    /// response stalls is, unless a later request's head has come since its response ended:
+    /// then the connection was read past the body (hyper holds its last piece, the rest was
+    /// read) and serves on (review: a request pipelined behind such an upload was cut with
+    /// it). An HTTP/2 stream goes alone (its connection reads on, and sees a reset or a close).
     pub(crate) fn abandon(&self) {
         if self.http2 {
             return;
         }
         if let Some(head) = self.head.upgrade() {
+            if head.begun.load(Ordering::Acquire) != self.begun {
+                return;
+            }
             head.abandoned.store(true, Ordering::Release);
             head.abandon_now.notify_one();
         }
@@ -553,6 +565,34 @@ impl<T: AsyncWrite> AsyncWrite for Counted<T> {
 mod tests {
     use super::*;
     use std::future::Future;
+
+    /// A request abandoned after its response (its upload stalled) drops its connection only
+    /// if no later request's head has come since: one that has was read past the body
+    /// (review: a request pipelined behind such an upload was cut with it).
+    #[tokio::test(start_paused = true)]
+    async fn an_abandoned_request_drops_its_connection_unless_it_was_read_past() {
+        let timeouts = Timeouts {
+            header: Duration::from_secs(10),
+            send: Duration::from_secs(10),
+        };
+        let head = HeadTimeout::new(timeouts);
+        let lingering = head.begin().linger();
+        lingering.abandon();
+        let expired = tokio::time::timeout(Duration::from_millis(10), head.expired(true)).await;
+        assert_eq!(expired, Ok(Expiry::Stalled));
+
+        let head = HeadTimeout::new(timeouts);
+        let lingering = head.begin().linger();
+        let _next = head.begin();
+        lingering.abandon();
+        let expired = tokio::time::timeout(Duration::from_secs(30), head.expired(true)).await;
+        assert!(expired.is_err(), "{expired:?}");
+        // The lingering request still counts: the connection is not idle while it runs.
+        drop(_next);
+        assert!(head.is_busy());
+        drop(lingering);
+        assert!(!head.is_busy());
+    }
 
     const T: Duration = Duration::from_secs(10);
     /// A send timeout long enough not to matter to the header timeout's tests.
