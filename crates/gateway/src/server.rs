@@ -210,10 +210,92 @@ pub(crate) struct Room {
 }
 
 /// The default `max_connections`: half the process's open-files limit (the rest is for
-/// upstream and Redis connections and the listeners), at least 64; 10,000 if the limit cannot
-/// be read.
+/// upstream and Redis connections and the listeners), 10,000 if the limit cannot be read, and
+/// no more than one per [`MEMORY_PER_CONNECTION`] of the memory the process may use (its
+/// cgroup's limit, or the machine's); at least 64. Logged at start.
 pub(crate) fn default_max_connections() -> usize {
-    open_files_limit(&own_limits()).map_or(10_000, |n| (n / 2).max(64))
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    let files = open_files_limit(&own_limits());
+    let memory = memory_limit(read);
+    let max = max_connections_for(files, memory);
+    tracing::info!(
+        max_connections = max,
+        open_files_limit = files,
+        memory_limit = memory,
+        "max_connections not set: the smaller of half the open-files limit and one per 256 KiB of memory"
+    );
+    max
+}
+
+/// Memory allowed per client connection by the default `max_connections`. A connection that
+/// holds half a request head (up to 64 KiB) costs 70-92 KB in the gateway's buffers, and an
+/// idle keep-alive one a fraction of that: with this, connections that all hold half a head
+/// fit in about a third of the memory, not many times it (half the open-files limit of a
+/// container, often 524,288, would have needed about 48 GB).
+pub(crate) const MEMORY_PER_CONNECTION: u64 = 256 * 1024;
+
+fn max_connections_for(open_files: Option<usize>, memory: Option<u64>) -> usize {
+    let by_files = open_files.map_or(10_000, |n| n / 2);
+    let by_memory = memory.map_or(usize::MAX, |bytes| {
+        usize::try_from(bytes / MEMORY_PER_CONNECTION).unwrap_or(usize::MAX)
+    });
+    by_files.min(by_memory).max(64)
+}
+
+/// The memory this process may use, in bytes: its cgroup's limit (v2 `memory.max`, or v1
+/// `memory.limit_in_bytes`) where one is set, and the machine's (`MemTotal`) if smaller.
+/// `read` reads a file's text.
+fn memory_limit(read: impl Fn(&str) -> Option<String>) -> Option<u64> {
+    let machine = read("/proc/meminfo").and_then(|m| mem_total(&m));
+    let cgroups = read("/proc/self/cgroup").unwrap_or_default();
+    let mut limit = None;
+    for line in cgroups.lines() {
+        // `0::/path` (v2), or `4:memory:/path` (v1).
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = match (parts.next(), parts.next(), parts.next()) {
+            (Some(id), Some(c), Some(p)) => (id, c, p),
+            _ => continue,
+        };
+        let path = path.trim_end_matches('/');
+        let found = if controllers.is_empty() {
+            [
+                format!("/sys/fs/cgroup{path}/memory.max"),
+                "/sys/fs/cgroup/memory.max".to_owned(),
+            ]
+            .iter()
+            .find_map(|f| read(f))
+        } else if controllers.split(',').any(|c| c == "memory") {
+            [
+                format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"),
+                "/sys/fs/cgroup/memory/memory.limit_in_bytes".to_owned(),
+            ]
+            .iter()
+            .find_map(|f| read(f))
+        } else {
+            continue;
+        };
+        // `max` (v2) or a number near 2^63 (v1) is no limit.
+        if let Some(n) = found.and_then(|v| v.trim().parse::<u64>().ok()) {
+            if n < 1 << 62 {
+                limit = Some(limit.map_or(n, |l: u64| l.min(n)));
+            }
+        }
+    }
+    match (limit, machine) {
+        (Some(l), Some(m)) => Some(l.min(m)),
+        (l, m) => l.or(m),
+    }
+}
+
+/// `MemTotal` in `/proc/meminfo` text, in bytes.
+fn mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: u64 = line["MemTotal:".len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    kb.checked_mul(1024)
 }
 
 /// Warns when a configured `max_connections` is more than the open-files limit allows: past
@@ -759,6 +841,78 @@ mod tests {
         );
         drop(busy);
         shutdown.await.unwrap();
+    }
+
+    /// The default cap fits the memory the process may use, not only its file descriptors:
+    /// a container with 1M open files and 1 GiB could otherwise take 524,288 connections,
+    /// each able to hold half a 64 KiB head (review, stop 22: 70-92 KB each).
+    #[test]
+    fn the_default_cap_is_bounded_by_memory_as_well_as_open_files() {
+        const GIB: u64 = 1 << 30;
+        assert_eq!(max_connections_for(Some(1 << 20), Some(GIB)), 4096);
+        assert_eq!(max_connections_for(Some(1 << 20), Some(24 * GIB)), 98_304);
+        assert_eq!(max_connections_for(Some(1024), Some(24 * GIB)), 512);
+        assert_eq!(max_connections_for(None, None), 10_000);
+        assert_eq!(max_connections_for(Some(1 << 20), None), 1 << 19);
+        assert_eq!(
+            max_connections_for(Some(100), Some(1 << 20)),
+            64,
+            "at least 64"
+        );
+    }
+
+    #[test]
+    fn the_memory_limit_is_the_cgroup_s_or_the_machine_s() {
+        fn files(entries: Vec<(&'static str, &'static str)>) -> impl Fn(&str) -> Option<String> {
+            move |path: &str| {
+                entries
+                    .iter()
+                    .find(|(p, _)| *p == path)
+                    .map(|(_, text)| (*text).to_owned())
+            }
+        }
+        let meminfo = (
+            "/proc/meminfo",
+            "MemTotal:       24684092 kB\nMemFree: 1 kB\n",
+        );
+        // cgroup v2, limited and not.
+        let v2 = files(vec![
+            meminfo,
+            ("/proc/self/cgroup", "0::/kubepods/pod1/c1\n"),
+            ("/sys/fs/cgroup/kubepods/pod1/c1/memory.max", "1073741824\n"),
+        ]);
+        assert_eq!(memory_limit(v2), Some(1 << 30));
+        let v2_root = files(vec![
+            meminfo,
+            ("/proc/self/cgroup", "0::/\n"),
+            ("/sys/fs/cgroup/memory.max", "max\n"),
+        ]);
+        assert_eq!(memory_limit(v2_root), Some(24_684_092 * 1024));
+        // cgroup v1 (this machine's form): unlimited is a number near 2^63.
+        let v1 = files(vec![
+            meminfo,
+            (
+                "/proc/self/cgroup",
+                "5:devices:/\n4:memory:/process_api/62455238\n0::/\n",
+            ),
+            (
+                "/sys/fs/cgroup/memory/process_api/62455238/memory.limit_in_bytes",
+                "9223372036854771712\n",
+            ),
+        ]);
+        assert_eq!(memory_limit(v1), Some(24_684_092 * 1024));
+        let v1_limited = files(vec![
+            ("/proc/self/cgroup", "4:memory:/docker/abc\n"),
+            ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "536870912\n"),
+        ]);
+        assert_eq!(
+            memory_limit(v1_limited),
+            Some(1 << 29),
+            "the namespace's root file"
+        );
+        assert_eq!(memory_limit(files(vec![])), None);
+        assert_eq!(mem_total("MemTotal: 12 kB"), Some(12 * 1024));
+        assert_eq!(mem_total("nothing"), None);
     }
 
     #[test]
