@@ -227,11 +227,13 @@ pub(crate) fn default_max_connections() -> usize {
     max
 }
 
-/// Memory allowed per client connection by the default `max_connections`. A connection that
-/// holds half a request head (up to 64 KiB) costs 70-92 KB in the gateway's buffers, and an
-/// idle keep-alive one a fraction of that: with this, connections that all hold half a head
-/// fit in about a third of the memory, not many times it (half the open-files limit of a
-/// container, often 524,288, would have needed about 48 GB).
+/// Memory allowed per client connection by the default `max_connections`, for the gateway's
+/// own buffers. A connection that holds half a request head costs up to about 78 KB over
+/// HTTP/1.1 and 159 KB over HTTP/2 (a header block being continued), an idle keep-alive one
+/// about 22 KB (review, measured with 2,000 connections): with this, connections that all
+/// hold half a head fit in the memory (at most about 62% of it), not many times it (half the
+/// open-files limit of a container, often 524,288, would have needed tens of GB). Kernel
+/// socket buffers are not counted (see `max_connections` in docs/configuration.md).
 pub(crate) const MEMORY_PER_CONNECTION: u64 = 256 * 1024;
 
 fn max_connections_for(open_files: Option<usize>, memory: Option<u64>) -> usize {
@@ -242,42 +244,53 @@ fn max_connections_for(open_files: Option<usize>, memory: Option<u64>) -> usize 
     by_files.min(by_memory).max(64)
 }
 
-/// The memory this process may use, in bytes: its cgroup's limit (v2 `memory.max`, or v1
-/// `memory.limit_in_bytes`) where one is set, and the machine's (`MemTotal`) if smaller.
-/// `read` reads a file's text.
+/// The memory this process may use, in bytes: the smallest limit on its cgroup's path (the
+/// kernel enforces every ancestor's: a container's limit often sits above the process's own
+/// group, `0::/init.scope` or a systemd service under a limited slice), v2 `memory.max` or v1
+/// `memory.limit_in_bytes`, and the machine's (`MemTotal`) if smaller. `read` reads a file's
+/// text.
 fn memory_limit(read: impl Fn(&str) -> Option<String>) -> Option<u64> {
     let machine = read("/proc/meminfo").and_then(|m| mem_total(&m));
     let cgroups = read("/proc/self/cgroup").unwrap_or_default();
     let mut limit = None;
+    let mut lower = |n: u64| {
+        // `max` (v2) does not parse; a number near 2^63 (v1) is no limit either.
+        if n < 1 << 62 {
+            limit = Some(limit.map_or(n, |l: u64| l.min(n)));
+        }
+    };
     for line in cgroups.lines() {
-        // `0::/path` (v2), or `4:memory:/path` (v1).
+        // `0::/path` (v2), or `4:memory:/path` (v1, maybe `4:cpu,memory:/path`).
         let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = match (parts.next(), parts.next(), parts.next()) {
-            (Some(id), Some(c), Some(p)) => (id, c, p),
-            _ => continue,
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
         };
-        let path = path.trim_end_matches('/');
-        let found = if controllers.is_empty() {
-            [
-                format!("/sys/fs/cgroup{path}/memory.max"),
-                "/sys/fs/cgroup/memory.max".to_owned(),
-            ]
-            .iter()
-            .find_map(|f| read(f))
+        let (mounts, file) = if controllers.is_empty() {
+            (vec!["/sys/fs/cgroup".to_owned()], "memory.max")
         } else if controllers.split(',').any(|c| c == "memory") {
-            [
-                format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"),
-                "/sys/fs/cgroup/memory/memory.limit_in_bytes".to_owned(),
-            ]
-            .iter()
-            .find_map(|f| read(f))
+            let mut mounts = vec!["/sys/fs/cgroup/memory".to_owned()];
+            if controllers != "memory" {
+                // Mounted together with other controllers, under their joint name.
+                mounts.push(format!("/sys/fs/cgroup/{controllers}"));
+            }
+            (mounts, "memory.limit_in_bytes")
         } else {
             continue;
         };
-        // `max` (v2) or a number near 2^63 (v1) is no limit.
-        if let Some(n) = found.and_then(|v| v.trim().parse::<u64>().ok()) {
-            if n < 1 << 62 {
-                limit = Some(limit.map_or(n, |l: u64| l.min(n)));
+        for mount in &mounts {
+            // The group and each of its ancestors, up to the root of what this process sees.
+            let mut dir = path.trim_end_matches('/');
+            loop {
+                if let Some(n) =
+                    read(&format!("{mount}{dir}/{file}")).and_then(|v| v.trim().parse::<u64>().ok())
+                {
+                    lower(n);
+                }
+                match dir.rfind('/') {
+                    Some(i) => dir = &dir[..i],
+                    None => break,
+                }
             }
         }
     }
@@ -911,6 +924,50 @@ mod tests {
             "the namespace's root file"
         );
         assert_eq!(memory_limit(files(vec![])), None);
+        // A limit on an ancestor holds (review: a container's limit above `init.scope`, a
+        // limited slice above an unlimited service, nested v1 groups, were all missed).
+        let v2_parent = files(vec![
+            ("/proc/self/cgroup", "0::/init.scope\n"),
+            ("/sys/fs/cgroup/init.scope/memory.max", "max\n"),
+            ("/sys/fs/cgroup/memory.max", "1073741824\n"),
+        ]);
+        assert_eq!(memory_limit(v2_parent), Some(1 << 30));
+        let v2_slice = files(vec![
+            (
+                "/proc/self/cgroup",
+                "0::/system.slice/api.slice/sluice.service\n",
+            ),
+            (
+                "/sys/fs/cgroup/system.slice/api.slice/sluice.service/memory.max",
+                "max\n",
+            ),
+            (
+                "/sys/fs/cgroup/system.slice/api.slice/memory.max",
+                "536870912\n",
+            ),
+            ("/sys/fs/cgroup/system.slice/memory.max", "1073741824\n"),
+        ]);
+        assert_eq!(memory_limit(v2_slice), Some(1 << 29));
+        let v1_nested = files(vec![
+            ("/proc/self/cgroup", "4:memory:/kubepods/pod1/c1\n"),
+            (
+                "/sys/fs/cgroup/memory/kubepods/pod1/c1/memory.limit_in_bytes",
+                "9223372036854771712\n",
+            ),
+            (
+                "/sys/fs/cgroup/memory/kubepods/pod1/memory.limit_in_bytes",
+                "268435456\n",
+            ),
+        ]);
+        assert_eq!(memory_limit(v1_nested), Some(1 << 28));
+        let v1_joint = files(vec![
+            ("/proc/self/cgroup", "4:cpu,memory:/x\n"),
+            (
+                "/sys/fs/cgroup/cpu,memory/x/memory.limit_in_bytes",
+                "134217728\n",
+            ),
+        ]);
+        assert_eq!(memory_limit(v1_joint), Some(1 << 27));
         assert_eq!(mem_total("MemTotal: 12 kB"), Some(12 * 1024));
         assert_eq!(mem_total("nothing"), None);
     }
