@@ -177,7 +177,10 @@ impl UpstreamClient {
             Err(Failure::ClientStalled) => Err(ends(Problem::body_timeout())),
             Ok(res) => {
                 let mut res = res.map(Upstreamed::Hyper);
-                if let Some(tail) = tail {
+                // Only an upload still going can outlive the answer: most have ended by now,
+                // and cost no extensions map.
+                if let Some(tail) = tail.filter(|t| t.moved.state.load(Ordering::Acquire) != ENDED)
+                {
                     res.extensions_mut().insert(tail);
                 }
                 Ok(res)
