@@ -593,3 +593,42 @@ fn run_raises_the_soft_open_files_limit_to_the_hard_one() {
     let _ = child.wait();
     assert_eq!(seen, Some((hard.min(1 << 20), hard)));
 }
+
+/// An HTTP/2 client that never answers the goodbye's `PING` (gone, or not reading) does not
+/// hold the drain to the grace's end once its requests are answered (review: the drain ran
+/// its whole grace; h2 keeps a connection until the `PING` is answered).
+#[tokio::test]
+async fn an_http2_client_that_never_answers_the_goodbye_does_not_hold_the_drain() {
+    let up = MockUpstream::start().await;
+    let mut gw = Sluice::start(&config(&up.url(), 8, "30s", "30s"));
+    let mut s = TcpStream::connect(gw.main).await.unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]); // SETTINGS
+    out.extend_from_slice(&[0, 0, 0, 4, 1, 0, 0, 0, 0]); // its ACK, sent ahead
+                                                         // GET /hold, authority h2.example.com: indexed :method GET, :scheme http, then
+                                                         // literals for :path and :authority (HPACK, RFC 7541 appendix A).
+    let mut block = vec![0x82u8, 0x86, 0x44, 5];
+    block.extend_from_slice(b"/hold");
+    block.extend_from_slice(&[0x41, 14]);
+    block.extend_from_slice(b"h2.example.com");
+    let len = u8::try_from(block.len()).unwrap();
+    out.extend_from_slice(&[0, 0, len, 1, 0x05, 0, 0, 0, 1]); // HEADERS, END_STREAM | END_HEADERS
+    out.extend_from_slice(&block);
+    s.write_all(&out).await.unwrap();
+    up.wait_holding(1).await;
+    gw.terminate();
+    gw.wait_draining().await;
+    up.release(1);
+    // The client reads on but answers nothing, the goodbye's PING included.
+    let (closed, sent) = read_until_closed(&mut s, Duration::from_secs(20))
+        .await
+        .expect("the connection was still open 20 s into a 30 s grace");
+    let frames = h2_frame_types(&sent);
+    assert!(
+        frames.contains(&1) && frames.contains(&6) && frames.contains(&7),
+        "the answer (HEADERS), the goodbye's PING and GOAWAY: frame types {frames:?}"
+    );
+    assert!(closed < Duration::from_secs(10), "closed after {closed:?}");
+    let status = gw.wait_exit(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(0));
+}

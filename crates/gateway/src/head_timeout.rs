@@ -134,6 +134,16 @@ impl HeadTimeout {
         }
     }
 
+    /// How many request heads have arrived on the connection in all.
+    pub(crate) fn begun(&self) -> u64 {
+        self.begun.load(Ordering::Acquire)
+    }
+
+    /// When the last request on the connection ended (when it was accepted, if none has).
+    pub(crate) fn last_ended(&self) -> Instant {
+        self.start + Duration::from_nanos(self.idle_since.load(Ordering::Acquire))
+    }
+
     /// Whether a request is in flight on the connection.
     pub(crate) fn is_busy(&self) -> bool {
         self.in_flight.load(Ordering::Acquire) > 0
@@ -227,8 +237,7 @@ impl HeadTimeout {
     }
 
     fn idle_deadline(&self) -> Instant {
-        let idle_since = Duration::from_nanos(self.idle_since.load(Ordering::Acquire));
-        self.start + idle_since + self.timeout
+        self.last_ended() + self.timeout
     }
 }
 

@@ -603,7 +603,8 @@ const GOODBYE: Duration = Duration::from_secs(1);
 /// closes at once (one with half a head too, at its header timeout), HTTP/2 sends `GOAWAY`; an
 /// HTTP/2 connection that does not end within [`GOODBYE`] after its header timeout is
 /// dropped, unless a request slipped in just before the `GOAWAY` (then that request finishes
-/// first). Whatever it is doing, a connection that
+/// first). On shutdown an HTTP/2 connection is dropped once it has been quiet (no request in
+/// flight or begun) for [`GOODBYE`]. Whatever it is doing, a connection that
 /// makes no progress on a response for the send timeout is dropped, and so is one still
 /// running, once shut down, when `cut` resolves (the shutdown grace is over).
 async fn drive<C, E>(
@@ -634,7 +635,22 @@ where
     let finish = async {
         if why.is_none() {
             // Draining: a busy connection finishes its requests within the shutdown grace.
-            return conn.await;
+            if !head.speaks_http2() {
+                return conn.await;
+            }
+            // HTTP/2's goodbye is two `GOAWAY`s with a `PING` between them, and h2 keeps the
+            // connection until the client answers the `PING`: a client gone or not reading
+            // would hold the drain to the grace's end. Once a whole `GOODBYE` passes with no
+            // request in flight and none begun, it is dropped (the first `GOAWAY` already told
+            // the client to open no more streams).
+            return tokio::select! {
+                biased;
+                result = conn.as_mut() => result,
+                () = quiet_for(head, GOODBYE) => {
+                    tracing::debug!(%peer, "no answer to the HTTP/2 goodbye and no request: dropping the connection");
+                    Ok(())
+                }
+            };
         }
         tracing::debug!(%peer, "no request head within header_timeout: closing");
         if !head.speaks_http2() && !head.is_busy() {
@@ -665,6 +681,28 @@ where
             tracing::debug!(%peer, "the shutdown grace is over: dropping the connection");
             Ok(())
         }
+    }
+}
+
+/// Resolves once no request has been in flight on the connection, nor begun, for a whole
+/// `window` (counted from the call at the earliest): what a response handed to hyper last
+/// has had to leave.
+async fn quiet_for(head: &HeadTimeout, window: Duration) {
+    let from = tokio::time::Instant::now();
+    let mut begun = head.begun();
+    let mut at = from + window;
+    loop {
+        tokio::time::sleep_until(at).await;
+        let now = tokio::time::Instant::now();
+        let (seen, quiet) = (head.begun(), from.max(head.last_ended()) + window);
+        if seen == begun && !head.is_busy() && now >= quiet {
+            return;
+        }
+        begun = seen;
+        at = match head.is_busy() {
+            true => now + window,
+            false => quiet.max(now + window / 8),
+        };
     }
 }
 
@@ -799,6 +837,60 @@ mod tests {
             "not cut at a goodbye"
         );
         finish.await.unwrap();
+        shutdown.await.unwrap();
+    }
+
+    /// A client that never answers HTTP/2's goodbye (gone, or not reading) does not hold the
+    /// drain to the grace's end (review: an idle HTTP/2 connection kept a 30 s grace).
+    #[tokio::test(start_paused = true)]
+    async fn on_shutdown_an_http2_connection_left_unanswered_is_dropped_after_the_goodbye() {
+        let (head, drain, _end, conn) = setup();
+        speaking_http2(&head);
+        tokio::pin!(conn);
+        let watcher = drain.watcher();
+        let shutdown = drain_after(drain, Duration::from_secs(2));
+        let start = Instant::now();
+        // The grace would end 30 s after the drain.
+        let cut = tokio::time::sleep(Duration::from_secs(32));
+        let (result, told) = driven(conn, &head, watcher, cut).await;
+        assert_eq!(result, Ok(()));
+        assert!(told, "told first (GOAWAY)");
+        assert_eq!(start.elapsed(), Duration::from_secs(2) + GOODBYE);
+        shutdown.await.unwrap();
+    }
+
+    /// Its requests still finish first, and one begun during the goodbye starts it again.
+    #[tokio::test(start_paused = true)]
+    async fn on_shutdown_an_http2_connection_s_requests_finish_before_it_is_dropped() {
+        let (head, drain, _end, conn) = setup();
+        speaking_http2(&head);
+        tokio::pin!(conn);
+        let busy = head.begin();
+        let watcher = drain.watcher();
+        let shutdown = drain_after(drain, Duration::from_secs(2));
+        let requests = tokio::spawn({
+            let head = Arc::clone(&head);
+            async move {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                drop(busy);
+                // Another, begun and over within the window that followed.
+                tokio::time::sleep(GOODBYE / 2).await;
+                drop(head.begin());
+            }
+        });
+        let start = Instant::now();
+        // The grace would end 30 s after the drain.
+        let cut = tokio::time::sleep(Duration::from_secs(32));
+        let (result, told) = driven(conn, &head, watcher, cut).await;
+        assert_eq!(result, Ok(()));
+        assert!(told);
+        let took = start.elapsed();
+        assert!(
+            took >= Duration::from_secs(10) + GOODBYE / 2 + GOODBYE
+                && took <= Duration::from_secs(10) + GOODBYE * 3,
+            "dropped after {took:?}"
+        );
+        requests.await.unwrap();
         shutdown.await.unwrap();
     }
 
