@@ -667,21 +667,40 @@ async fn renewer(link: Weak<Link>, options: StoreOptions, held: Weak<HeldLeases>
             let Some(mut conn) = link.upgrade().map(|l| l.conn()) else {
                 return;
             };
-            // Released since the snapshot (its request ended): not put back. (A release that
-            // reaches Redis between this look and the renewal is undone by it, and that slot
-            // stays taken until the TTL ends: a window of microseconds, once per renewal.)
-            if !held.upgrade().is_some_and(|h| h.contains(n)) {
-                continue;
+            // Released since the snapshot (its request ended): not put back.
+            let still_held = || held.upgrade().is_some_and(|h| h.contains(n));
+            if still_held() {
+                renew(&mut conn, &slots, &options, still_held).await;
             }
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(RENEW)
-                .arg(slots.keys.len())
-                .arg(&slots.keys)
-                .arg(&slots.id);
-            cmd.arg(options.lease_ttl.as_micros().to_string());
-            // A failure (Redis down, a timeout) is not a request's: the next period tries again.
-            let _ = tokio::time::timeout(options.timeout, cmd.query_async::<i64>(&mut conn)).await;
         }
+    }
+}
+
+/// Renews one lease on `conn`. A release that reached Redis between the look at the register
+/// and the renewal would be undone by it, and the slot held until the lease TTL ends: so if
+/// the lease has left the register (`still_held`) by the time the renewal is answered, it is
+/// removed again, after the renewal. (A release that leaves the register after that look is
+/// sent after the renewal was answered, so it cannot be overtaken.)
+async fn renew<C: redis::aio::ConnectionLike>(
+    conn: &mut C,
+    slots: &LeaseSlots,
+    options: &StoreOptions,
+    still_held: impl Fn() -> bool,
+) {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(RENEW)
+        .arg(slots.keys.len())
+        .arg(&slots.keys)
+        .arg(&slots.id);
+    cmd.arg(options.lease_ttl.as_micros().to_string());
+    // A failure (Redis down, a timeout) is not a request's: the next period tries again.
+    let _ = tokio::time::timeout(options.timeout, cmd.query_async::<i64>(conn)).await;
+    if !still_held() {
+        let mut pipe = redis::pipe();
+        for key in &slots.keys {
+            pipe.cmd("ZREM").arg(key).arg(&slots.id).ignore();
+        }
+        let _ = tokio::time::timeout(options.timeout, pipe.query_async::<()>(conn)).await;
     }
 }
 
@@ -868,6 +887,65 @@ fn check_layers(layers: &[Layer<'_>]) -> Result<(), StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A release that reaches Redis while a renewal of the same lease is on its way is not
+    /// undone by it (review: the slot stayed taken until the lease TTL ended). Played in the
+    /// racing order: the renewer has looked at the register, the request ends and its
+    /// release runs, then the renewal arrives.
+    #[tokio::test]
+    async fn a_renewal_overtaken_by_its_release_does_not_bring_the_lease_back() {
+        let server = sluice_test_redis::RedisServer::start();
+        let client = redis::Client::open(server.url()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let slots = LeaseSlots {
+            id: "lease-1".into(),
+            keys: vec!["c:one".into(), "c:two".into()],
+        };
+        let options = StoreOptions::default();
+        for key in &slots.keys {
+            assert_eq!(server.cli(&["ZADD", key, "1", &slots.id]).trim(), "1");
+        }
+        let held = HeldLeases::default();
+        held.insert(
+            7,
+            Arc::new(LeaseSlots {
+                id: slots.id.clone(),
+                keys: slots.keys.clone(),
+            }),
+        );
+        // The renewer's look: still held.
+        assert!(held.contains(7));
+        // The request ends: the lease leaves the register and its release runs.
+        held.remove(7);
+        for key in &slots.keys {
+            assert_eq!(server.cli(&["ZREM", key, &slots.id]).trim(), "1");
+        }
+        // The renewal arrives after it.
+        renew(&mut conn, &slots, &options, || held.contains(7)).await;
+        for key in &slots.keys {
+            assert_eq!(
+                server.cli(&["ZSCORE", key, &slots.id]).trim(),
+                "",
+                "{key}: the released lease came back"
+            );
+        }
+        // A lease still held is renewed (and put back if Redis lost it).
+        held.insert(
+            8,
+            Arc::new(LeaseSlots {
+                id: "lease-2".into(),
+                keys: slots.keys.clone(),
+            }),
+        );
+        let kept = LeaseSlots {
+            id: "lease-2".into(),
+            keys: slots.keys.clone(),
+        };
+        renew(&mut conn, &kept, &options, || held.contains(8)).await;
+        for key in &slots.keys {
+            assert_ne!(server.cli(&["ZSCORE", key, "lease-2"]).trim(), "", "{key}");
+        }
+    }
 
     #[test]
     fn the_clock_offset_is_the_smallest_recent_sample_and_follows_a_step() {
