@@ -85,9 +85,12 @@ impl Quota {
                 Decision::Admitted(admission) => {
                     // A full gateway answers 503 now, to a request it would hold too.
                     let Some(slot) = slot.or_else(|| capacity.try_acquire()) else {
-                        self.limiter.refund(admission, self.clock.now());
-                        // A 503 tells the caller what it has, nothing having been charged.
-                        let figures = self.limiter.figures(&layers.enforced, now);
+                        // A 503 tells the caller what it has, nothing having been charged:
+                        // its figures as of the refund (a bucket's refund keeps the time it
+                        // left, so figures read before it would show a unit spent).
+                        let later = self.clock.now();
+                        self.limiter.refund(admission, later);
+                        let figures = self.limiter.figures(&layers.enforced, later);
                         reports.extend(figures.map(|r| (r.limit, r)));
                         return Decided::Now(Err(Stop::Overloaded));
                     };
@@ -97,8 +100,9 @@ impl Quota {
                     // enforcing one does: charged nothing, told when it would pass.
                     let place = if held_back {
                         let Some(place) = capacity.try_hold() else {
-                            self.limiter.refund(admission, self.clock.now());
-                            let figures = self.limiter.figures(&layers.enforced, now);
+                            let later = self.clock.now();
+                            self.limiter.refund(admission, later);
+                            let figures = self.limiter.figures(&layers.enforced, later);
                             let figures = figures.map(|r| (r.limit, r)).collect();
                             return Decided::Now(Err(self.no_room_to_hold(figures, wait)));
                         };

@@ -816,6 +816,60 @@ mode = "dry_run"
         )
     }
 
+    /// A clock a nanosecond later at every reading, as a real one is between two readings.
+    struct Ticking(std::sync::atomic::AtomicU64);
+
+    impl sluice_limiter::Clock for Ticking {
+        fn now(&self) -> sluice_limiter::Nanos {
+            sluice_limiter::Nanos(self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+        }
+    }
+
+    /// A 503 tells a caller its figures as they stand, nothing having been charged: a fresh
+    /// caller's bucket is full (review: a new key was shown `r=9;t=1` of a burst of 10, the
+    /// refund's time being read after the figures').
+    #[tokio::test]
+    async fn a_503_shows_a_fresh_caller_its_whole_bucket() {
+        let limits = r#"
+[[limits]]
+name = "tb"
+by = "api_key"
+quota = 5
+window = "1s"
+burst = 10
+[[limits]]
+name = "fw"
+by = "api_key"
+algorithm = "fixed_window"
+quota = 10
+window = "1h"
+"#;
+        let config = format!("{ROUTE_ONE}{limits}");
+        let config = sluice_config::parse(&config, "test.toml".as_ref()).unwrap();
+        let clock = Arc::new(Ticking(std::sync::atomic::AtomicU64::new(
+            1_700_000_000_000_000_000,
+        )));
+        let quota = Quota::new(&config, clock).await.unwrap();
+        let capacity = Capacity::new(1);
+        let _full = capacity.try_acquire().expect("the one place");
+        let headers = HeaderMap::new();
+        let layers = quota.layers(&caller_k(&headers));
+        for _ in 0..3 {
+            let mut reports = Reports::new();
+            let answer = quota.decide_in_memory(&layers, 1, &capacity, None, &mut reports);
+            assert!(matches!(answer, Decided::Now(Err(Stop::Overloaded))));
+            let figures: Vec<_> = reports
+                .iter()
+                .map(|(_, r)| (r.remaining, r.reset))
+                .collect();
+            assert_eq!(
+                figures,
+                [(10, Some(Duration::ZERO)), (10, Some(Duration::ZERO))],
+                "{reports:?}"
+            );
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_held_request_dropped_while_held_has_its_dry_run_charges_withdrawn_too() {
         let (quota, _) = held_quota().await;
