@@ -5,12 +5,40 @@ use std::time::Duration;
 /// Parses `500ms`, `2s`, `10m`, `1h` or `1d`. On failure, returns the message to show,
 /// naming the value and, where the intent is clear, what to write instead.
 pub(crate) fn parse_duration(value: &str) -> Result<Duration, String> {
-    strict(value).ok_or_else(|| match suggestion(value) {
-        Some(fix) => format!("\"{value}\" is not a duration (try \"{fix}\")"),
-        None => format!(
-            "\"{value}\" is not a duration (write an integer and a unit: 500ms, 2s, 10m, 1h, 1d)"
-        ),
+    strict(value).ok_or_else(|| {
+        if well_formed(value) {
+            return format!("\"{value}\" is too long: at most 36500d (100 years)");
+        }
+        match suggestion(value) {
+            Some(fix) => format!("\"{value}\" is not a duration (try \"{fix}\")"),
+            None => format!(
+                "\"{value}\" is not a duration (write an integer and a unit: 500ms, 2s, 10m, 1h, 1d)"
+            ),
+        }
     })
+}
+
+/// [`parse_duration`] for a duration in whole seconds: a value such as `"1.5s"` is told it
+/// must be whole seconds (`why`), not pointed at a millisecond form it would refuse next.
+pub(crate) fn parse_whole_seconds(value: &str, why: &str) -> Result<Duration, String> {
+    let whole = |d: Duration| d.subsec_nanos() == 0;
+    match parse_duration(value) {
+        Ok(d) if !whole(d) => Err(format!(
+            "\"{value}\" is not a whole number of seconds: {why}"
+        )),
+        Err(_) if suggestion(value).is_some_and(|fix| strict(&fix).is_some_and(|d| !whole(d))) => {
+            Err(format!(
+                "\"{value}\" is not a duration, nor a whole number of seconds: {why}"
+            ))
+        }
+        other => other,
+    }
+}
+
+/// Digits and a unit, as [`strict`] reads them, whatever their size.
+fn well_formed(value: &str) -> bool {
+    let digits = value.bytes().take_while(u8::is_ascii_digit).count();
+    digits > 0 && matches!(&value[digits..], "ms" | "s" | "m" | "h" | "d")
 }
 
 fn strict(value: &str) -> Option<Duration> {
@@ -104,7 +132,6 @@ mod tests {
             "-1s",
             "1 fortnight",
             "1e400s",
-            "99999999999999999999d",
         ] {
             let e = parse_duration(bad).unwrap_err();
             assert!(
@@ -112,6 +139,11 @@ mod tests {
                 "{e}"
             );
         }
+        // Well formed, only too large for any duration: told so, not how to write one.
+        assert_eq!(
+            parse_duration("99999999999999999999d").unwrap_err(),
+            "\"99999999999999999999d\" is too long: at most 36500d (100 years)"
+        );
     }
 
     #[test]

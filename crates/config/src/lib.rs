@@ -127,6 +127,75 @@ fn serde_error(
     text: &str,
     e: serde_path_to_error::Error<toml::de::Error>,
 ) -> ConfigError {
+    let mut error = serde_error_plain(file, text, e);
+    if let Some(hint) = hint(&error.key, &error.message) {
+        error.message = format!("{} ({hint})", error.message);
+    }
+    error
+}
+
+/// Keys whose values are durations (`"30s"`) and sizes (`"1MiB"`), by their last part.
+const DURATION_KEYS: &[&str] = &[
+    "header_timeout",
+    "send_timeout",
+    "shutdown_grace",
+    "min_body_rate_grace",
+    "min",
+    "max",
+    "connect_timeout",
+    "timeout",
+    "tunnel_idle_timeout",
+    "window",
+    "max_delay",
+    "block_for",
+];
+const SIZE_KEYS: &[&str] = &["max_body_size", "min_body_rate"];
+
+/// What to write instead, for the slips serde's words do not explain: a number where a
+/// duration or size is written as a string, `[limits]` for `[[limits]]`, one route name
+/// without its list.
+fn hint(key: &str, message: &str) -> Option<String> {
+    let last = key.rsplit('.').next().unwrap_or(key);
+    let last = last.split('[').next().unwrap_or(last);
+    if let Some(rest) = message.split("invalid type: integer `").nth(1) {
+        if message.contains("expected a string") {
+            let n = rest.split('`').next().unwrap_or("");
+            if DURATION_KEYS.contains(&last) {
+                return Some(format!(
+                    "a duration is a string with a unit: write \"{n}s\""
+                ));
+            }
+            if SIZE_KEYS.contains(&last) {
+                return Some(format!(
+                    "a size is a string with a unit: write \"{n}B\" or \"{n}KiB\""
+                ));
+            }
+        }
+    }
+    if message.contains("invalid type: map, expected a sequence") && !key.contains('.') {
+        if key == "limits" || key == "routes" {
+            return Some(format!(
+                "each entry is its own [[{key}]] table, with two brackets"
+            ));
+        }
+    }
+    if message.contains("invalid type: string") && message.contains("expected a sequence") {
+        if let Some(value) = message.split("invalid type: string ").nth(1) {
+            let value = value.split(", expected").next().unwrap_or(value);
+            return Some(format!("write a list: [{value}]"));
+        }
+    }
+    if message.contains("number too large to fit in target type") {
+        return Some("TOML integers stop at 9223372036854775807".to_owned());
+    }
+    None
+}
+
+fn serde_error_plain(
+    file: &Path,
+    text: &str,
+    e: serde_path_to_error::Error<toml::de::Error>,
+) -> ConfigError {
     let (mut key, map_key_lost) = key_path(e.path());
     let inner = e.into_inner();
     // TOML's messages run over lines ("invalid escape sequence\nexpected ..."): one line here.

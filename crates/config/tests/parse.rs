@@ -504,7 +504,7 @@ fn every_error_names_its_key_and_a_printable_value() {
     let text = "[gateway]\nmax_in_flight = 99999999999999999999999\n";
     assert_eq!(
         errors(text),
-        ["c.toml:2:17: gateway.max_in_flight: 99999999999999999999999: number too large to fit in target type"]
+        ["c.toml:2:17: gateway.max_in_flight: 99999999999999999999999: number too large to fit in target type (TOML integers stop at 9223372036854775807)"]
     );
     let text = "[[routes]]\nname = \"a\"\npath = \"/\"\nupstream = \"u\"\n[[routes]]\nname = \"b\"\ncost = 1e99\n";
     assert_eq!(
@@ -764,6 +764,55 @@ fn windows_are_whole_seconds() {
     }
     let text = "[[limits]]\nname = \"l\"\nby = \"ip\"\nquota = 10\nwindow = \"2000ms\"\n";
     assert!(parse(text, Path::new("c.toml")).is_ok());
+    // A fraction is not pointed at a millisecond form that would be refused next (review:
+    // "1.5s" was told to try "1500ms"); where milliseconds are fine, it still is.
+    let text = "[[limits]]\nname = \"l\"\nby = \"ip\"\nquota = 10\nwindow = \"1.5s\"\n";
+    assert_eq!(
+        errors(text),
+        ["c.toml:5:10: limits[0].window: \"1.5s\" is not a duration, nor a whole number of seconds: the RateLimit fields tell callers windows in seconds (write e.g. \"1s\" with the quota to match)"]
+    );
+    let text = "[gateway]\noverload_retry_after = { min = \"1.5s\", max = \"2500ms\" }\n";
+    assert_eq!(
+        errors(text),
+        [
+            "c.toml:2:32: gateway.overload_retry_after.min: \"1.5s\" is not a duration, nor a whole number of seconds: Retry-After is sent in seconds",
+            "c.toml:2:46: gateway.overload_retry_after.max: \"2500ms\" is not a whole number of seconds: Retry-After is sent in seconds",
+        ]
+    );
+    let text = "[[limits]]\nname = \"l\"\nby = \"ip\"\nquota = 10\nwindow = \"1s\"\nmode = \"delay\"\nmax_delay = \"1.5s\"\n";
+    assert_eq!(
+        errors(text),
+        ["c.toml:7:13: limits[0].max_delay: \"1.5s\" is not a duration (try \"1500ms\")"]
+    );
+}
+
+/// The slips serde's own words do not explain get a hint of what to write (review).
+#[test]
+fn common_slips_are_told_what_to_write() {
+    for (text, expected) in [
+        (
+            "[limits]\nname = \"a\"\n",
+            "c.toml:1:1: limits: invalid type: map, expected a sequence (each entry is its own [[limits]] table, with two brackets)",
+        ),
+        (
+            "[[limits]]\nname = \"a\"\nby = \"ip\"\nquota = 1\nwindow = 60\n",
+            "c.toml:5:10: limits[0].window: invalid type: integer `60`, expected a string (a duration is a string with a unit: write \"60s\")",
+        ),
+        (
+            "[gateway]\nmax_body_size = 1000\n",
+            "c.toml:2:17: gateway.max_body_size: invalid type: integer `1000`, expected a string (a size is a string with a unit: write \"1000B\" or \"1000KiB\")",
+        ),
+        (
+            "[[limits]]\nname = \"a\"\nby = \"ip\"\nquota = 1\nwindow = \"1s\"\nroutes = \"api\"\n",
+            "c.toml:6:10: limits[0].routes: invalid type: string \"api\", expected a sequence (write a list: [\"api\"])",
+        ),
+        (
+            "[[limits]]\nname = \"a\"\nby = \"ip\"\nquota = 1\nwindow = \"99999999999999999999d\"\n",
+            "c.toml:5:10: limits[0].window: \"99999999999999999999d\" is too long: at most 36500d (100 years)",
+        ),
+    ] {
+        assert_eq!(errors(text), [expected], "{text}");
+    }
 }
 
 /// Listeners that could not both be bound are refused by `check`, not found by `run`.

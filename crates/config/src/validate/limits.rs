@@ -53,15 +53,11 @@ impl Validator<'_> {
                 self.err(Some(w.span()), &key("window"), format!("\"{}\" is not used: a concurrency limit counts requests in flight, not per window", w.get_ref()));
                 None
             }
-            (Some(w), _) => self
-                .required_duration(w, &key("window"))
-                .filter(|d| {
-                    let whole = d.subsec_nanos() == 0;
-                    if !whole {
-                        self.err(Some(w.span()), &key("window"), format!("\"{}\" is not a whole number of seconds: the RateLimit fields tell callers windows in seconds (write e.g. \"1s\" with the quota to match)", w.get_ref()));
-                    }
-                    whole
-                }),
+            (Some(w), _) => self.required_whole_seconds(
+                w,
+                &key("window"),
+                "the RateLimit fields tell callers windows in seconds (write e.g. \"1s\" with the quota to match)",
+            ),
             (None, Some(Algorithm::Concurrency)) | (None, None) => None,
             (None, Some(a)) => {
                 self.err(

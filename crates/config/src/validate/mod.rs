@@ -10,7 +10,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::duration::parse_duration;
+use crate::duration::{parse_duration, parse_whole_seconds};
 use crate::error::{ConfigError, Source};
 use crate::model::Config;
 use crate::raw::{RawConfig, S};
@@ -113,7 +113,26 @@ impl<'a> Validator<'a> {
 
     /// A duration longer than zero and at most [`MAX_DURATION`].
     pub(crate) fn required_duration(&mut self, v: &S<String>, key: &str) -> Option<Duration> {
-        match parse_duration(v.get_ref()) {
+        self.checked_duration(v, key, parse_duration(v.get_ref()))
+    }
+
+    /// [`Self::required_duration`] in whole seconds, which `why` explains.
+    pub(crate) fn required_whole_seconds(
+        &mut self,
+        v: &S<String>,
+        key: &str,
+        why: &str,
+    ) -> Option<Duration> {
+        self.checked_duration(v, key, parse_whole_seconds(v.get_ref(), why))
+    }
+
+    fn checked_duration(
+        &mut self,
+        v: &S<String>,
+        key: &str,
+        parsed: Result<Duration, String>,
+    ) -> Option<Duration> {
+        match parsed {
             Ok(d) if d.is_zero() => {
                 self.err(
                     Some(v.span()),

@@ -151,26 +151,12 @@ impl Validator<'_> {
             return default;
         };
         let key = "gateway.overload_retry_after";
-        let min = self.required_duration(&r.get_ref().min, &format!("{key}.min"));
-        let max = self.required_duration(&r.get_ref().max, &format!("{key}.max"));
+        let why = "Retry-After is sent in seconds";
+        let min = self.required_whole_seconds(&r.get_ref().min, &format!("{key}.min"), why);
+        let max = self.required_whole_seconds(&r.get_ref().max, &format!("{key}.max"), why);
         let (Some(min), Some(max)) = (min, max) else {
             return default;
         };
-        for (d, v, k) in [
-            (min, &r.get_ref().min, "min"),
-            (max, &r.get_ref().max, "max"),
-        ] {
-            if d.subsec_nanos() != 0 {
-                self.err(
-                    Some(v.span()),
-                    &format!("{key}.{k}"),
-                    format!(
-                        "\"{}\" is not a whole number of seconds (Retry-After is sent in seconds)",
-                        v.get_ref()
-                    ),
-                );
-            }
-        }
         if min > max {
             self.err(
                 Some(r.span()),
