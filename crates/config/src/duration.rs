@@ -126,13 +126,7 @@ mod tests {
 
     #[test]
     fn garbage_is_refused_without_a_guess() {
-        for bad in [
-            "",
-            "s",
-            "-1s",
-            "1 fortnight",
-            "1e400s",
-        ] {
+        for bad in ["", "s", "-1s", "1 fortnight", "1e400s"] {
             let e = parse_duration(bad).unwrap_err();
             assert!(
                 e.starts_with(&format!("\"{bad}\" is not a duration")),

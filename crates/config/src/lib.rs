@@ -172,12 +172,12 @@ fn hint(key: &str, message: &str) -> Option<String> {
             }
         }
     }
-    if message.contains("invalid type: map, expected a sequence") && !key.contains('.') {
-        if key == "limits" || key == "routes" {
-            return Some(format!(
-                "each entry is its own [[{key}]] table, with two brackets"
-            ));
-        }
+    if message.contains("invalid type: map, expected a sequence")
+        && (key == "limits" || key == "routes")
+    {
+        return Some(format!(
+            "each entry is its own [[{key}]] table, with two brackets"
+        ));
     }
     if message.contains("invalid type: string") && message.contains("expected a sequence") {
         if let Some(value) = message.split("invalid type: string ").nth(1) {
