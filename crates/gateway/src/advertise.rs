@@ -89,11 +89,16 @@ pub(crate) fn write(
     }
     if let Legacy::On { refusing } = legacy {
         // The limit that refused, on a 429; else the one closest to refusing: least
-        // remaining, then the longest wait.
+        // remaining, then the longest wait. A concurrency limit only once its slots are all
+        // taken: the trio reads as a quota per window, which its slots are not (review: a
+        // shipped config showed its 32 slots on every response, not the per-IP rate).
         let closest = || {
             items
                 .iter()
-                .min_by_key(|(_, r)| (r.remaining, std::cmp::Reverse(r.reset)))
+                .min_by_key(|(_, r)| {
+                    let free_slots = r.window.is_none() && r.remaining > 0;
+                    (free_slots, r.remaining, std::cmp::Reverse(r.reset))
+                })
                 .expect("items is not empty")
         };
         let (_, r) = refusing.and_then(|i| items.get(i)).unwrap_or_else(closest);
@@ -242,6 +247,18 @@ mod tests {
         assert_eq!(h["x-ratelimit-reset"], "9");
         assert_eq!(h["ratelimit-cost"], "5");
         assert_eq!(h["ratelimit"], "\"a\";r=3;t=5, \"b\";r=3;t=9, \"c\";r=4");
+        // A concurrency limit with fewer left than any rate is not the trio's while it has a
+        // slot free (the trio reads as a quota per window); once full, it is.
+        for (slots_left, limit) in [(1, "10"), (0, "2")] {
+            let mut h = HeaderMap::new();
+            let items = [
+                (&*names[0], report(10, Some(60), 3, Some(5_000))),
+                (&*names[2], report(2, None, slots_left, Some(0))),
+            ];
+            let legacy = Legacy::On { refusing: None };
+            write(&mut h, &items, 1, legacy, &PolicyCache::default());
+            assert_eq!(h["x-ratelimit-limit"], limit, "{slots_left} slots left");
+        }
         // On a 429 the trio describes the limit that refused, here a full concurrency limit,
         // not another that also has nothing left (review: it named a `delay` limit).
         let mut h = HeaderMap::new();
