@@ -22,6 +22,19 @@ fn check_accepts_the_shipped_config_and_lists_routes_and_limits() {
     }
 }
 
+/// A file that routes nothing is valid, but says so (review: an empty file printed only
+/// `ok` and an empty list).
+#[test]
+fn check_says_when_nothing_is_routed() {
+    let file = TempFile::new("toml", "[gateway]\nlisten = \"127.0.0.1:0\"\n");
+    let (code, out, err) = run_cli(&["check", "--config", file.0.to_str().unwrap()]);
+    assert_eq!(code, 0, "stderr: {err}");
+    assert!(
+        out.contains("routes:\n  none: every request will be answered 404"),
+        "{out}"
+    );
+}
+
 #[test]
 fn check_names_file_line_column_key_and_value_and_exits_2() {
     let text = std::fs::read_to_string(SHIPPED)

@@ -52,6 +52,12 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
         ),
     };
     let _ = writeln!(out, "routes:");
+    if config.routes.is_empty() {
+        let _ = writeln!(
+            out,
+            "  none: every request will be answered 404 (a route is a [[routes]] table)"
+        );
+    }
     for r in &config.routes {
         // `GET` matches `HEAD` too (docs/configuration.md, `methods`): said where it applies.
         let methods = r.methods.as_ref().map_or("*".to_owned(), |m| {

@@ -18,8 +18,9 @@ use sluice_gateway::Gateway;
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Cli {
-    /// Log format of `run` (level from the SLUICE_LOG variable, `info` by default; e.g. `warn`,
-    /// or `sluice=debug`, which keeps `info` for the rest).
+    /// Format of the log lines `run` writes; `check` and `demo` write plain text whatever it
+    /// says (level from the SLUICE_LOG variable, `info` by default; e.g. `warn`, or
+    /// `sluice=debug`, which keeps `info` for the rest).
     #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
     log_format: LogFormat,
     #[command(subcommand)]
@@ -162,6 +163,9 @@ fn run(config: Config, threads: Option<u16>) -> anyhow::Result<()> {
             Gateway::bind(&config).await?
         };
         tracing::info!(main = %gateway.main_addr(), admin = %gateway.admin_addr(), threads, routes = config.routes.len(), limits = config.limits.len(), "listening");
+        if config.routes.is_empty() {
+            tracing::warn!("the configuration has no routes: every request will be answered 404");
+        }
         let (first, second) = tokio::sync::oneshot::channel::<()>();
         let (again, hurry) = tokio::sync::oneshot::channel::<()>();
         // Signals are read by a task of their own, so that one arriving while the gateway
