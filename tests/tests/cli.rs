@@ -188,6 +188,10 @@ fn demo_tells_the_seed_story_on_real_sockets() {
     for expected in [
         "key_a 200 200 200 200 200 429 429 Retry-After: ",
         "key_b 200 200\n",
+        "every answer: RateLimit-Policy: \"key-quota\";q=5;w=60",
+        "key_a's answer 4 (200): RateLimit: \"key-quota\";r=1;t=",
+        "key_a's answer 6 (429): RateLimit: \"key-quota\";r=0;t=",
+        "key_b's 503: RateLimit: \"key-quota\";r=5;t=0 (its figures as they stand",
         "balancer: 0 consecutive 5xx, ejected false; probes 200 200 200, ready true",
         "\"title\": \"Your key has used its quota for this window\"",
         "key_a 503 503 503 Retry-After: ",

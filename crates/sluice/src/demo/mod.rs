@@ -138,6 +138,15 @@ fn retry_afters(replies: &[Reply]) -> String {
     }
 }
 
+/// A reply's field `name`, or `-`.
+fn field<'a>(reply: &'a Reply, name: &str) -> &'a str {
+    reply
+        .headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-")
+}
+
 fn pretty(body: &[u8]) -> String {
     serde_json::from_slice::<serde_json::Value>(body)
         .and_then(|v| serde_json::to_string_pretty(&v))
@@ -170,6 +179,23 @@ async fn scenario_1(out: &mut String) -> anyhow::Result<()> {
     let b = calls(&stage, "key_b", 2, &mut balancer).await?;
     writeln!(out, "key_a {}{}", statuses(&a), retry_afters(&a))?;
     writeln!(out, "key_b {}{}", statuses(&b), retry_afters(&b))?;
+    writeln!(
+        out,
+        "(a fixed window aligned to the clock's minute: Retry-After counts to the next one)"
+    )?;
+    writeln!(
+        out,
+        "every answer: RateLimit-Policy: {}",
+        field(&a[0], "ratelimit-policy")
+    )?;
+    for (n, reply) in [(4, &a[3]), (6, &a[5])] {
+        writeln!(
+            out,
+            "key_a's answer {n} ({}): RateLimit: {}",
+            reply.status.as_u16(),
+            field(reply, "ratelimit")
+        )?;
+    }
     writeln!(out, "{}", balancer.verdict(&stage.probes().await?))?;
     writeln!(out, "{}\n", pretty(&a[5].body))?;
     Ok(())
@@ -199,6 +225,11 @@ async fn scenario_2(out: &mut String) -> anyhow::Result<()> {
     let b = calls(&stage, "key_b", 2, &mut balancer).await?;
     writeln!(out, "key_a {}{}", statuses(&a), retry_afters(&a))?;
     writeln!(out, "key_b {}{}", statuses(&b), retry_afters(&b))?;
+    writeln!(
+        out,
+        "key_b's 503: RateLimit: {} (its figures as they stand: nothing charged)",
+        field(&b[1], "ratelimit")
+    )?;
     writeln!(out, "{}", balancer.verdict(&stage.probes().await?))?;
     writeln!(out, "{}", pretty(&a[0].body))?;
     stage.upstream.release(3);
