@@ -594,6 +594,28 @@ fn run_raises_the_soft_open_files_limit_to_the_hard_one() {
     assert_eq!(seen, Some((hard.min(1 << 20), hard)));
 }
 
+/// A connection holding part of a request head does not hold the drain: it is closed when the
+/// drain starts, as an idle one is (review: it kept a 30 s grace to its end).
+#[tokio::test]
+async fn a_half_sent_head_does_not_hold_the_drain() {
+    let up = MockUpstream::start().await;
+    let mut gw = Sluice::start(&config(&up.url(), 8, "30s", "30s"));
+    let mut half = TcpStream::connect(gw.main).await.unwrap();
+    half.write_all(b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        .await
+        .unwrap();
+    // Its bytes are read before the drain starts.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    gw.terminate();
+    let closed = time_until_closed(&mut half, Duration::from_secs(20)).await;
+    let closed =
+        closed.expect("the half-sent head's connection was still open 20 s into the grace");
+    assert!(closed < Duration::from_secs(5), "closed after {closed:?}");
+    let status = gw.wait_exit(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(0));
+    assert_eq!(up.requests(), 0);
+}
+
 /// An HTTP/2 client that never answers the goodbye's `PING` (gone, or not reading) does not
 /// hold the drain to the grace's end once its requests are answered (review: the drain ran
 /// its whole grace; h2 keeps a connection until the `PING` is answered).

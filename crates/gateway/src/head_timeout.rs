@@ -223,7 +223,8 @@ impl HeadTimeout {
         }
     }
 
-    fn moved(&self) -> u64 {
+    /// A count bumped by every read or write that moves bytes on the connection.
+    pub(crate) fn moved(&self) -> u64 {
         self.moved.load(Ordering::Relaxed)
     }
 
@@ -490,7 +491,7 @@ impl<T: AsyncWrite> Counted<T> {
 
 impl HeadTimeout {
     /// Bytes moved. A load and a store, not an atomic add: only the connection's IO writes it.
-    fn note_moved(&self) {
+    pub(crate) fn note_moved(&self) {
         let n = self.moved.load(Ordering::Relaxed);
         self.moved.store(n.wrapping_add(1), Ordering::Relaxed);
     }
