@@ -594,6 +594,90 @@ fn run_raises_the_soft_open_files_limit_to_the_hard_one() {
     assert_eq!(seen, Some((hard.min(1 << 20), hard)));
 }
 
+/// A download over HTTP/2 under way at shutdown arrives whole: when h2 ends the connection
+/// after the last stream, the client's window updates are still arriving, and closing the
+/// socket outright would reset it and throw away what it still had to send (review: curl
+/// failed with "connection reset" megabytes short). The gateway closes it lingering. The
+/// client here opens a large window, reads its socket at about 2 MB/s and gives the window
+/// back as it reads, as curl with `--limit-rate` does, and answers pings.
+#[tokio::test]
+async fn a_download_under_way_at_shutdown_arrives_whole() {
+    const SIZE: u32 = 8 << 20;
+    const WINDOW: u32 = 16 << 20;
+    let up = MockUpstream::start().await;
+    let mut gw = Sluice::start(&config(&up.url(), 8, "30s", "30s"));
+    let mut s = TcpStream::connect(gw.main).await.unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    // SETTINGS: INITIAL_WINDOW_SIZE (4) of 16 MiB; then its connection-wide window as large.
+    out.extend_from_slice(&[0, 0, 6, 4, 0, 0, 0, 0, 0, 0, 4]);
+    out.extend_from_slice(&WINDOW.to_be_bytes());
+    out.extend_from_slice(&[0, 0, 0, 4, 1, 0, 0, 0, 0]); // the server's SETTINGS, acked ahead
+    out.extend_from_slice(&window_update(WINDOW - 65_535));
+    let path = format!("/download?bytes={SIZE}");
+    let mut block = vec![0x82u8, 0x86, 0x44, u8::try_from(path.len()).unwrap()];
+    block.extend_from_slice(path.as_bytes());
+    block.extend_from_slice(&[0x41, 14]);
+    block.extend_from_slice(b"h2.example.com");
+    let len = u8::try_from(block.len()).unwrap();
+    out.extend_from_slice(&[0, 0, len, 1, 0x05, 0, 0, 0, 1]); // HEADERS, END_STREAM | END_HEADERS
+    out.extend_from_slice(&block);
+    s.write_all(&out).await.unwrap();
+    let (mut frames, mut data, mut ended, mut terminated) = (Vec::new(), 0usize, false, false);
+    let mut buf = vec![0u8; 64 * 1024];
+    let start = Instant::now();
+    let outcome = loop {
+        let read = tokio::time::timeout(Duration::from_secs(20), s.read(&mut buf)).await;
+        let n = match read {
+            Err(_) => break "no byte for 20 s".to_owned(),
+            Ok(Ok(0)) => break "closed".to_owned(),
+            Ok(Err(e)) => break format!("failed: {e}"),
+            Ok(Ok(n)) => n,
+        };
+        frames.extend_from_slice(&buf[..n]);
+        // Whole frames: DATA (0) on stream 1 counts, END_STREAM (1) ends it.
+        while frames.len() >= 9 {
+            let len =
+                usize::from(frames[0]) << 16 | usize::from(frames[1]) << 8 | usize::from(frames[2]);
+            if frames.len() < 9 + len {
+                break;
+            }
+            if frames[3] == 0 {
+                data += len;
+                ended |= frames[4] & 1 == 1;
+            }
+            if frames[3] == 6 && frames[4] & 1 == 0 {
+                // A PING (the goodbye's among them) is answered.
+                let mut ack = vec![0, 0, 8, 6, 1, 0, 0, 0, 0];
+                ack.extend_from_slice(&frames[9..17]);
+                let _ = s.write_all(&ack).await;
+            }
+            frames.drain(..9 + len);
+        }
+        if !terminated && data > 0 {
+            gw.terminate();
+            terminated = true;
+        }
+        // The window back for what was read, as the client's reading goes on.
+        let _ = s.write_all(&window_update(u32::try_from(n).unwrap())).await;
+        let due = Duration::from_secs_f64(data as f64 / 2e6);
+        tokio::time::sleep_until(start + due).await;
+    };
+    assert_eq!(
+        (outcome.as_str(), data, ended),
+        ("closed", SIZE as usize, true)
+    );
+    drop(s);
+    let status = gw.wait_exit(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0));
+}
+
+/// An HTTP/2 `WINDOW_UPDATE` for the whole connection.
+fn window_update(increment: u32) -> Vec<u8> {
+    let mut frame = vec![0, 0, 4, 8, 0, 0, 0, 0, 0];
+    frame.extend_from_slice(&increment.to_be_bytes());
+    frame
+}
+
 /// A connection holding part of a request head does not hold the drain: it is closed when the
 /// drain starts, as an idle one is (review: it kept a 30 s grace to its end).
 #[tokio::test]

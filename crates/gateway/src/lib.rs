@@ -22,6 +22,7 @@ mod handle;
 mod head_error;
 mod head_timeout;
 mod identify;
+mod linger;
 mod once_a_second;
 mod problem;
 mod quota;

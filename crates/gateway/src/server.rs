@@ -19,6 +19,7 @@ use crate::admin;
 use crate::forward::Peer;
 use crate::handle::{self, Shared};
 use crate::head_timeout::{Counted, Expiry, HeadTimeout, Timeouts};
+use crate::linger::{linger, GiveBack};
 use crate::once_a_second::OnceASecond;
 use crate::spread::{Handoff, Open, Place, Spread};
 
@@ -537,13 +538,18 @@ impl Conn {
             _open: open,
         });
         let errors = Arc::clone(&shared.head_errors);
+        let (stream, mut given_back) = GiveBack::new(stream);
         let io = TokioIo::new(Counted::new(stream, Arc::clone(&head), errors));
         let requests = Arc::clone(&head);
-        let cut = {
-            let shared = Arc::clone(&shared);
+        let cut = |shared: &Arc<Shared>| {
+            let shared = Arc::clone(shared);
             async move { shared.capacity.cut_off().await }
         };
-        let result = match self.kind {
+        let (cut_now, cut_later) = (cut(&shared), cut(&shared));
+        // The drain waits for the lingering close too.
+        let draining = drain.clone();
+        let cut = cut_now;
+        let (result, ended) = match self.kind {
             Listener::Main => {
                 let peer = Peer::new(self.peer.ip(), |ip| shared.identify.is_trusted(ip));
                 let svc = service_fn(move |req| {
@@ -569,6 +575,11 @@ impl Conn {
         if let Err(e) = result {
             tracing::debug!(peer = %self.peer, error = %e, "connection ended with an error");
         }
+        // Its socket, unless a tunnel took it (then it is closed when the tunnel ends).
+        if let (Ended::ByItself, Ok(stream)) = (ended, given_back.try_recv()) {
+            Box::pin(linger(stream, cut_later)).await;
+        }
+        drop(draining);
     }
 }
 
@@ -598,6 +609,15 @@ fn unread_request_logged(
 /// before it is dropped.
 const GOODBYE: Duration = Duration::from_secs(1);
 
+/// How a connection ended: by itself (its client closed, or hyper after its last answer), so
+/// that its socket is closed lingering ([`linger`]); or dropped by the gateway (a stall, a
+/// timeout, the grace's cut), closed at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    ByItself,
+    Dropped,
+}
+
 /// Serves `conn` until it ends. On shutdown (`drain`), or when no request head arrives within
 /// the header timeout, it is shut down gracefully: an HTTP/1.1 connection without a request
 /// closes at once (one with half a head too, at its header timeout), HTTP/2 sends `GOAWAY`; an
@@ -615,7 +635,7 @@ async fn drive<C, E>(
     mut drain: watch::Receiver<()>,
     cut: impl Future<Output = ()>,
     peer: SocketAddr,
-) -> Result<(), E>
+) -> (Result<(), E>, Ended)
 where
     C: Future<Output = Result<(), E>>,
 {
@@ -624,13 +644,13 @@ where
     let why = tokio::select! {
         // The connection first: the others matter only when it has nothing to do.
         biased;
-        result = conn.as_mut() => return result,
+        result = conn.as_mut() => return (result, Ended::ByItself),
         _ = drain.changed() => None,
         expiry = expired.as_mut() => Some(expiry),
     };
     if why == Some(Expiry::Stalled) {
         tracing::debug!(%peer, "a response made no progress within send_timeout: dropping the connection");
-        return Ok(());
+        return (Ok(()), Ended::Dropped);
     }
     graceful_shutdown(conn.as_mut());
     let finish = async {
@@ -644,13 +664,15 @@ where
                     let once =
                         std::future::poll_fn(|cx| std::task::Poll::Ready(conn.as_mut().poll(cx)));
                     match once.await {
-                        std::task::Poll::Ready(result) => return result,
-                        std::task::Poll::Pending if !head.is_busy() => return Ok(()),
+                        std::task::Poll::Ready(result) => return (result, Ended::ByItself),
+                        std::task::Poll::Pending if !head.is_busy() => {
+                            return (Ok(()), Ended::Dropped)
+                        }
                         // A head that was complete became a request: it is answered.
                         std::task::Poll::Pending => {}
                     }
                 }
-                return conn.await;
+                return (conn.await, Ended::ByItself);
             }
             // HTTP/2's goodbye is two `GOAWAY`s with a `PING` between them, and h2 keeps the
             // connection until the client answers the `PING`: a client gone or not reading
@@ -661,10 +683,10 @@ where
             // by the client's flow-control window included.)
             return tokio::select! {
                 biased;
-                result = conn.as_mut() => result,
+                result = conn.as_mut() => (result, Ended::ByItself),
                 () = quiet_for(head, DRAIN_QUIET) => {
                     tracing::debug!(%peer, "nothing moved on the HTTP/2 connection after its goodbye: dropping it");
-                    Ok(())
+                    (Ok(()), Ended::Dropped)
                 }
             };
         }
@@ -673,15 +695,16 @@ where
             // HTTP/1.1 has no goodbye to wait for: hyper closes an idle connection at its next
             // poll, but would wait on one holding part of a head. Either way it ends now.
             let once = std::future::poll_fn(|cx| std::task::Poll::Ready(conn.as_mut().poll(cx)));
+            // Nothing to deliver: no lingering for a client that sent no request in time.
             return match once.await {
-                std::task::Poll::Ready(result) => result,
-                std::task::Poll::Pending => Ok(()),
+                std::task::Poll::Ready(result) => (result, Ended::Dropped),
+                std::task::Poll::Pending => (Ok(()), Ended::Dropped),
             };
         }
         match tokio::time::timeout(GOODBYE, conn.as_mut()).await {
-            Ok(result) => result,
-            Err(_) if head.is_busy() => conn.await,
-            Err(_) => Ok(()),
+            Ok(result) => (result, Ended::Dropped),
+            Err(_) if head.is_busy() => (conn.await, Ended::ByItself),
+            Err(_) => (Ok(()), Ended::Dropped),
         }
     };
     // From here on, only a stall or the end of the shutdown grace cuts it short (its requests
@@ -691,11 +714,11 @@ where
         result = finish => result,
         _ = head.expired(false) => {
             tracing::debug!(%peer, "a response made no progress within send_timeout: dropping the connection");
-            Ok(())
+            (Ok(()), Ended::Dropped)
         }
         () = cut => {
             tracing::debug!(%peer, "the shutdown grace is over: dropping the connection");
-            Ok(())
+            (Ok(()), Ended::Dropped)
         }
     }
 }
@@ -781,7 +804,7 @@ mod tests {
         cut: impl Future<Output = ()>,
     ) -> (Result<(), ()>, bool) {
         let told = Cell::new(false);
-        let result = drive(conn, |_| told.set(true), head, drain, cut, PEER).await;
+        let (result, _) = drive(conn, |_| told.set(true), head, drain, cut, PEER).await;
         (result, told.get())
     }
 
@@ -825,7 +848,7 @@ mod tests {
                 let _ = end.send(());
             }
         });
-        let result = drive(conn, |_| {}, &head, drain.watcher(), pending(), PEER).await;
+        let (result, _) = drive(conn, |_| {}, &head, drain.watcher(), pending(), PEER).await;
         assert_eq!(result, Ok(()));
         assert_eq!(
             start.elapsed(),

@@ -1,0 +1,219 @@
+//! A lingering close, as nginx's `lingering_close`: a connection that ends with the client's
+//! bytes still arriving (HTTP/2 `WINDOW_UPDATE`s and `PING` answers as it reads a download,
+//! the rest of a request hyper did not read before its answer) is not closed outright. Linux
+//! answers `close` on a socket with unread bytes with a reset, which throws away what the
+//! socket still had to send: the client lost the tail of its response (review: HTTP/2
+//! downloads at shutdown ended in "connection reset" megabytes short). Instead the gateway
+//! shuts its side down (a FIN after the last byte) and reads and discards until the client
+//! closes too, for at most [`LINGER_IDLE`] between reads and [`LINGER_MAX`] in all.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+
+/// The longest a lingering connection waits for the client's next bytes.
+pub(crate) const LINGER_IDLE: Duration = Duration::from_secs(5);
+/// The longest a connection lingers in all.
+pub(crate) const LINGER_MAX: Duration = Duration::from_secs(30);
+
+/// A connection's socket, given back through `back` when the connection drops it, so that
+/// the connection's task can close it with [`linger`]. (A tunnel that takes the connection
+/// drops it later, when nobody waits for it any more: it is then closed as usual.)
+#[derive(Debug)]
+pub(crate) struct GiveBack {
+    stream: Option<TcpStream>,
+    back: Option<oneshot::Sender<TcpStream>>,
+}
+
+impl GiveBack {
+    pub(crate) fn new(stream: TcpStream) -> (Self, oneshot::Receiver<TcpStream>) {
+        let (back, given) = oneshot::channel();
+        let io = GiveBack {
+            stream: Some(stream),
+            back: Some(back),
+        };
+        (io, given)
+    }
+
+    fn stream(&mut self) -> io::Result<Pin<&mut TcpStream>> {
+        match &mut self.stream {
+            Some(stream) => Ok(Pin::new(stream)),
+            None => Err(io::ErrorKind::NotConnected.into()),
+        }
+    }
+}
+
+impl Drop for GiveBack {
+    fn drop(&mut self) {
+        if let (Some(stream), Some(back)) = (self.stream.take(), self.back.take()) {
+            let _ = back.send(stream);
+        }
+    }
+}
+
+impl AsyncRead for GiveBack {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.stream() {
+            Ok(s) => s.poll_read(cx, buf),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+}
+
+impl AsyncWrite for GiveBack {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.stream() {
+            Ok(s) => s.poll_write(cx, buf),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.stream() {
+            Ok(s) => s.poll_write_vectored(cx, bufs),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.as_ref().is_some_and(|s| s.is_write_vectored())
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.stream() {
+            Ok(s) => s.poll_flush(cx),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.stream() {
+            Ok(s) => s.poll_shutdown(cx),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+}
+
+/// Closes `stream` without a reset: shuts the gateway's side down, then reads and discards
+/// until the client closes, an error, [`LINGER_IDLE`] without a byte, [`LINGER_MAX`] in all,
+/// or `cut` (the shutdown grace's end).
+pub(crate) async fn linger(mut stream: TcpStream, cut: impl Future<Output = ()>) {
+    if stream.shutdown().await.is_err() {
+        return;
+    }
+    let deadline = tokio::time::Instant::now() + LINGER_MAX;
+    let mut buf = vec![0u8; 4096];
+    let reads = async {
+        loop {
+            let idle_until = deadline.min(tokio::time::Instant::now() + LINGER_IDLE);
+            match tokio::time::timeout_at(idle_until, stream.read(&mut buf)).await {
+                Ok(Ok(1..)) => {}
+                // Closed, failed, or quiet for too long.
+                Ok(Ok(0) | Err(_)) | Err(_) => return,
+            }
+        }
+    };
+    tokio::select! {
+        () = reads => {}
+        () = cut => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    /// A server that writes `size` bytes, then closes while the client's bytes still arrive;
+    /// the client reads slowly, sending a byte now and then (as HTTP/2 clients send window
+    /// updates). Returns what the client read, and the error its reading or writing ended in.
+    async fn download(size: usize, lingering: bool) -> (usize, Option<io::ErrorKind>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            let (mut io, given) = GiveBack::new(stream);
+            io.write_all(&vec![7u8; size]).await.unwrap();
+            drop(io);
+            let stream = given.await.expect("given back on drop");
+            if lingering {
+                linger(stream, std::future::pending()).await;
+            }
+        });
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        let mut buf = vec![0u8; 64 * 1024];
+        let (mut read, mut failed) = (0, None);
+        let limit = tokio::time::Instant::now() + Duration::from_secs(20);
+        while tokio::time::Instant::now() < limit {
+            if let Err(e) = client.write_all(b"u").await {
+                failed = Some(e.kind());
+                break;
+            }
+            match client.read(&mut buf).await {
+                Ok(0) => break,
+                Ok(n) => read += n,
+                Err(e) => {
+                    failed = Some(e.kind());
+                    break;
+                }
+            }
+            // Slow enough that the server is done writing long before the client is reading.
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        drop(client);
+        server.await.unwrap();
+        (read, failed)
+    }
+
+    #[tokio::test]
+    async fn a_lingering_close_delivers_what_the_socket_still_held() {
+        let size = 4 << 20;
+        assert_eq!(download(size, true).await, (size, None));
+    }
+
+    /// The reason for lingering, shown: closing outright with the client's bytes unread
+    /// resets the connection, and what the socket still held is lost.
+    #[tokio::test]
+    async fn closing_outright_with_bytes_unread_loses_the_tail() {
+        let size = 4 << 20;
+        let (read, failed) = download(size, false).await;
+        assert!(read < size, "read {read} of {size}");
+        assert!(
+            matches!(
+                failed,
+                Some(io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe)
+            ),
+            "{failed:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_never_closes_is_let_go_after_the_idle_wait() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let client = TcpStream::connect(addr).await.unwrap();
+        let (stream, _) = listener.accept().await.unwrap();
+        let start = tokio::time::Instant::now();
+        linger(stream, std::future::pending()).await;
+        assert_eq!(start.elapsed(), LINGER_IDLE);
+        drop(client);
+    }
+}
