@@ -613,14 +613,7 @@ async fn a_download_under_way_at_shutdown_arrives_whole() {
     out.extend_from_slice(&WINDOW.to_be_bytes());
     out.extend_from_slice(&[0, 0, 0, 4, 1, 0, 0, 0, 0]); // the server's SETTINGS, acked ahead
     out.extend_from_slice(&window_update(WINDOW - 65_535));
-    let path = format!("/download?bytes={SIZE}");
-    let mut block = vec![0x82u8, 0x86, 0x44, u8::try_from(path.len()).unwrap()];
-    block.extend_from_slice(path.as_bytes());
-    block.extend_from_slice(&[0x41, 14]);
-    block.extend_from_slice(b"h2.example.com");
-    let len = u8::try_from(block.len()).unwrap();
-    out.extend_from_slice(&[0, 0, len, 1, 0x05, 0, 0, 0, 1]); // HEADERS, END_STREAM | END_HEADERS
-    out.extend_from_slice(&block);
+    out.extend_from_slice(&h2_get(&format!("/download?bytes={SIZE}")));
     s.write_all(&out).await.unwrap();
     let (mut frames, mut data, mut ended, mut terminated) = (Vec::new(), 0usize, false, false);
     let mut buf = vec![0u8; 64 * 1024];
@@ -671,6 +664,20 @@ async fn a_download_under_way_at_shutdown_arrives_whole() {
     assert_eq!(status.code(), Some(0));
 }
 
+/// An HTTP/2 `HEADERS` frame opening stream 1 with `GET path` for `h2.example.com`, ending the
+/// stream: indexed `:method GET` and `:scheme http`, then literals for `:path` and
+/// `:authority` (HPACK, RFC 7541 appendix A).
+fn h2_get(path: &str) -> Vec<u8> {
+    let mut block = vec![0x82u8, 0x86, 0x44, u8::try_from(path.len()).unwrap()];
+    block.extend_from_slice(path.as_bytes());
+    block.extend_from_slice(&[0x41, 14]);
+    block.extend_from_slice(b"h2.example.com");
+    let len = u8::try_from(block.len()).unwrap();
+    let mut frame = vec![0, 0, len, 1, 0x05, 0, 0, 0, 1]; // END_STREAM | END_HEADERS
+    frame.extend_from_slice(&block);
+    frame
+}
+
 /// An HTTP/2 `WINDOW_UPDATE` for the whole connection.
 fn window_update(increment: u32) -> Vec<u8> {
     let mut frame = vec![0, 0, 4, 8, 0, 0, 0, 0, 0];
@@ -711,15 +718,7 @@ async fn an_http2_client_that_never_answers_the_goodbye_does_not_hold_the_drain(
     let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
     out.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]); // SETTINGS
     out.extend_from_slice(&[0, 0, 0, 4, 1, 0, 0, 0, 0]); // its ACK, sent ahead
-                                                         // GET /hold, authority h2.example.com: indexed :method GET, :scheme http, then
-                                                         // literals for :path and :authority (HPACK, RFC 7541 appendix A).
-    let mut block = vec![0x82u8, 0x86, 0x44, 5];
-    block.extend_from_slice(b"/hold");
-    block.extend_from_slice(&[0x41, 14]);
-    block.extend_from_slice(b"h2.example.com");
-    let len = u8::try_from(block.len()).unwrap();
-    out.extend_from_slice(&[0, 0, len, 1, 0x05, 0, 0, 0, 1]); // HEADERS, END_STREAM | END_HEADERS
-    out.extend_from_slice(&block);
+    out.extend_from_slice(&h2_get("/hold"));
     s.write_all(&out).await.unwrap();
     up.wait_holding(1).await;
     gw.terminate();
