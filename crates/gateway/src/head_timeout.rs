@@ -75,6 +75,8 @@ pub(crate) struct HeadTimeout {
     /// Bumped by each read or write that moves bytes (only the connection's IO writes it):
     /// HTTP/1.1's progress.
     moved: AtomicU64,
+    /// Whether the connection's last write found the socket full: bytes wait to be written.
+    write_waits: AtomicBool,
     /// HTTP/2's progress, per response waiting on the client: when hyper last took a piece
     /// of its body (or it began to wait). A slot per response, reused once it ends.
     streams: Mutex<Vec<Option<Instant>>>,
@@ -105,6 +107,7 @@ impl HeadTimeout {
             idle_since: AtomicU64::new(0),
             sending: AtomicUsize::new(0),
             moved: AtomicU64::new(0),
+            write_waits: AtomicBool::new(false),
             streams: Mutex::new(Vec::new()),
             http2: AtomicBool::new(false),
             tunnel: AtomicBool::new(false),
@@ -226,6 +229,18 @@ impl HeadTimeout {
     /// A count bumped by every read or write that moves bytes on the connection.
     pub(crate) fn moved(&self) -> u64 {
         self.moved.load(Ordering::Relaxed)
+    }
+
+    /// Whether the connection's last write found the socket full (bytes wait in the
+    /// connection to be written, as the client reads).
+    pub(crate) fn write_waits(&self) -> bool {
+        self.write_waits.load(Ordering::Relaxed)
+    }
+
+    /// Notes how a write to the socket went.
+    pub(crate) fn note_write<T>(&self, polled: &Poll<io::Result<T>>) {
+        self.write_waits
+            .store(polled.is_pending(), Ordering::Relaxed);
     }
 
     fn streams(&self) -> std::sync::MutexGuard<'_, Vec<Option<Instant>>> {
@@ -457,6 +472,7 @@ impl<T: AsyncWrite> Counted<T> {
             (None, Some(new)) => this.swap.insert(new),
             (None, None) => {
                 let polled = this.io.poll_write(cx, buf);
+                this.head.note_write(&polled);
                 if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
                     this.head.note_moved();
                 }
@@ -552,6 +568,7 @@ impl<T: AsyncWrite> AsyncWrite for Counted<T> {
         }
         let this = self.project();
         let polled = this.io.poll_write_vectored(cx, bufs);
+        this.head.note_write(&polled);
         if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
             this.head.note_moved();
         }

@@ -262,13 +262,23 @@ impl Gateway {
             stopped = stopping => stopped,
             () = hurried => unreachable!("pending"),
         };
-        if !finished {
-            // Counted at the cut (every thread's cut comes within moments of this one's).
-            tracing::warn!(
-                requests = cut.unwrap_or_default(),
-                "shutdown grace ran out; the requests still running were cut"
-            );
-        }
+        // Counted at the cut (every thread's cut comes within moments of this one's). With
+        // none running, what the grace's end cut was connections still closing (lingering):
+        // every request had finished.
+        let finished = match (finished, cut) {
+            (true, _) => true,
+            (false, Some(0)) => {
+                tracing::info!("shutdown grace ran out while connections were still closing; no request was running");
+                true
+            }
+            (false, cut) => {
+                tracing::warn!(
+                    requests = cut.unwrap_or_default(),
+                    "shutdown grace ran out; the requests still running were cut"
+                );
+                false
+            }
+        };
         sweeper.abort();
         let _ = stop_admin.send(true);
         let _ = admin_task.await;

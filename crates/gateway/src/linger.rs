@@ -5,7 +5,9 @@
 //! socket still had to send: the client lost the tail of its response (review: HTTP/2
 //! downloads at shutdown ended in "connection reset" megabytes short). Instead the gateway
 //! shuts its side down (a FIN after the last byte) and reads and discards until the client
-//! closes too, for at most [`LINGER_IDLE`] between reads and [`LINGER_MAX`] in all.
+//! closes too, for at most [`LINGER_IDLE`] between reads and the header timeout in all (the
+//! time an idle connection may hold its place anyway: a client cannot make one request hold a
+//! place longer than that by trickling bytes after it).
 
 use std::future::Future;
 use std::io;
@@ -17,10 +19,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
-/// The longest a lingering connection waits for the client's next bytes.
+/// The longest a lingering connection waits for the client's next bytes (at most its `max`).
 pub(crate) const LINGER_IDLE: Duration = Duration::from_secs(5);
-/// The longest a connection lingers in all.
-pub(crate) const LINGER_MAX: Duration = Duration::from_secs(30);
 
 /// A connection's socket, given back through `back` when the connection drops it, so that
 /// the connection's task can close it with [`linger`]. (A tunnel that takes the connection
@@ -113,13 +113,13 @@ impl AsyncWrite for GiveBack {
 }
 
 /// Closes `stream` without a reset: shuts the gateway's side down, then reads and discards
-/// until the client closes, an error, [`LINGER_IDLE`] without a byte, [`LINGER_MAX`] in all,
-/// or `cut` (the shutdown grace's end).
-pub(crate) async fn linger(mut stream: TcpStream, cut: impl Future<Output = ()>) {
+/// until the client closes, an error, [`LINGER_IDLE`] without a byte, `max` in all, or `cut`
+/// (the shutdown grace's end).
+pub(crate) async fn linger(mut stream: TcpStream, max: Duration, cut: impl Future<Output = ()>) {
     if stream.shutdown().await.is_err() {
         return;
     }
-    let deadline = tokio::time::Instant::now() + LINGER_MAX;
+    let deadline = tokio::time::Instant::now() + max;
     let mut buf = vec![0u8; 4096];
     let reads = async {
         loop {
@@ -155,7 +155,7 @@ mod tests {
             drop(io);
             let stream = given.await.expect("given back on drop");
             if lingering {
-                linger(stream, std::future::pending()).await;
+                linger(stream, Duration::from_secs(30), std::future::pending()).await;
             }
         });
         let mut client = TcpStream::connect(addr).await.unwrap();
@@ -212,8 +212,32 @@ mod tests {
         let client = TcpStream::connect(addr).await.unwrap();
         let (stream, _) = listener.accept().await.unwrap();
         let start = tokio::time::Instant::now();
-        linger(stream, std::future::pending()).await;
+        linger(stream, Duration::from_secs(30), std::future::pending()).await;
         assert_eq!(start.elapsed(), LINGER_IDLE);
         drop(client);
+    }
+
+    /// A client that keeps sending, a byte at a time, is let go after `max` (the header
+    /// timeout): one request does not buy a place for longer than an idle connection holds
+    /// one (review: a byte every 4 s held a place for 30 s).
+    #[tokio::test(start_paused = true)]
+    async fn a_client_trickling_bytes_is_let_go_after_the_max() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        let (stream, _) = listener.accept().await.unwrap();
+        let trickle = tokio::spawn(async move {
+            for _ in 0..10 {
+                tokio::time::sleep(Duration::from_secs(4)).await;
+                if client.write_all(b"x").await.is_err() {
+                    break;
+                }
+            }
+            client
+        });
+        let start = tokio::time::Instant::now();
+        linger(stream, Duration::from_secs(10), std::future::pending()).await;
+        assert_eq!(start.elapsed(), Duration::from_secs(10));
+        drop(trickle.await.unwrap());
     }
 }

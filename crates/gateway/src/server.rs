@@ -577,7 +577,7 @@ impl Conn {
         }
         // Its socket, unless a tunnel took it (then it is closed when the tunnel ends).
         if let (Ended::ByItself, Ok(stream)) = (ended, given_back.try_recv()) {
-            Box::pin(linger(stream, cut_later)).await;
+            Box::pin(linger(stream, self.timeouts.header, cut_later)).await;
         }
         drop(draining);
     }
@@ -663,8 +663,10 @@ where
                     // would only become a request the drain does not take.
                     let once =
                         std::future::poll_fn(|cx| std::task::Poll::Ready(conn.as_mut().poll(cx)));
+                    // Either way it is closed at once: nothing was asked of it (review: idle
+                    // keep-alive clients made the exit wait for their lingering closes).
                     match once.await {
-                        std::task::Poll::Ready(result) => return (result, Ended::ByItself),
+                        std::task::Poll::Ready(result) => return (result, Ended::Dropped),
                         std::task::Poll::Pending if !head.is_busy() => {
                             return (Ok(()), Ended::Dropped)
                         }
@@ -676,17 +678,19 @@ where
             }
             // HTTP/2's goodbye is two `GOAWAY`s with a `PING` between them, and h2 keeps the
             // connection until the client answers the `PING`: a client gone or not reading
-            // would hold the drain to the grace's end. Once nothing has moved on it, and no
-            // request has been in flight, for `DRAIN_QUIET`, it is dropped. (Bytes moving
-            // are a client alive: it answers the `PING` in time, and h2 then closes the
-            // connection itself once its streams are done, the last of a response held back
-            // by the client's flow-control window included.)
+            // would hold the drain to the grace's end. Once nothing has moved on it, nothing
+            // waits to be written and no request has been in flight, for `DRAIN_QUIET`, it is
+            // dropped, and closed lingering: a client reading slowly, with a window large
+            // enough that it says nothing for seconds, still has the end of a response in
+            // the socket's buffers (review). (Bytes moving are a client alive: it answers the
+            // `PING` in time, and h2 then closes the connection itself once its streams are
+            // done, the last of a response held back by the client's window included.)
             return tokio::select! {
                 biased;
                 result = conn.as_mut() => (result, Ended::ByItself),
                 () = quiet_for(head, DRAIN_QUIET) => {
                     tracing::debug!(%peer, "nothing moved on the HTTP/2 connection after its goodbye: dropping it");
-                    (Ok(()), Ended::Dropped)
+                    (Ok(()), Ended::ByItself)
                 }
             };
         }
@@ -728,8 +732,8 @@ where
 const DRAIN_QUIET: Duration = Duration::from_secs(3);
 
 /// Resolves once, for a whole `window`, no request has been in flight on the connection or
-/// begun, and no byte has moved on it (counted from the call at the earliest). Looked at every
-/// quarter of `window`.
+/// begun, no byte has moved on it and none waited to be written (counted from the call at the
+/// earliest). Looked at every quarter of `window`.
 async fn quiet_for(head: &HeadTimeout, window: Duration) {
     let step = window / 4;
     let mut since = tokio::time::Instant::now();
@@ -738,7 +742,7 @@ async fn quiet_for(head: &HeadTimeout, window: Duration) {
         tokio::time::sleep(step).await;
         let now = tokio::time::Instant::now();
         let seen = (head.begun(), head.moved());
-        if seen != (begun, moved) || head.is_busy() {
+        if seen != (begun, moved) || head.is_busy() || head.write_waits() {
             since = now;
         }
         (begun, moved) = seen;
@@ -944,6 +948,42 @@ mod tests {
         shutdown.await.unwrap();
     }
 
+    /// Bytes waiting to be written (the socket full, the client reading slowly) keep a
+    /// draining HTTP/2 connection as moving bytes do; once quiet it is dropped, and closed
+    /// lingering, since the socket's buffers may still hold the end of a response (review).
+    #[tokio::test(start_paused = true)]
+    async fn on_shutdown_bytes_waiting_to_be_written_keep_an_http2_connection() {
+        let (head, drain, _end, conn) = setup();
+        speaking_http2(&head);
+        tokio::pin!(conn);
+        let watcher = drain.watcher();
+        let shutdown = drain_after(drain, Duration::from_secs(2));
+        head.note_write(&std::task::Poll::<std::io::Result<usize>>::Pending);
+        let unblocked = tokio::spawn({
+            let head = Arc::clone(&head);
+            async move {
+                tokio::time::sleep(Duration::from_secs(20)).await;
+                head.note_write(&std::task::Poll::Ready(Ok::<usize, std::io::Error>(1)));
+            }
+        });
+        let start = Instant::now();
+        let cut = tokio::time::sleep(Duration::from_secs(32));
+        let (result, ended) = drive(conn, |_| {}, &head, watcher, cut, PEER).await;
+        assert_eq!(
+            (result, ended),
+            (Ok(()), Ended::ByItself),
+            "closed lingering"
+        );
+        let took = start.elapsed();
+        assert!(
+            took >= Duration::from_secs(20) + DRAIN_QUIET
+                && took <= Duration::from_secs(20) + DRAIN_QUIET + DRAIN_QUIET / 4,
+            "dropped after {took:?}"
+        );
+        unblocked.await.unwrap();
+        shutdown.await.unwrap();
+    }
+
     /// An HTTP/1.1 connection holding part of a head is closed when the drain starts, as an
     /// idle one is (review: it held the drain for the whole grace).
     #[tokio::test(start_paused = true)]
@@ -954,9 +994,10 @@ mod tests {
         let shutdown = drain_after(drain, Duration::from_secs(2));
         let start = Instant::now();
         let cut = tokio::time::sleep(Duration::from_secs(32));
-        let (result, told) = driven(conn, &head, watcher, cut).await;
-        assert_eq!(result, Ok(()));
-        assert!(told);
+        let (result, ended) = drive(conn, |_| {}, &head, watcher, cut, PEER).await;
+        // Closed at once, not lingering: nothing was asked of it (review: idle keep-alive
+        // clients made the exit wait for their lingering closes).
+        assert_eq!((result, ended), (Ok(()), Ended::Dropped));
         assert_eq!(start.elapsed(), Duration::from_secs(2));
         shutdown.await.unwrap();
     }
