@@ -685,6 +685,49 @@ fn window_update(increment: u32) -> Vec<u8> {
     frame
 }
 
+/// A grace that ends with only connections still closing (lingering) cut no request: the log
+/// says every request finished, whichever serving thread the connection was on (review: a
+/// worker thread's lingering connection made it say `requests=0` and false).
+#[tokio::test]
+async fn a_grace_that_cuts_only_closing_connections_cut_no_request() {
+    let up = MockUpstream::start().await;
+    let mut gw = Sluice::start_with_args(&config(&up.url(), 8, "30s", "2s"), &["--threads", "2"]);
+    // An idle keep-alive connection takes one thread; the trickler goes to the other.
+    let idle = TcpStream::connect(gw.main).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut trickler = TcpStream::connect(gw.main).await.unwrap();
+    trickler
+        .write_all(b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    let n = trickler.read(&mut buf).await.unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    gw.terminate();
+    // A byte a second after its answer keeps its lingering close going past the grace.
+    let trickle = tokio::spawn(async move {
+        for _ in 0..6 {
+            if trickler.write_all(b"x").await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    });
+    let status = gw.wait_exit(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(0));
+    let stopped = gw.wait_log("stopped", |v| v["message"] == "stopped").await;
+    assert_eq!(stopped["every_request_finished"], true);
+    assert!(!gw.logs().iter().any(|v| v["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("requests still running were cut"))));
+    trickle.abort();
+    drop(idle);
+}
+
 /// A connection holding part of a request head does not hold the drain: it is closed when the
 /// drain starts, as an idle one is (review: it kept a 30 s grace to its end).
 #[tokio::test]

@@ -213,6 +213,11 @@ impl Capacity {
     /// those requests' last writes to the shared store (lease releases) go out rather than
     /// being dropped with the runtime, leaving leases until they expire.
     ///
+    /// How many requests were running (in flight or held) at the first cut, if there was one.
+    pub(crate) fn cut_count(&self) -> Option<usize> {
+        self.inner.cut_count.get().copied()
+    }
+
     /// Returns how many requests were running (in flight or held) at the first cut.
     pub(crate) fn cut(&self) -> usize {
         let count = *self

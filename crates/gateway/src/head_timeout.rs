@@ -231,6 +231,11 @@ impl HeadTimeout {
         self.moved.load(Ordering::Relaxed)
     }
 
+    /// The header timeout: how long a connection with no request in flight may stay open.
+    pub(crate) fn header_timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Whether the connection's last write found the socket full (bytes wait in the
     /// connection to be written, as the client reads).
     pub(crate) fn write_waits(&self) -> bool {

@@ -242,7 +242,7 @@ impl Gateway {
         let deadline = tokio::time::Instant::now() + shutdown_grace;
         let stopping = async {
             let cut = wind_down(graceful, &shared, deadline).await;
-            let mut finished = cut.is_none();
+            let mut finished = no_request_cut(cut);
             for worker in workers {
                 finished &= worker.await.unwrap_or(false);
             }
@@ -262,23 +262,18 @@ impl Gateway {
             stopped = stopping => stopped,
             () = hurried => unreachable!("pending"),
         };
-        // Counted at the cut (every thread's cut comes within moments of this one's). With
-        // none running, what the grace's end cut was connections still closing (lingering):
-        // every request had finished.
-        let finished = match (finished, cut) {
-            (true, _) => true,
-            (false, Some(0)) => {
-                tracing::info!("shutdown grace ran out while connections were still closing; no request was running");
-                true
-            }
-            (false, cut) => {
-                tracing::warn!(
-                    requests = cut.unwrap_or_default(),
-                    "shutdown grace ran out; the requests still running were cut"
-                );
-                false
-            }
-        };
+        if !finished {
+            // Counted at the cut (every thread's cut comes within moments of this one's).
+            tracing::warn!(
+                requests = cut.or(shared.capacity.cut_count()).unwrap_or_default(),
+                "shutdown grace ran out; the requests still running were cut"
+            );
+        } else if shared.capacity.is_cut() {
+            // Cut on some thread with no request running: connections still closing.
+            tracing::info!(
+                "shutdown grace ran out while connections were still closing; no request was running"
+            );
+        }
         sweeper.abort();
         let _ = stop_admin.send(true);
         let _ = admin_task.await;
@@ -331,8 +326,15 @@ impl Worker {
         let (shared, timeouts) = (self.shared, self.timeouts);
         serve_handed(self.handed, shared.clone(), timeouts, &graceful, stopped).await;
         let deadline = tokio::time::Instant::now() + self.shutdown_grace;
-        wind_down(graceful, &shared, deadline).await.is_none()
+        no_request_cut(wind_down(graceful, &shared, deadline).await)
     }
+}
+
+/// Whether a thread's wind-down ([`wind_down`]) cut no request: it finished in time, or what
+/// the grace's end cut was only connections still closing (lingering), every request having
+/// finished. (The count is taken once, over every thread, at the first cut.)
+fn no_request_cut(cut: Option<usize>) -> bool {
+    cut.is_none_or(|requests| requests == 0)
 }
 
 /// A serving thread's end, once it no longer accepts: its connections get until `deadline`

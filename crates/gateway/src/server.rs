@@ -733,16 +733,23 @@ const DRAIN_QUIET: Duration = Duration::from_secs(3);
 
 /// Resolves once, for a whole `window`, no request has been in flight on the connection or
 /// begun, no byte has moved on it and none waited to be written (counted from the call at the
-/// earliest). Looked at every quarter of `window`.
+/// earliest). Looked at every quarter of `window`. Bytes waiting count only while some moved
+/// within the header timeout, the time a connection with no request may stay open: a client
+/// that stopped reading for good does not hold the drain (review).
 async fn quiet_for(head: &HeadTimeout, window: Duration) {
     let step = window / 4;
     let mut since = tokio::time::Instant::now();
+    let mut last_move = since;
     let (mut begun, mut moved) = (head.begun(), head.moved());
     loop {
         tokio::time::sleep(step).await;
         let now = tokio::time::Instant::now();
         let seen = (head.begun(), head.moved());
-        if seen != (begun, moved) || head.is_busy() || head.write_waits() {
+        if seen.1 != moved {
+            last_move = now;
+        }
+        let waiting = head.write_waits() && now < last_move + head.header_timeout();
+        if seen != (begun, moved) || head.is_busy() || waiting {
             since = now;
         }
         (begun, moved) = seen;
@@ -959,10 +966,14 @@ mod tests {
         let watcher = drain.watcher();
         let shutdown = drain_after(drain, Duration::from_secs(2));
         head.note_write(&std::task::Poll::<std::io::Result<usize>>::Pending);
+        // A slow reader: the socket takes a little every 5 s, then all of it at 20 s.
         let unblocked = tokio::spawn({
             let head = Arc::clone(&head);
             async move {
-                tokio::time::sleep(Duration::from_secs(20)).await;
+                for _ in 0..4 {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    head.note_moved();
+                }
                 head.note_write(&std::task::Poll::Ready(Ok::<usize, std::io::Error>(1)));
             }
         });
@@ -981,6 +992,31 @@ mod tests {
             "dropped after {took:?}"
         );
         unblocked.await.unwrap();
+        shutdown.await.unwrap();
+    }
+
+    /// Bytes that wait for good (a client that stopped reading) keep it only for the header
+    /// timeout after the last byte moved, as a connection with no request is kept when not
+    /// draining (review: it held the drain for the whole grace).
+    #[tokio::test(start_paused = true)]
+    async fn on_shutdown_bytes_waiting_for_good_do_not_hold_an_http2_connection() {
+        let (head, drain, _end, conn) = setup();
+        speaking_http2(&head);
+        tokio::pin!(conn);
+        let watcher = drain.watcher();
+        let shutdown = drain_after(drain, Duration::from_secs(2));
+        head.note_write(&std::task::Poll::<std::io::Result<usize>>::Pending);
+        let start = Instant::now();
+        let cut = tokio::time::sleep(Duration::from_secs(62));
+        let (result, ended) = drive(conn, |_| {}, &head, watcher, cut, PEER).await;
+        assert_eq!((result, ended), (Ok(()), Ended::ByItself));
+        let took = start.elapsed();
+        // From the drain: the header timeout's wait for a byte to move, then the quiet.
+        let about = Duration::from_secs(2) + T + DRAIN_QUIET;
+        assert!(
+            took >= about - DRAIN_QUIET / 4 && took <= about + DRAIN_QUIET / 4,
+            "dropped after {took:?}"
+        );
         shutdown.await.unwrap();
     }
 
