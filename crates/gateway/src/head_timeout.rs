@@ -352,7 +352,7 @@ impl Busy {
         Lingering {
             head: Arc::downgrade(&self.head),
             http2: self.http2,
-            begun: self.head.begun.load(Ordering::Acquire),
+            begun: self.head.begun(),
         }
     }
 }
@@ -385,7 +385,7 @@ impl Lingering {
             return;
         }
         if let Some(head) = self.head.upgrade() {
-            if head.begun.load(Ordering::Acquire) != self.begun {
+            if head.begun() != self.begun {
                 return;
             }
             head.abandoned.store(true, Ordering::Release);

@@ -41,10 +41,14 @@ impl GiveBack {
         (io, given)
     }
 
-    fn stream(&mut self) -> io::Result<Pin<&mut TcpStream>> {
-        match &mut self.stream {
-            Some(stream) => Ok(Pin::new(stream)),
-            None => Err(io::ErrorKind::NotConnected.into()),
+    /// Polls the socket with `f`, or fails if it was given back (never while hyper has it).
+    fn poll<R>(
+        self: Pin<&mut Self>,
+        f: impl FnOnce(Pin<&mut TcpStream>) -> Poll<io::Result<R>>,
+    ) -> Poll<io::Result<R>> {
+        match &mut self.get_mut().stream {
+            Some(stream) => f(Pin::new(stream)),
+            None => Poll::Ready(Err(io::ErrorKind::NotConnected.into())),
         }
     }
 }
@@ -59,56 +63,41 @@ impl Drop for GiveBack {
 
 impl AsyncRead for GiveBack {
     fn poll_read(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        match self.stream() {
-            Ok(s) => s.poll_read(cx, buf),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+        self.poll(|s| s.poll_read(cx, buf))
     }
 }
 
 impl AsyncWrite for GiveBack {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        match self.stream() {
-            Ok(s) => s.poll_write(cx, buf),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+        self.poll(|s| s.poll_write(cx, buf))
     }
 
     fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        match self.stream() {
-            Ok(s) => s.poll_write_vectored(cx, bufs),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+        self.poll(|s| s.poll_write_vectored(cx, bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
         self.stream.as_ref().is_some_and(|s| s.is_write_vectored())
     }
 
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.stream() {
-            Ok(s) => s.poll_flush(cx),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.poll(|s| s.poll_flush(cx))
     }
 
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.stream() {
-            Ok(s) => s.poll_shutdown(cx),
-            Err(e) => Poll::Ready(Err(e)),
-        }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.poll(|s| s.poll_shutdown(cx))
     }
 }
 

@@ -541,14 +541,14 @@ impl Conn {
         let (stream, mut given_back) = GiveBack::new(stream);
         let io = TokioIo::new(Counted::new(stream, Arc::clone(&head), errors));
         let requests = Arc::clone(&head);
-        let cut = |shared: &Arc<Shared>| {
+        // The grace's cut ends the connection's serving, and its lingering close after.
+        let cut_off = |shared: &Arc<Shared>| {
             let shared = Arc::clone(shared);
             async move { shared.capacity.cut_off().await }
         };
-        let (cut_now, cut_later) = (cut(&shared), cut(&shared));
+        let (cut, cut_later) = (cut_off(&shared), cut_off(&shared));
         // The drain waits for the lingering close too.
         let draining = drain.clone();
-        let cut = cut_now;
         let (result, ended) = match self.kind {
             Listener::Main => {
                 let peer = Peer::new(self.peer.ip(), |ip| shared.identify.is_trusted(ip));
@@ -624,8 +624,8 @@ enum Ended {
 /// HTTP/2 connection that does not end within [`GOODBYE`] after its header timeout is
 /// dropped, unless a request slipped in just before the `GOAWAY` (then that request finishes
 /// first). On shutdown an HTTP/1.1 connection without a request in flight closes at once, half
-/// a head or not, and an HTTP/2 one is dropped once it has been quiet (no request in flight or
-/// begun, no byte moved) for [`DRAIN_QUIET`]. Whatever it is doing, a connection that
+/// a head or not, and an HTTP/2 one is dropped once it has been quiet ([`quiet_for`]) for
+/// [`DRAIN_QUIET`]. Whatever it is doing, a connection that
 /// makes no progress on a response for the send timeout is dropped, and so is one still
 /// running, once shut down, when `cut` resolves (the shutdown grace is over).
 async fn drive<C, E>(
@@ -658,20 +658,14 @@ where
             // Draining: a busy connection finishes its requests within the shutdown grace.
             if !head.speaks_http2() {
                 if !head.is_busy() {
-                    // Idle, or holding part of a head: hyper closes an idle connection at its
-                    // next poll, but would wait the grace out for the rest of a head, which
-                    // would only become a request the drain does not take.
-                    let once =
-                        std::future::poll_fn(|cx| std::task::Poll::Ready(conn.as_mut().poll(cx)));
-                    // Either way it is closed at once: nothing was asked of it (review: idle
-                    // keep-alive clients made the exit wait for their lingering closes).
-                    match once.await {
-                        std::task::Poll::Ready(result) => return (result, Ended::Dropped),
-                        std::task::Poll::Pending if !head.is_busy() => {
-                            return (Ok(()), Ended::Dropped)
-                        }
+                    // Idle, or holding part of a head (which would only become a request the
+                    // drain does not take): closed at once, not lingering, as nothing was
+                    // asked of it (review: idle keep-alive clients made the exit wait).
+                    match poll_once(conn.as_mut()).await {
+                        Some(result) => return (result, Ended::Dropped),
+                        None if !head.is_busy() => return (Ok(()), Ended::Dropped),
                         // A head that was complete became a request: it is answered.
-                        std::task::Poll::Pending => {}
+                        None => {}
                     }
                 }
                 return (conn.await, Ended::ByItself);
@@ -696,14 +690,11 @@ where
         }
         tracing::debug!(%peer, "no request head within header_timeout: closing");
         if !head.speaks_http2() && !head.is_busy() {
-            // HTTP/1.1 has no goodbye to wait for: hyper closes an idle connection at its next
-            // poll, but would wait on one holding part of a head. Either way it ends now.
-            let once = std::future::poll_fn(|cx| std::task::Poll::Ready(conn.as_mut().poll(cx)));
-            // Nothing to deliver: no lingering for a client that sent no request in time.
-            return match once.await {
-                std::task::Poll::Ready(result) => (result, Ended::Dropped),
-                std::task::Poll::Pending => (Ok(()), Ended::Dropped),
-            };
+            // HTTP/1.1 has no goodbye to wait for, idle or holding part of a head: it ends
+            // now, and with nothing to deliver, no lingering for a client that sent no
+            // request in time.
+            let result = poll_once(conn.as_mut()).await.unwrap_or(Ok(()));
+            return (result, Ended::Dropped);
         }
         match tokio::time::timeout(GOODBYE, conn.as_mut()).await {
             Ok(result) => (result, Ended::Dropped),
@@ -725,6 +716,16 @@ where
             (Ok(()), Ended::Dropped)
         }
     }
+}
+
+/// Polls `conn` once, and its output if that ended it: hyper closes an idle HTTP/1.1
+/// connection at its next poll, but would wait on one holding part of a head.
+async fn poll_once<C: Future>(mut conn: Pin<&mut C>) -> Option<C::Output> {
+    std::future::poll_fn(|cx| match conn.as_mut().poll(cx) {
+        std::task::Poll::Ready(output) => std::task::Poll::Ready(Some(output)),
+        std::task::Poll::Pending => std::task::Poll::Ready(None),
+    })
+    .await
 }
 
 /// How long a draining HTTP/2 connection may stay silent, with no request in flight, before it
