@@ -577,7 +577,8 @@ impl Conn {
         }
         // Its socket, unless a tunnel took it (then it is closed when the tunnel ends).
         if let (Ended::ByItself, Ok(stream)) = (ended, given_back.try_recv()) {
-            Box::pin(linger(stream, self.timeouts.header, cut_later)).await;
+            let (max, flush) = (self.timeouts.header, self.timeouts.send);
+            Box::pin(linger(stream, max, flush, cut_later)).await;
         }
         drop(draining);
     }
