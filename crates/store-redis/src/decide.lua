@@ -274,6 +274,14 @@ local function decide(k, p)
         end
       else
         local index = (now - now % w) / w
+        if a > index + 1 then
+          -- Further ahead than a held request is ever charged (in the window it passes in,
+          -- within its max_delay): written under another window length (the limit's window was
+          -- changed, its name kept). Stale: it starts fresh. Read as a later window, it refused
+          -- until a date decades ahead (review: 10 s -> 20 s).
+          local ahead = select(8, unpack('<c1c1dddddd', ARGV[specs + i]))
+          if (a - index - 1) * w > ahead then a, b, c = 0, 0, 0 end
+        end
         local p, u = 0, 0
         if a == index then
           if algo == 'f' then u = b else p, u = b, c end

@@ -420,3 +420,43 @@ async fn settling_waits_for_releases_but_not_for_their_retries() {
     let settled = tokio::time::timeout(Duration::from_secs(5), store.settle()).await;
     assert!(settled.is_ok(), "the exit waited out the release's retries");
 }
+
+/// A window limit whose window was changed (same name: a restart with a new configuration, or
+/// old and new instances side by side in a rolling change) reads the state the other length
+/// wrote as stale, not as a window decades ahead. Review: 10 s -> 20 s answered every request
+/// 429 with `Retry-After: 1796179195`; 1 min -> 1 h failed every decision (a figure past 2^53).
+#[tokio::test]
+async fn a_window_written_under_another_length_reads_as_stale() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let secs = Duration::from_secs;
+    type Make = fn(&str, u32, Duration) -> sluice_limiter::Limit;
+    let cases: [(&str, Make, u64, u64); 8] = [
+        ("fixed", fixed, 20, 10),
+        ("sliding", sliding, 20, 10),
+        ("fixed", fixed, 10, 20),
+        ("fixed", fixed, 60, 3_600),
+        ("fixed", fixed, 3_600, 3_601),
+        ("sliding", sliding, 10, 20),
+        ("sliding", sliding, 60, 3_600),
+        ("sliding", sliding, 3_600, 3_601),
+    ];
+    for (i, (what, make, from, to)) in cases.into_iter().enumerate() {
+        let old = remote(&make("w", 5, secs(from)));
+        let new = remote(&make("w", 5, secs(to)));
+        let k = key(&format!("caller {i}"));
+        let case = format!("{what} {from} s -> {to} s");
+        assert!(admitted(&store, &[Layer::enforced(&old, k)]).await, "{case}");
+        let decision = store
+            .decide(&[Layer::enforced(&new, k)], 1, Mode::Charge)
+            .await
+            .unwrap_or_else(|e| panic!("{case}: {e}"));
+        let RemoteDecision::Admitted(admission) = decision else {
+            panic!("{case}: {decision:?}")
+        };
+        let report = admission.reports[0];
+        assert_eq!(report.remaining, 4, "{case}: {report:?}");
+        // Within the new window (a sliding window's one request weighs into the next).
+        assert!(report.reset.is_some_and(|t| t <= 2 * secs(to)), "{case}: {report:?}");
+    }
+}
