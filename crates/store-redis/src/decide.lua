@@ -261,6 +261,13 @@ local function decide(k, p)
       if algo == 'g' then
         local u = 0
         if a >= now then u = (a - now) * scale + b end
+        if u > quota * interval then
+          -- More debt than a full bucket is only ever left by requests held within max_delay;
+          -- beyond that it was written under other settings (the limit's rate or burst was
+          -- changed, its name kept): the caller waits at most what these would make it wait.
+          local most = quota * interval + select(8, unpack('<c1c1dddddd', ARGV[specs + i])) * scale
+          if u > most then u = most end
+        end
         L = { key, algo, dry, quota, u, blk, a, b, 0, 0, scale, interval, false, exp, at, changed }
         fits = u + cost * interval <= quota * interval
         if not fits and not refund and not dry then

@@ -460,3 +460,27 @@ async fn a_window_written_under_another_length_reads_as_stale() {
         assert!(report.reset.is_some_and(|t| t <= 2 * secs(to)), "{case}: {report:?}");
     }
 }
+
+/// A token bucket whose rate or burst was changed (same name) makes a caller wait at most what
+/// the new settings would: one spent under 1 an hour is served again within a second under 10
+/// a second, and a figure written under another scale does not read as hours of debt.
+#[tokio::test]
+async fn a_bucket_written_under_other_settings_waits_at_most_the_new_refill() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let old = remote(&bucket("tb", 1, HOUR, 1));
+    let new = remote(&bucket("tb", 10, Duration::from_secs(1), 10));
+    let k = key("caller");
+    assert!(admitted(&store, &[Layer::enforced(&old, k)]).await);
+    assert!(!admitted(&store, &[Layer::enforced(&old, k)]).await, "spent for an hour");
+    let decision = store
+        .decide(&[Layer::enforced(&new, k)], 1, Mode::Charge)
+        .await
+        .unwrap();
+    let wait = match &decision {
+        RemoteDecision::Admitted(_) => Duration::ZERO,
+        RemoteDecision::Refused(r) => r.wait.expect("a wait"),
+        other => panic!("{other:?}"),
+    };
+    assert!(wait <= Duration::from_millis(100), "{decision:?}");
+}
