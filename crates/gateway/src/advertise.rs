@@ -91,17 +91,17 @@ pub(crate) fn write(
         // The limit that refused, on a 429; else the one closest to refusing: least
         // remaining, then the longest wait. A concurrency limit only once its slots are all
         // taken: the trio reads as a quota per window, which its slots are not (review: a
-        // shipped config showed its 32 slots on every response, not the per-IP rate).
+        // shipped config showed its 32 slots on every response, not the per-IP rate). With
+        // only such limits (all with free slots), no trio (review: a lone one was sent).
         let closest = || {
             items
                 .iter()
-                .min_by_key(|(_, r)| {
-                    let free_slots = r.window.is_none() && r.remaining > 0;
-                    (free_slots, r.remaining, std::cmp::Reverse(r.reset))
-                })
-                .expect("items is not empty")
+                .filter(|(_, r)| r.window.is_some() || r.remaining == 0)
+                .min_by_key(|(_, r)| (r.remaining, std::cmp::Reverse(r.reset)))
         };
-        let (_, r) = refusing.and_then(|i| items.get(i)).unwrap_or_else(closest);
+        let Some((_, r)) = refusing.and_then(|i| items.get(i)).or_else(closest) else {
+            return;
+        };
         headers.insert(X_LIMIT.clone(), HeaderValue::from(r.quota));
         headers.insert(X_REMAINING.clone(), HeaderValue::from(r.remaining));
         // A limit with no reset time (concurrency: a slot frees when a request ends) says
@@ -270,7 +270,8 @@ mod tests {
         write(&mut h, &spent, 1, refusing, &PolicyCache::default());
         assert_eq!(h["x-ratelimit-limit"], "2");
         assert!(!h.contains_key("x-ratelimit-reset"));
-        // A concurrency limit has no reset time, spent or not: no X-RateLimit-Reset, not 0.
+        // A concurrency limit has no reset time: spent, no X-RateLimit-Reset (not 0); with a
+        // slot free, and no other limit, no trio at all.
         for (remaining, reset) in [(0, None), (1, Some(0))] {
             let mut h = HeaderMap::new();
             write(
@@ -280,7 +281,12 @@ mod tests {
                 Legacy::On { refusing: None },
                 &PolicyCache::default(),
             );
-            assert_eq!(h["x-ratelimit-remaining"], remaining.to_string().as_str());
+            let trio = (remaining == 0).then(|| remaining.to_string());
+            let sent = h
+                .get("x-ratelimit-remaining")
+                .map(|v| v.to_str().unwrap().to_owned());
+            assert_eq!(sent, trio);
+            assert_eq!(h.contains_key("x-ratelimit-limit"), remaining == 0);
             assert!(!h.contains_key("x-ratelimit-reset"));
             assert_eq!(h["ratelimit"], format!("\"c\";r={remaining}").as_str());
         }

@@ -446,7 +446,10 @@ async fn a_window_written_under_another_length_reads_as_stale() {
         let new = remote(&make("w", 5, secs(to)));
         let k = key(&format!("caller {i}"));
         let case = format!("{what} {from} s -> {to} s");
-        assert!(admitted(&store, &[Layer::enforced(&old, k)]).await, "{case}");
+        assert!(
+            admitted(&store, &[Layer::enforced(&old, k)]).await,
+            "{case}"
+        );
         let decision = store
             .decide(&[Layer::enforced(&new, k)], 1, Mode::Charge)
             .await
@@ -457,7 +460,10 @@ async fn a_window_written_under_another_length_reads_as_stale() {
         let report = admission.reports[0];
         assert_eq!(report.remaining, 4, "{case}: {report:?}");
         // Within the new window (a sliding window's one request weighs into the next).
-        assert!(report.reset.is_some_and(|t| t <= 2 * secs(to)), "{case}: {report:?}");
+        assert!(
+            report.reset.is_some_and(|t| t <= 2 * secs(to)),
+            "{case}: {report:?}"
+        );
     }
 }
 
@@ -472,7 +478,10 @@ async fn a_bucket_written_under_other_settings_waits_at_most_the_new_refill() {
     let new = remote(&bucket("tb", 10, Duration::from_secs(1), 10));
     let k = key("caller");
     assert!(admitted(&store, &[Layer::enforced(&old, k)]).await);
-    assert!(!admitted(&store, &[Layer::enforced(&old, k)]).await, "spent for an hour");
+    assert!(
+        !admitted(&store, &[Layer::enforced(&old, k)]).await,
+        "spent for an hour"
+    );
     let decision = store
         .decide(&[Layer::enforced(&new, k)], 1, Mode::Charge)
         .await
