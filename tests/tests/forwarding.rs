@@ -1491,3 +1491,47 @@ async fn an_answer_cut_short_reaches_the_client_up_to_the_cut() {
         assert!(reply.ends_with("hello"), "{reply:?}");
     }
 }
+
+/// An upstream body that reads exactly like hyper's own answer to a malformed head is
+/// forwarded as it is: the problem body that replaces hyper's answer replaced it (review: the
+/// client got ~350 bytes where 103 were declared, and the rest ran into its next response).
+#[tokio::test]
+async fn a_body_that_looks_like_a_refused_head_is_forwarded_as_it_is() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let lookalike = "HTTP/1.1 400 Bad Request\r\nconnection: close\r\ncontent-length: 0\r\n\
+                     date: Tue, 01 Dec 2026 03:46:47 GMT\r\n\r\n";
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut got = Vec::new();
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(n @ 1..) => got.extend_from_slice(&buf[..n]),
+                        _ => return,
+                    }
+                }
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n",
+                    lookalike.len()
+                );
+                s.write_all(head.as_bytes()).await.unwrap();
+                // The head goes on its way first: the body is a write of its own.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                s.write_all(lookalike.as_bytes()).await.unwrap();
+                let _ = s.read(&mut buf).await;
+            });
+        }
+    });
+    let gw = Sluice::start(&config(&url, "5s"));
+    let reply = raw_exchange(
+        gw.main,
+        b"GET /api/file HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    let (head, body) = reply.split_once("\r\n\r\n").expect("a whole answer");
+    assert!(head.starts_with("HTTP/1.1 200 "), "{reply}");
+    assert_eq!(body, lookalike, "{reply}");
+}

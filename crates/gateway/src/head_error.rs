@@ -9,9 +9,12 @@
 //!
 //! hyper's automatic answer is recognised exactly: the whole write is its status line,
 //! `connection: close`, `content-length: 0`, `date` and the blank line, in hyper's order.
-//! Nothing the gateway answers or forwards can look like it: every response it writes carries
-//! `x-request-id`, and a forwarded one never carries the upstream's `connection` header. The
-//! check costs a comparison of the first bytes of each write.
+//! No head the gateway writes can look like it (every response it writes carries
+//! `x-request-id`, and a forwarded one never carries the upstream's `connection` header), but
+//! a body can hold any bytes (review: an upstream's body reading exactly like it was
+//! replaced). So only a write between messages is looked at: no request in flight, every byte
+//! of the responses before it written, not HTTP/2 (see `Counted::swap_for`). The check costs
+//! a comparison of the first bytes of such a write.
 
 use http::StatusCode;
 

@@ -88,6 +88,12 @@ pub(crate) struct HeadTimeout {
     /// The status of hyper's automatic answer to a head it refused, once one is written
     /// (0: none): that request's access-log line, which no handler writes.
     refused: AtomicU16,
+    /// Whether every byte of the responses that ended has been written: cleared when a
+    /// response ends (hyper may still hold its last piece), set when hyper flushes the IO
+    /// with no request in flight (it does so only with its buffer empty). Only a write then
+    /// can be hyper's answer to a refused head; before, it can be a response's last piece,
+    /// which may read like one (review: such a body was replaced).
+    settled: AtomicBool,
     /// The connection's room in the gateway, until the connection ends or a tunnel takes it.
     room: Mutex<Option<Room>>,
     /// Set when an HTTP/1.1 request's upload stalled after its response (see
@@ -112,6 +118,7 @@ impl HeadTimeout {
             http2: AtomicBool::new(false),
             tunnel: AtomicBool::new(false),
             refused: AtomicU16::new(0),
+            settled: AtomicBool::new(true),
             room: Mutex::new(None),
             abandoned: AtomicBool::new(false),
             abandon_now: tokio::sync::Notify::new(),
@@ -407,6 +414,7 @@ fn request_ended(t: &HeadTimeout) {
     let now = u64::try_from(t.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
     // Before the count: whoever sees no request in flight sees this end too.
     t.idle_since.fetch_max(now, Ordering::AcqRel);
+    t.settled.store(false, Ordering::Release);
     t.in_flight.fetch_sub(1, Ordering::AcqRel);
 }
 
@@ -450,7 +458,14 @@ impl<T: AsyncWrite> Counted<T> {
     /// The problem answer to write instead of `buf`, if `buf` is one of hyper's automatic
     /// answers to a head it refused (never once a tunnel has the connection).
     fn swap_for(&self, buf: &[u8]) -> Option<Swap> {
-        if self.head.tunnel.load(Ordering::Acquire) {
+        // hyper answers a refused head on its own only between messages: with no request
+        // in flight and every byte of the ones before written, and never on HTTP/2.
+        let head = &self.head;
+        if head.tunnel.load(Ordering::Acquire)
+            || head.is_busy()
+            || !head.settled.load(Ordering::Acquire)
+            || head.speaks_http2()
+        {
             return None;
         }
         let (status, answer) = self.errors.replacement(buf)?;
@@ -585,7 +600,12 @@ impl<T: AsyncWrite> AsyncWrite for Counted<T> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.project().io.poll_flush(cx)
+        let this = self.project();
+        // hyper flushes its IO once its own buffer is empty: all it had is written.
+        if !this.head.is_busy() {
+            this.head.settled.store(true, Ordering::Release);
+        }
+        this.io.poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
