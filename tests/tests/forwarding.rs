@@ -1535,3 +1535,78 @@ async fn a_body_that_looks_like_a_refused_head_is_forwarded_as_it_is() {
     assert!(head.starts_with("HTTP/1.1 200 "), "{reply}");
     assert_eq!(body, lookalike, "{reply}");
 }
+
+/// Responses an HTTP/1.1 upstream may send, passed on in a form HTTP/2 clients accept:
+/// a repeated `Content-Length` made one, none on a `204`, no connection-specific trailer
+/// fields (review: each was a `PROTOCOL_ERROR` or a reset stream for curl over HTTP/2).
+#[tokio::test]
+async fn repeated_lengths_a_204_s_length_and_connection_trailers_do_not_break_http2() {
+    use http_body_util::BodyExt;
+    let cases: [(&'static [u8], u16, &str, Option<&str>); 4] = [
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\nhello",
+            200,
+            "hello",
+            Some("5"),
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 5, 5\r\n\r\nhello",
+            200,
+            "hello",
+            Some("5"),
+        ),
+        (
+            b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n",
+            204,
+            "",
+            None,
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\
+              x-checksum: abc\r\nkeep-alive: timeout=5\r\nconnection: keep-alive\r\n\r\n",
+            200,
+            "hello",
+            None,
+        ),
+    ];
+    for (i, (response, status, body, length)) in cases.into_iter().enumerate() {
+        let up = raw_upstream(response).await;
+        let gw = Sluice::start(&config(&format!("http://{up}"), "5s"));
+        let path = format!("case {i}");
+        let mut sender = h2_sender(gw.main).await;
+        let req = Request::get("http://x/api/file")
+            .header("te", "trailers")
+            .body(Full::<Bytes>::default())
+            .unwrap();
+        let res = sender.send_request(req).await.unwrap();
+        assert_eq!(res.status(), status, "{path}");
+        let got = res
+            .headers()
+            .get_all("content-length")
+            .iter()
+            .collect::<Vec<_>>();
+        assert_eq!(got, length.into_iter().collect::<Vec<_>>(), "{path}");
+        let collected = res
+            .into_body()
+            .collect()
+            .await
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        let trailers = collected.trailers().cloned();
+        assert_eq!(collected.to_bytes(), body, "{path}");
+        if i == 3 {
+            let trailers = trailers.expect("trailers");
+            assert_eq!(trailers["x-checksum"], "abc");
+            assert!(!trailers.contains_key("keep-alive"));
+        }
+        if i == 1 {
+            // HTTP/1.1 clients get one length too.
+            let reply = raw_exchange(
+                gw.main,
+                b"GET /api/file HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+            )
+            .await
+            .to_ascii_lowercase();
+            assert!(reply.contains("\r\ncontent-length: 5\r\n"), "{reply}");
+        }
+    }
+}

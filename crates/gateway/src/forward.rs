@@ -879,7 +879,8 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) {
         // The headers it names, other than `close` (names none), `keep-alive` (removed
         // below anyway), `host` and those in `keep` (the request was routed and counted by
         // them: the upstream must see what the gateway saw, or a caller could be counted
-        // under one key and served under another); an invalid name names nothing.
+        // under one key and served under another), and `x-request-id` (the gateway's own,
+        // which the upstream's logs are matched by: review); an invalid name names nothing.
         let named: smallvec::SmallVec<[HeaderName; 2]> = headers
             .get_all(CONNECTION)
             .iter()
@@ -887,7 +888,7 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) {
             .flat_map(|v| v.split(','))
             .map(str::trim)
             .filter(|n| {
-                !["close", "keep-alive", "host"]
+                !["close", "keep-alive", "host", "x-request-id"]
                     .iter()
                     .any(|k| n.eq_ignore_ascii_case(k))
             })
@@ -909,6 +910,39 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) {
         .collect();
     for name in rest {
         headers.remove(name);
+    }
+}
+
+/// An upstream response's `Content-Length` as the gateway passes it on: none on a `204` (RFC
+/// 9110 section 8.6: a server must not send one), and one value where the upstream repeated it
+/// (`5, 5`, or the field twice: the upstream's parser refused any that differ), as an
+/// intermediary should (same section). HTTP/2 clients refuse the response otherwise (review:
+/// curl failed with `PROTOCOL_ERROR`), and HTTP/1.1 ones got the list as sent.
+pub(crate) fn one_content_length(status: StatusCode, headers: &mut HeaderMap) {
+    use http::header::CONTENT_LENGTH;
+    if status == StatusCode::NO_CONTENT {
+        headers.remove(CONTENT_LENGTH);
+        return;
+    }
+    let mut values = headers.get_all(CONTENT_LENGTH).iter();
+    let Some(first) = values.next() else {
+        return;
+    };
+    if values.next().is_none() && !first.as_bytes().contains(&b',') {
+        return;
+    }
+    let one = first
+        .as_bytes()
+        .split(|&b| b == b',')
+        .next()
+        .unwrap_or_default();
+    match HeaderValue::from_bytes(one.trim_ascii()) {
+        Ok(one) => {
+            headers.insert(CONTENT_LENGTH, one);
+        }
+        Err(_) => {
+            headers.remove(CONTENT_LENGTH);
+        }
     }
 }
 
@@ -1013,13 +1047,28 @@ pub(crate) fn prepare_request<B>(
     // Which of the fields below the request carries, in one pass over the names without
     // hashing: most carry none, and each lookup by name hashes it.
     let (mut xff_sent, mut xfp_sent, mut spoofable) = (false, false, false);
-    let mut underscores = false;
+    let (mut underscores, mut claims) = (false, false);
     for name in headers.keys() {
         match name.as_str() {
             "x-forwarded-for" => xff_sent = true,
             "x-forwarded-proto" => xfp_sent = true,
             "x-forwarded-host" | "forwarded" | "x-real-ip" => spoofable = true,
             "x-request-id" => {}
+            "x-forwarded-ssl"
+            | "x-forwarded-scheme"
+            | "front-end-https"
+            | "x-url-scheme"
+            | "x-forwarded-port"
+            | "x-forwarded-prefix"
+            | "x-forwarded-server"
+            | "x-host"
+            | "x-client-ip"
+            | "true-client-ip"
+            | "x-cluster-client-ip"
+            | "cf-connecting-ip"
+            | "fastly-client-ip"
+            | "x-original-url"
+            | "x-rewrite-url" => claims = true,
             other => {
                 // Only a name as long as one a lookalike could spell is looked into.
                 underscores |= identity.lookalike_lengths & length_bit(other.len()) != 0
@@ -1028,7 +1077,17 @@ pub(crate) fn prepare_request<B>(
         }
     }
     if underscores {
-        drop_lookalikes(headers, &identity.names);
+        drop_lookalikes(headers, &identity.names, !peer.trusted);
+    }
+    if claims && !peer.trusted {
+        // What a proxy in front would say about the request (its scheme, port or prefix, the
+        // client's address, the URL before a rewrite), said by the caller itself: frameworks
+        // read these before or instead of X-Forwarded-Proto and X-Forwarded-For (Rack's
+        // X-Forwarded-Ssl, request-ip's X-Client-IP), and IIS or Symfony serve
+        // X-Original-URL's path instead of the one routed and counted (review).
+        for name in CLAIMS {
+            headers.remove(name);
+        }
     }
     // As bytes: a value that is not text (a client's stray byte a proxy passed on) is carried
     // on, not dropped with the chain it is part of. Only a trusted proxy's chain goes on: from
@@ -1091,9 +1150,9 @@ pub(crate) struct IdentityHeaders {
 
 impl IdentityHeaders {
     pub(crate) fn new(names: Vec<HeaderName>) -> Self {
-        let lookalike_lengths = names
-            .iter()
-            .fold(WRITTEN_LENGTHS, |m, h| m | length_bit(h.as_str().len()));
+        let lookalike_lengths = names.iter().fold(WRITTEN_LENGTHS | CLAIMS_LENGTHS, |m, h| {
+            m | length_bit(h.as_str().len())
+        });
         let underscored = names.iter().any(|h| has_underscore(h.as_str()));
         IdentityHeaders {
             names,
@@ -1102,6 +1161,36 @@ impl IdentityHeaders {
         }
     }
 }
+
+/// Fields a proxy in front writes about the request, passed on only from `trusted_proxies`.
+const CLAIMS: [&str; 15] = [
+    "x-forwarded-ssl",
+    "x-forwarded-scheme",
+    "front-end-https",
+    "x-url-scheme",
+    "x-forwarded-port",
+    "x-forwarded-prefix",
+    "x-forwarded-server",
+    "x-host",
+    "x-client-ip",
+    "true-client-ip",
+    "x-cluster-client-ip",
+    "cf-connecting-ip",
+    "fastly-client-ip",
+    "x-original-url",
+    "x-rewrite-url",
+];
+
+/// [`CLAIMS`]'s lengths, as [`length_bit`]s.
+const CLAIMS_LENGTHS: u64 = {
+    let mut mask = 0;
+    let mut i = 0;
+    while i < CLAIMS.len() {
+        mask |= length_bit(CLAIMS[i].len());
+        i += 1;
+    }
+    mask
+};
 
 /// The fields the gateway writes for the upstream.
 const WRITTEN: [&str; 5] = [
@@ -1153,9 +1242,10 @@ const fn length_bit(len: usize) -> u64 {
 /// `x-custom` when `header:x_custom` is configured. CGI-style servers (Python's WSGI servers,
 /// Rack, PHP) read both spellings as one variable (`HTTP_X_API_KEY`), so such a field would
 /// carry a key the gateway did not count by, or an address or host it did not write; nginx
-/// drops names with underscores for the same reason (`underscores_in_headers`). The names
+/// drops names with underscores for the same reason (`underscores_in_headers`). From a peer
+/// outside `trusted_proxies` ([`CLAIMS`] are dropped then), so are their spellings. The names
 /// themselves, and other names with underscores, go on as they came.
-fn drop_lookalikes(headers: &mut HeaderMap, identity: &[HeaderName]) {
+fn drop_lookalikes(headers: &mut HeaderMap, identity: &[HeaderName], untrusted: bool) {
     let fold = |b: u8| if b == b'_' { b'-' } else { b };
     let spells = |name: &str, other: &str| {
         name != other
@@ -1169,10 +1259,13 @@ fn drop_lookalikes(headers: &mut HeaderMap, identity: &[HeaderName]) {
         .keys()
         .filter(|name| {
             let name = name.as_str();
-            let real = WRITTEN.contains(&name) || identity.iter().any(|h| h.as_str() == name);
+            let real = WRITTEN.contains(&name)
+                || identity.iter().any(|h| h.as_str() == name)
+                || CLAIMS.contains(&name);
             !real
                 && (WRITTEN.iter().any(|w| spells(name, w))
-                    || identity.iter().any(|h| spells(name, h.as_str())))
+                    || identity.iter().any(|h| spells(name, h.as_str()))
+                    || untrusted && CLAIMS.iter().any(|c| spells(name, c)))
         })
         .cloned()
         .collect();
@@ -1967,6 +2060,43 @@ mod tests {
         }
         // Neighbours of `_` (0x5f) in the ASCII table are not it.
         assert!(!has_underscore("^`~^`~^`~^`~-."));
+    }
+
+    /// What a proxy in front would say about a request (scheme, client address, the URL
+    /// before a rewrite) reaches the upstream from a trusted proxy only, in either spelling;
+    /// and `Connection` cannot take the gateway's request id away (review).
+    #[test]
+    fn a_caller_cannot_claim_what_a_proxy_in_front_would_say() {
+        let build = || {
+            let mut b = Request::builder()
+                .uri("/x")
+                .header("host", "api.example.com");
+            for name in CLAIMS {
+                b = b.header(name, "claimed");
+            }
+            b.header("x_original_url", "/admin")
+                .header("x_forwarded_ssl", "on")
+                .header("x_other", "kept")
+                .header("x-request-id", "r1")
+                .header("connection", "x-request-id, close")
+                .body(())
+                .unwrap()
+        };
+        let mut req = build();
+        prepare(&mut req, peer("192.0.2.1", false), &[]);
+        let h = req.headers();
+        for name in CLAIMS.iter().chain(&["x_original_url", "x_forwarded_ssl"]) {
+            assert!(!h.contains_key(*name), "{name} from a caller");
+        }
+        assert_eq!(h["x_other"], "kept");
+        assert_eq!(h["x-request-id"], "r1");
+        let mut req = build();
+        prepare(&mut req, peer("10.0.0.1", true), &[]);
+        let h = req.headers();
+        for name in CLAIMS.iter().chain(&["x_original_url", "x_forwarded_ssl"]) {
+            assert!(h.contains_key(*name), "{name} from a trusted proxy");
+        }
+        assert_eq!(h["x-request-id"], "r1");
     }
 
     #[test]

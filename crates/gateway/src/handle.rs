@@ -19,8 +19,8 @@ use crate::advertise;
 use crate::body::Body;
 use crate::capacity::Capacity;
 use crate::forward::{
-    bad_host, prepare_request, set_upgrade, strip_hop_by_hop, unsupported_coding, upgrade_protocol,
-    IdentityHeaders, Peer, UploadTail, UpstreamClient,
+    bad_host, one_content_length, prepare_request, set_upgrade, strip_hop_by_hop,
+    unsupported_coding, upgrade_protocol, IdentityHeaders, Peer, UploadTail, UpstreamClient,
 };
 use crate::head_error::HeadErrors;
 use crate::head_timeout::Busy;
@@ -381,6 +381,7 @@ pub(crate) async fn handle(
                                 http::Version::HTTP_11
                             };
                             strip_hop_by_hop(&mut parts.headers, &[]);
+                            one_content_length(parts.status, &mut parts.headers);
                             // RateLimit-Policy, RateLimit, X-Request-Id: one growth at most.
                             parts.headers.reserve(3);
                             let timeout = shared.upstreams[*u].timeout();
