@@ -913,6 +913,32 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) {
     }
 }
 
+/// `Max-Forwards` on a `TRACE` or `OPTIONS` (RFC 9110 section 7.6.2): decremented on its
+/// way through, and at 0 the request goes no further: the gateway answers it as its final
+/// recipient (`true`). A value that is not a number is passed on as it came.
+pub(crate) fn max_forwards_spent<B>(req: &mut Request<B>) -> bool {
+    use http::header::MAX_FORWARDS;
+    if !matches!(*req.method(), Method::OPTIONS | Method::TRACE) {
+        return false;
+    }
+    let Some(value) = req.headers().get(MAX_FORWARDS) else {
+        return false;
+    };
+    match value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+    {
+        Some(0) => true,
+        Some(n) => {
+            req.headers_mut()
+                .insert(MAX_FORWARDS, HeaderValue::from(n - 1));
+            false
+        }
+        None => false,
+    }
+}
+
 /// An upstream response's `Content-Length` as the gateway passes it on: none on a `204` (RFC
 /// 9110 section 8.6: a server must not send one), and one value where the upstream repeated it
 /// (`5, 5`, or the field twice: the upstream's parser refused any that differ), as an
@@ -1043,6 +1069,7 @@ pub(crate) fn prepare_request<B>(
             req.headers_mut().insert(HOST, host);
         }
     }
+    let version = req.version();
     let headers = req.headers_mut();
     // Which of the fields below the request carries, in one pass over the names without
     // hashing: most carry none, and each lookup by name hashes it.
@@ -1115,6 +1142,9 @@ pub(crate) fn prepare_request<B>(
     if !(peer.trusted && xfp_sent) {
         headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
     }
+    // A gateway says it was on the way (RFC 9110 section 7.6.3), after any `Via` before it:
+    // the protocol it received the request in, and its name.
+    headers.append(http::header::VIA, via(version));
     if !peer.trusted && spoofable {
         // A caller's own word on the host (`X-Forwarded-Host`, `Forwarded: host=`) would have
         // an upstream that believes it (Rails, Django, Express behind a proxy) serve another
@@ -1135,6 +1165,15 @@ pub(crate) fn prepare_request<B>(
 }
 
 static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
+
+/// The `Via` entry for a request received in `version`.
+fn via(version: http::Version) -> HeaderValue {
+    HeaderValue::from_static(match version {
+        http::Version::HTTP_2 => "2 sluice",
+        http::Version::HTTP_10 => "1.0 sluice",
+        _ => "1.1 sluice",
+    })
+}
 
 /// The headers callers are identified and counted by (a `Connection` header cannot remove
 /// them, and their lookalikes are dropped), with what looking for lookalikes needs, worked
@@ -2004,6 +2043,7 @@ mod tests {
                 [
                     "host",
                     "my_header",
+                    "via",
                     "x-forwarded-for",
                     "x-forwarded-proto",
                     "x_api_keys"
@@ -2097,6 +2137,52 @@ mod tests {
             assert!(h.contains_key(*name), "{name} from a trusted proxy");
         }
         assert_eq!(h["x-request-id"], "r1");
+    }
+
+    /// RFC 9110 section 7.6.2: `Max-Forwards` counts down on `TRACE` and `OPTIONS` only, and
+    /// at 0 the request stops here; section 7.6.3: the gateway adds itself to `Via`.
+    #[test]
+    fn max_forwards_counts_down_and_via_names_the_gateway() {
+        let request = |method: Method, max: &str| {
+            Request::builder()
+                .method(method)
+                .uri("/x")
+                .header("max-forwards", max)
+                .body(())
+                .unwrap()
+        };
+        for method in [Method::OPTIONS, Method::TRACE] {
+            assert!(max_forwards_spent(&mut request(method.clone(), "0")));
+            let mut req = request(method.clone(), " 3 ");
+            assert!(!max_forwards_spent(&mut req));
+            assert_eq!(req.headers()["max-forwards"], "2");
+            let mut req = request(method, "x");
+            assert!(!max_forwards_spent(&mut req));
+            assert_eq!(
+                req.headers()["max-forwards"],
+                "x",
+                "not a number: as it came"
+            );
+        }
+        let mut req = request(Method::GET, "0");
+        assert!(!max_forwards_spent(&mut req), "GET is not counted");
+        assert_eq!(req.headers()["max-forwards"], "0");
+
+        for (version, via) in [
+            (http::Version::HTTP_11, "1.1 sluice"),
+            (http::Version::HTTP_2, "2 sluice"),
+            (http::Version::HTTP_10, "1.0 sluice"),
+        ] {
+            let mut req = Request::builder()
+                .version(version)
+                .uri("http://api.example.com/x")
+                .header("via", "1.1 edge")
+                .body(())
+                .unwrap();
+            prepare(&mut req, peer("192.0.2.1", false), &[]);
+            let all: Vec<_> = req.headers().get_all("via").iter().collect();
+            assert_eq!(all, ["1.1 edge", via]);
+        }
     }
 
     #[test]

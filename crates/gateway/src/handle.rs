@@ -19,8 +19,9 @@ use crate::advertise;
 use crate::body::Body;
 use crate::capacity::Capacity;
 use crate::forward::{
-    bad_host, one_content_length, prepare_request, set_upgrade, strip_hop_by_hop,
-    unsupported_coding, upgrade_protocol, IdentityHeaders, Peer, UploadTail, UpstreamClient,
+    bad_host, max_forwards_spent, one_content_length, prepare_request, set_upgrade,
+    strip_hop_by_hop, unsupported_coding, upgrade_protocol, IdentityHeaders, Peer, UploadTail,
+    UpstreamClient,
 };
 use crate::head_error::HeadErrors;
 use crate::head_timeout::Busy;
@@ -310,6 +311,13 @@ pub(crate) async fn handle(
             };
             let mut res = match &route.action {
                 RouteAction::Respond(r) => respond(r),
+                RouteAction::Upstream(_) if max_forwards_spent(&mut req) => {
+                    if req.method() == http::Method::TRACE {
+                        Problem::trace_not_reflected().into_response(&shared.problem_base)
+                    } else {
+                        plain(StatusCode::OK, "")
+                    }
+                }
                 RouteAction::Upstream(u) => {
                     let upgrade = upgrade_protocol(&req);
                     let client_side = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));

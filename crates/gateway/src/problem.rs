@@ -81,6 +81,18 @@ impl Problem {
         )
     }
 
+    /// 405 for a `TRACE` whose `Max-Forwards` is spent: the gateway is then its final
+    /// recipient (RFC 9110 section 7.6.2), and does not reflect requests (their cookies and
+    /// credentials would come back to a script that sent them).
+    pub(crate) fn trace_not_reflected() -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method-not-allowed",
+            "The method is not allowed",
+            "Max-Forwards is 0 and this gateway does not reflect TRACE requests.",
+        )
+    }
+
     pub(crate) fn bad_request(detail: impl Into<String>) -> Self {
         Self::new(
             StatusCode::BAD_REQUEST,
