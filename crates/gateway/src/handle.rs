@@ -161,9 +161,9 @@ pub(crate) async fn handle(
     // on a kept-alive connection a later head up to about twice that gets through. (HTTP/2's
     // header lists are held to it by the h2 layer.)
     let head_too_large = !http2 && head_bytes(&req) > MAX_HEAD_BYTES;
-    // Room for what the walk adds (X-Request-Id, X-Forwarded-For, X-Forwarded-Proto) at once:
-    // hyper sizes the map for the headers it parsed, and each growth rehashes it.
-    req.headers_mut().reserve(3);
+    // Room for what the walk adds (X-Request-Id, X-Forwarded-For, X-Forwarded-Proto, Via) at
+    // once: hyper sizes the map for the headers it parsed, and each growth rehashes it.
+    req.headers_mut().reserve(4);
     let request_id = shared.ids.ensure(req.headers_mut());
     let mut log = AccessLog::start(&req, peer.ip, &request_id);
     log.watch_cut(&shared.capacity);
