@@ -795,15 +795,27 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
             }
         }
     };
-    let result = result.and_then(|(replies, resent)| Ok((unpack_all(&replies, sent)?, resent)));
+    let result = result.and_then(|(replies, resent)| {
+        if replies.len() == sent {
+            Ok((replies, resent))
+        } else {
+            let got = replies.len();
+            Err(StoreError::Reply(format!(
+                "{got} replies for {sent} requests"
+            )))
+        }
+    });
     if result.is_ok() {
         link.answered();
     }
     match result {
         Ok((replies, resent)) => {
+            // Each request's reply read alone: one that does not parse (a key holding a state
+            // nothing of sluice's wrote) fails its request, not the others of the call, which
+            // Redis decided and charged.
             for (slot, reply) in waiting.into_iter().zip(replies) {
                 if let Some(call) = slot {
-                    let _ = call.reply.send(Ok((reply, resent)));
+                    let _ = call.reply.send(script::unpack(&reply).map(|r| (r, resent)));
                 }
             }
         }
@@ -813,17 +825,6 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
             }
         }
     }
-}
-
-/// The figures of each of the `sent` requests of a call, from its replies.
-fn unpack_all(replies: &[Vec<u8>], sent: usize) -> Result<Vec<Vec<i64>>, StoreError> {
-    if replies.len() != sent {
-        let got = replies.len();
-        return Err(StoreError::Reply(format!(
-            "{got} replies for {sent} requests"
-        )));
-    }
-    replies.iter().map(|r| script::unpack(r)).collect()
 }
 
 /// Runs `cmd` (an `EVALSHA`), loading the script again if Redis lost it (`NOSCRIPT`, e.g.

@@ -262,3 +262,43 @@ async fn a_request_whose_key_redis_cannot_read_fails_alone_and_writes_nothing() 
     assert_eq!(leases, 1);
     drop(results);
 }
+
+/// A key holding a state nothing of sluice's wrote (here a count of a half) fails its own
+/// request, not the others decided in the same call: Redis charged those.
+#[tokio::test]
+async fn a_reply_that_does_not_parse_fails_its_request_alone() {
+    let server = RedisServer::start();
+    let store: RedisStore = server.store().await;
+    let limit = remote(&fixed("f", 100, SECOND));
+    let mut admin = server.admin().await;
+    let name = limit.key_name(key("odd"));
+    // This window's index (at(0), one-second windows) and a count of a half.
+    let mut state = vec![0u8];
+    for field in [(T0.0 / SEC) as f64, 0.5, 0.0, 0.0] {
+        state.extend_from_slice(&field.to_le_bytes());
+    }
+    let _: () = redis::cmd("SET")
+        .arg(&name)
+        .arg(state)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let (good, odd) = (
+        [Layer::enforced(&limit, key("good"))],
+        [Layer::enforced(&limit, key("odd"))],
+    );
+    let mut requests = Vec::new();
+    for i in 0..4 {
+        let layers: &[Layer<'_>] = if i == 2 { &odd } else { &good };
+        requests.push(Box::pin(store.decide_at(layers, 1, Mode::Charge, at(0))));
+    }
+    let results = futures_join_all(requests).await;
+    assert_eq!(server.calls("evalsha"), 1, "one call");
+    for (i, r) in results.iter().enumerate() {
+        match (i, r) {
+            (2, r) => assert!(matches!(r, Err(StoreError::Reply(_))), "{r:?}"),
+            (_, Ok(d)) => assert!(d.is_admitted(), "request {i}: {d:?}"),
+            (_, Err(e)) => panic!("request {i} failed with its neighbour: {e}"),
+        }
+    }
+}
