@@ -219,9 +219,11 @@ window = "1m"
     assert_eq!(keys.lines().count(), 3, "one key per limit: {keys}");
     assert!(
         !keys.contains("\"k\"")
-            && keys
-                .lines()
-                .all(|k| k.len() == "sluice:".len() + k.split(':').nth(1).unwrap().len() + 1 + 32),
+            && keys.lines().all(|k| {
+                // sluice:<limit>:<shape>:<32 hex digits>
+                let parts: Vec<&str> = k.split(':').collect();
+                parts.len() == 4 && parts[0] == "sluice" && parts[3].len() == 32
+            }),
         "{keys}"
     );
     for key in keys.lines() {

@@ -261,13 +261,6 @@ local function decide(k, p)
       if algo == 'g' then
         local u = 0
         if a >= now then u = (a - now) * scale + b end
-        if u > quota * interval then
-          -- More debt than a full bucket is only ever left by requests held within max_delay;
-          -- beyond that it was written under other settings (the limit's rate or burst was
-          -- changed, its name kept): the caller waits at most what these would make it wait.
-          local most = quota * interval + select(8, unpack('<c1c1dddddd', ARGV[specs + i])) * scale
-          if u > most then u = most end
-        end
         L = { key, algo, dry, quota, u, blk, a, b, 0, 0, scale, interval, false, exp, at, changed }
         fits = u + cost * interval <= quota * interval
         if not fits and not refund and not dry then
@@ -281,14 +274,6 @@ local function decide(k, p)
         end
       else
         local index = (now - now % w) / w
-        if a > index + 1 then
-          -- Further ahead than a held request is ever charged (in the window it passes in,
-          -- within its max_delay): written under another window length (the limit's window was
-          -- changed, its name kept). Stale: it starts fresh. Read as a later window, it refused
-          -- until a date decades ahead (review: 10 s -> 20 s).
-          local ahead = select(8, unpack('<c1c1dddddd', ARGV[specs + i]))
-          if (a - index - 1) * w > ahead then a, b, c = 0, 0, 0 end
-        end
         local p, u = 0, 0
         if a == index then
           if algo == 'f' then u = b else p, u = b, c end

@@ -36,7 +36,7 @@ pub enum LimitTooLarge {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RemoteLimit {
     limit: Limit,
-    /// Key prefix: `sluice:<name>:`.
+    /// Key prefix: `sluice:<name>:<shape>:`.
     prefix: String,
     pub(crate) code: &'static str,
     /// GCRA: units per microsecond, emission interval in units, bucket size.
@@ -132,9 +132,20 @@ impl RemoteLimit {
             None => 0,
         };
         let rest = [scale, interval, block_us, ahead_us];
+        // What a state under this limit's key means: a window's index counts windows of this
+        // length, a bucket's time is this rate's and burst's. A limit whose algorithm, window,
+        // rate or burst changes (its name kept) counts in keys of its own from then on, rather
+        // than read what another meaning wrote (review: a window read under another length
+        // refused for decades, or, read as stale, let a rolling change admit without limit).
+        let shape = match limit.algorithm() {
+            Algorithm::TokenBucket { burst } => format!("tb.{quota}.{window_us}.{burst}"),
+            Algorithm::FixedWindow => format!("fw.{window_us}"),
+            Algorithm::SlidingWindow => format!("sw.{window_us}"),
+            Algorithm::Concurrency => "cc".to_owned(),
+        };
         Ok(RemoteLimit {
             limit: limit.clone(),
-            prefix: format!("sluice:{name}:"),
+            prefix: format!("sluice:{name}:{shape}:"),
             code,
             scale,
             interval,
@@ -148,8 +159,10 @@ impl RemoteLimit {
         &self.limit
     }
 
-    /// The name of `key`'s entry under this limit in Redis: `sluice:<limit name>:<32 hex
-    /// digits of the keyed hash>`, so raw identities never reach Redis.
+    /// The name of `key`'s entry under this limit in Redis: `sluice:<limit name>:<shape>:<32
+    /// hex digits of the keyed hash>`, so raw identities never reach Redis. The shape is the
+    /// algorithm and what gives its state a meaning: `fw.<window in us>`, `sw.<window in us>`,
+    /// `tb.<quota>.<window in us>.<burst>`, or `cc`.
     pub fn key_name(&self, key: Key) -> String {
         let mut out = Vec::with_capacity(self.prefix.len() + 32);
         self.push_key_name(&mut out, key);
@@ -222,13 +235,57 @@ mod tests {
         );
         let remote = RemoteLimit::new(&limit.unwrap()).unwrap();
         let name = remote.key_name(key);
-        assert!(name.starts_with("sluice:per-ip:"));
-        assert_eq!(name.len(), "sluice:per-ip:".len() + 32);
+        let prefix = "sluice:per-ip:fw.1000000:";
+        assert!(name.starts_with(prefix));
+        assert_eq!(name.len(), prefix.len() + 32);
         assert!(!name.contains("api-key"));
         // The hash's bytes in order, two lower-case hex digits each: names are shared with
         // other instances and earlier versions, so they must not change.
         let hex: String = key.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(name, format!("sluice:per-ip:{hex}"));
+        assert_eq!(name, format!("{prefix}{hex}"));
+    }
+
+    /// What gives a state its meaning is in its key's name: a change of algorithm, window,
+    /// rate or burst counts in keys of its own; a change of quota (windows, concurrency),
+    /// `block_for` or `max_delay` keeps the counts.
+    #[test]
+    fn key_names_change_with_what_a_state_means() {
+        let key = KeyHasher::with_secret(b"s").key(&[b"k"]);
+        let second = Duration::from_secs(1);
+        let name = |algorithm, quota, window| {
+            let limit = Limit::new("l", algorithm, nz(quota), window).unwrap();
+            let prefix = RemoteLimit::new(&limit).unwrap().key_name(key);
+            prefix[..prefix.len() - 32].to_owned()
+        };
+        let bucket = |burst| Algorithm::TokenBucket { burst: nz(burst) };
+        assert_eq!(
+            name(Algorithm::FixedWindow, 5, second),
+            "sluice:l:fw.1000000:"
+        );
+        assert_eq!(
+            name(Algorithm::FixedWindow, 9, second),
+            "sluice:l:fw.1000000:"
+        );
+        assert_eq!(
+            name(Algorithm::FixedWindow, 5, 2 * second),
+            "sluice:l:fw.2000000:"
+        );
+        assert_eq!(
+            name(Algorithm::SlidingWindow, 5, second),
+            "sluice:l:sw.1000000:"
+        );
+        assert_eq!(name(bucket(5), 5, second), "sluice:l:tb.5.1000000.5:");
+        assert_eq!(name(bucket(9), 5, second), "sluice:l:tb.5.1000000.9:");
+        assert_eq!(name(Algorithm::Concurrency, 5, second), "sluice:l:cc:");
+        assert_eq!(name(Algorithm::Concurrency, 9, second), "sluice:l:cc:");
+        let delayed = Limit::new("l", Algorithm::FixedWindow, nz(5), second)
+            .unwrap()
+            .with_max_delay(3 * second)
+            .unwrap()
+            .with_block_for(60 * second)
+            .unwrap();
+        let held = RemoteLimit::new(&delayed).unwrap().key_name(key);
+        assert_eq!(held[..held.len() - 32], *"sluice:l:fw.1000000:");
     }
 
     #[test]
