@@ -1610,3 +1610,37 @@ async fn repeated_lengths_a_204_s_length_and_connection_trailers_do_not_break_ht
         }
     }
 }
+
+/// A malformed head that arrives with the last bytes of an upload its upstream answered
+/// before reading still gets a problem body: the upload's end (in another task, after the
+/// response was written) does not count as a response whose last piece may be unwritten
+/// (review: hyper's bare 400 went out, with no access-log line).
+#[tokio::test]
+async fn a_malformed_head_behind_an_upload_answered_early_gets_a_problem_body() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let mut s = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    s.write_all(b"POST /api/early HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n12345")
+        .await
+        .unwrap();
+    // The early answer, whole, before the rest of the upload.
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&reply).contains("\r\n\r\nok") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("the early answer")
+            .unwrap();
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&reply));
+        reply.extend_from_slice(&buf[..n]);
+    }
+    s.write_all(b"67890GET /bad path HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(rest.starts_with("HTTP/1.1 400 "), "{rest}");
+    assert!(rest.contains("/problems/bad-request"), "{rest}");
+}

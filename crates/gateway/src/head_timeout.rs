@@ -65,6 +65,9 @@ pub(crate) struct HeadTimeout {
     start: Instant,
     /// Requests whose heads have arrived and whose responses have not ended.
     in_flight: AtomicUsize,
+    /// Of those, the ones whose responses are still being made ([`Busy`]s: not an upload
+    /// that outlived its response, [`Lingering`]).
+    responding: AtomicUsize,
     /// Request heads that have arrived in all.
     begun: AtomicU64,
     /// When the last response ended, in nanoseconds after `start` (0: none yet).
@@ -90,9 +93,10 @@ pub(crate) struct HeadTimeout {
     refused: AtomicU16,
     /// Whether every byte of the responses that ended has been written: cleared when a
     /// response ends (hyper may still hold its last piece), set when hyper flushes the IO
-    /// with no request in flight (it does so only with its buffer empty). Only a write then
-    /// can be hyper's answer to a refused head; before, it can be a response's last piece,
-    /// which may read like one (review: such a body was replaced).
+    /// with no response being made (it does so only with its buffer empty). Only a write
+    /// then can be hyper's answer to a refused head; before, it can be a response's last
+    /// piece, which may read like one (review: such a body was replaced). An upload that
+    /// outlived its response writes nothing: it neither clears this nor keeps it unset.
     settled: AtomicBool,
     /// The connection's room in the gateway, until the connection ends or a tunnel takes it.
     room: Mutex<Option<Room>>,
@@ -109,6 +113,7 @@ impl HeadTimeout {
             send: timeouts.send,
             start: Instant::now(),
             in_flight: AtomicUsize::new(0),
+            responding: AtomicUsize::new(0),
             begun: AtomicU64::new(0),
             idle_since: AtomicU64::new(0),
             sending: AtomicUsize::new(0),
@@ -135,6 +140,7 @@ impl HeadTimeout {
     /// (when the response ends, or the request is abandoned).
     pub(crate) fn begin(self: &Arc<Self>) -> Busy {
         self.in_flight.fetch_add(1, Ordering::AcqRel);
+        self.responding.fetch_add(1, Ordering::AcqRel);
         self.begun.fetch_add(1, Ordering::AcqRel);
         Busy {
             head: Arc::clone(self),
@@ -367,6 +373,9 @@ impl Busy {
 impl Drop for Busy {
     fn drop(&mut self) {
         self.waiting();
+        // Its response ended: hyper may still hold its last piece.
+        self.head.settled.store(false, Ordering::Release);
+        self.head.responding.fetch_sub(1, Ordering::AcqRel);
         request_ended(&self.head);
     }
 }
@@ -414,7 +423,6 @@ fn request_ended(t: &HeadTimeout) {
     let now = u64::try_from(t.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
     // Before the count: whoever sees no request in flight sees this end too.
     t.idle_since.fetch_max(now, Ordering::AcqRel);
-    t.settled.store(false, Ordering::Release);
     t.in_flight.fetch_sub(1, Ordering::AcqRel);
 }
 
@@ -458,11 +466,11 @@ impl<T: AsyncWrite> Counted<T> {
     /// The problem answer to write instead of `buf`, if `buf` is one of hyper's automatic
     /// answers to a head it refused (never once a tunnel has the connection).
     fn swap_for(&self, buf: &[u8]) -> Option<Swap> {
-        // hyper answers a refused head on its own only between messages: with no request
-        // in flight and every byte of the ones before written, and never on HTTP/2.
+        // hyper answers a refused head on its own only between messages: with no response
+        // being made and every byte of the ones before written, and never on HTTP/2.
         let head = &self.head;
         if head.tunnel.load(Ordering::Acquire)
-            || head.is_busy()
+            || head.responding.load(Ordering::Acquire) > 0
             || !head.settled.load(Ordering::Acquire)
             || head.speaks_http2()
         {
@@ -602,7 +610,7 @@ impl<T: AsyncWrite> AsyncWrite for Counted<T> {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.project();
         // hyper flushes its IO once its own buffer is empty: all it had is written.
-        if !this.head.is_busy() {
+        if this.head.responding.load(Ordering::Acquire) == 0 {
             this.head.settled.store(true, Ordering::Release);
         }
         this.io.poll_flush(cx)
