@@ -1563,7 +1563,8 @@ async fn repeated_lengths_a_204_s_length_and_connection_trailers_do_not_break_ht
         ),
         (
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\
-              x-checksum: abc\r\nkeep-alive: timeout=5\r\nconnection: keep-alive\r\n\r\n",
+              x-checksum: abc\r\nkeep-alive: timeout=5\r\nconnection: keep-alive\r\n\
+              content-length: 9\r\n\r\n",
             200,
             "hello",
             None,
@@ -1597,6 +1598,7 @@ async fn repeated_lengths_a_204_s_length_and_connection_trailers_do_not_break_ht
             let trailers = trailers.expect("trailers");
             assert_eq!(trailers["x-checksum"], "abc");
             assert!(!trailers.contains_key("keep-alive"));
+            assert!(!trailers.contains_key("content-length"));
         }
         if i == 1 {
             // HTTP/1.1 clients get one length too.

@@ -235,11 +235,20 @@ impl http_body::Body for Body {
                             Poll::Ready(Some(Ok(Frame::data(data))))
                         }
                         // Trailers are a message's fields too: no connection-specific ones
-                        // (RFC 9110 section 7.6.1; HTTP/2 clients reset the stream for them,
-                        // review: the body was lost).
+                        // (RFC 9110 section 7.6.1), nor framing ones (section 6.5.1); HTTP/2
+                        // clients reset the stream for either (review: the body was lost).
                         Some(Ok(f)) if f.is_trailers() => {
                             let mut fields = f.into_trailers().unwrap_or_default();
                             crate::forward::strip_hop_by_hop(&mut fields, &[]);
+                            for name in [
+                                http::header::CONTENT_LENGTH,
+                                http::header::CONTENT_ENCODING,
+                                http::header::CONTENT_TYPE,
+                                http::header::CONTENT_RANGE,
+                                http::header::HOST,
+                            ] {
+                                fields.remove(name);
+                            }
                             Poll::Ready(Some(Ok(Frame::trailers(fields))))
                         }
                         frame => Poll::Ready(frame.map(|f| f.map_err(BodyError::Upstream))),

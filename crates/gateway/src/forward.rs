@@ -1095,7 +1095,13 @@ pub(crate) fn prepare_request<B>(
             | "cf-connecting-ip"
             | "fastly-client-ip"
             | "x-original-url"
-            | "x-rewrite-url" => claims = true,
+            | "x-rewrite-url"
+            | "x-scheme"
+            | "x-forwarded-protocol"
+            | "client-ip"
+            | "x-original-host"
+            | "x-forwarded-uri"
+            | "x-original-uri" => claims = true,
             other => {
                 // Only a name as long as one a lookalike could spell is looked into.
                 underscores |= identity.lookalike_lengths & length_bit(other.len()) != 0
@@ -1202,7 +1208,7 @@ impl IdentityHeaders {
 }
 
 /// Fields a proxy in front writes about the request, passed on only from `trusted_proxies`.
-const CLAIMS: [&str; 15] = [
+const CLAIMS: [&str; 21] = [
     "x-forwarded-ssl",
     "x-forwarded-scheme",
     "front-end-https",
@@ -1218,6 +1224,12 @@ const CLAIMS: [&str; 15] = [
     "fastly-client-ip",
     "x-original-url",
     "x-rewrite-url",
+    "x-scheme",
+    "x-forwarded-protocol",
+    "client-ip",
+    "x-original-host",
+    "x-forwarded-uri",
+    "x-original-uri",
 ];
 
 /// [`CLAIMS`]'s lengths, as [`length_bit`]s.
