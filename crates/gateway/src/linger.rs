@@ -104,7 +104,14 @@ impl AsyncWrite for GiveBack {
         self.poll(|s| s.poll_flush(cx))
     }
 
+    /// Not done while the connection's task waits to take the socket back: its lingering
+    /// close shuts the socket down once it has sent all it holds, and a FIN queued now would
+    /// make that wait see nothing left to wait for (review: hyper and h2 shut the socket down
+    /// as they end, so the wait never happened). A tunnel's shutdowns, later, go through.
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.back.as_ref().is_some_and(|back| !back.is_closed()) {
+            return Poll::Ready(Ok(()));
+        }
         self.poll(|s| s.poll_shutdown(cx))
     }
 }
@@ -291,8 +298,13 @@ mod tests {
         let listener = listening.listen(8).unwrap();
         let addr = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {
-            let (mut stream, _) = listener.accept().await.unwrap();
-            stream.write_all(&vec![7u8; size]).await.unwrap();
+            let (stream, _) = listener.accept().await.unwrap();
+            // As a connection ends: hyper writes, shuts down, drops its IO.
+            let (mut io, given) = GiveBack::new(stream);
+            io.write_all(&vec![7u8; size]).await.unwrap();
+            io.shutdown().await.unwrap();
+            drop(io);
+            let stream = given.await.expect("given back on drop");
             linger(
                 stream,
                 Duration::from_secs(10),
