@@ -211,7 +211,7 @@ local function decide(k, p)
   local layers, has_dry = { false, false, false, false }, false -- room for four, as `out` below
   local cap_e, cap_d, fit_e, fit_d = nil, nil, true, true
   for i = 1, n do
-    local algo, dry, quota, w, scale, interval = unpack('<c1c1dddd', ARGV[specs + i])
+    local algo, dry, quota, w, scale, interval, block = unpack('<c1c1ddddd', ARGV[specs + i])
     -- fits: whether `cost` fits now, as figures(L, cost) would say with a zero wait (written
     -- out here, per algorithm, as it is needed for every layer).
     local key, L, fits = KEYS[k + i], nil, false
@@ -257,6 +257,14 @@ local function decide(k, p)
           end
         end
         prev = true
+      end
+      -- A block lasts at most this limit's block_for from now: one set under a longer
+      -- block_for, or before block_for was removed, is cut to it, and kept cut (written: cut
+      -- again at each request, it would slide on with a caller who keeps trying). Review:
+      -- removing block_for left callers refused for the old hour.
+      if blk > now + block then
+        blk = now + block
+        if write then at, changed = now, true end
       end
       if algo == 'g' then
         local u = 0

@@ -527,3 +527,55 @@ async fn what_was_charged_ahead_counts_under_a_shorter_max_delay() {
         .unwrap();
     assert!(d.is_admitted(), "{d:?}");
 }
+
+/// A block set under a longer `block_for` lasts at most the limit's `block_for` now: removing
+/// or shortening it lifts blocks already in place (review: callers stayed refused for the old
+/// hour, `Retry-After: 3589`, after `block_for` was removed).
+#[tokio::test]
+async fn a_block_lasts_at_most_the_block_for_in_force() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let ten = Duration::from_secs(10);
+    let blocking = remote(&fixed("b", 2, ten).with_block_for(HOUR).unwrap());
+    let shorter = remote(
+        &fixed("b", 2, ten)
+            .with_block_for(Duration::from_secs(5))
+            .unwrap(),
+    );
+    let none = remote(&fixed("b", 2, ten));
+    for (i, (after, most)) in [(&none, ten), (&shorter, ten)].into_iter().enumerate() {
+        let k = key(&format!("caller {i}"));
+        let layers = [Layer::enforced(&blocking, k)];
+        for _ in 0..2 {
+            assert!(store
+                .decide_at(&layers, 1, Mode::Charge, at(0))
+                .await
+                .unwrap()
+                .is_admitted());
+        }
+        let RemoteDecision::Refused(r) = store
+            .decide_at(&layers, 1, Mode::Charge, at(0))
+            .await
+            .unwrap()
+        else {
+            panic!("the third is refused and blocks")
+        };
+        assert!(r.wait.unwrap() > ten, "blocked for the hour: {r:?}");
+        // Under the new setting, only the window's own wait is left (the window is spent).
+        let later = [Layer::enforced(after, k)];
+        let RemoteDecision::Refused(r) = store
+            .decide_at(&later, 1, Mode::Charge, at(1_000_000))
+            .await
+            .unwrap()
+        else {
+            panic!("the window is still spent")
+        };
+        assert!(r.wait.unwrap() <= most, "case {i}: {r:?}");
+        // And in the next window, admitted.
+        let next = store
+            .decide_at(&later, 1, Mode::Charge, at(10_000_000))
+            .await
+            .unwrap();
+        assert!(next.is_admitted(), "case {i}: {next:?}");
+    }
+}
