@@ -209,6 +209,25 @@ fn a_password_is_not_repeated_in_an_error() {
         ),
         "{e:?}"
     );
+    // The client decodes percent-escapes: a `%` that starts none, or escapes that decode to
+    // no text, are refused here rather than when sluice runs (review).
+    for (url, problem) in [
+        (
+            "redis://u:p%zz@h",
+            "that starts no escape (a '%' is written %25)",
+        ),
+        (
+            "redis://u:p%@h",
+            "that starts no escape (a '%' is written %25)",
+        ),
+        ("redis://u:p%FF@h", "decode to bytes that are not UTF-8"),
+    ] {
+        let e = errors(&format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n"));
+        assert!(e[0].ends_with(problem), "{url}: {e:?}");
+        assert!(!e[0].contains("p%"), "the password is not shown: {e:?}");
+    }
+    let ok = "[store]\nkind = \"redis\"\nurl = \"redis://u:%E2%82%AC%25@h\"\n";
+    assert!(parse(ok, Path::new("c.toml")).is_ok());
 }
 
 #[test]

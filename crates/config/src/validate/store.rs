@@ -208,6 +208,12 @@ fn redis_url_problem(rest: &str) -> Option<&'static str> {
             "has a space or control character in its user or password (percent-encode it)",
         );
     }
+    // The client percent-decodes the user and password: a `%` not starting an escape would
+    // be refused when sluice runs, and one that does is read as the character it encodes
+    // (review: `check` passed both).
+    if let Some(problem) = userinfo.and_then(percent_problem) {
+        return Some(problem);
+    }
     let (host, port) = split_port(host_port);
     let written = if host_port.starts_with('[') {
         format!("[{host}]")
@@ -225,6 +231,42 @@ fn redis_url_problem(rest: &str) -> Option<&'static str> {
     } else {
         None
     }
+}
+
+/// What is wrong with a URL's percent-encoded user and password, if anything: a `%` must
+/// start an escape of two hex digits (a literal `%` is `%25`), and what they decode to must
+/// be UTF-8.
+fn percent_problem(userinfo: &str) -> Option<&'static str> {
+    let bytes = userinfo.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok());
+            match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                Some(b) if hex.is_some_and(|h| h.bytes().all(|c| c.is_ascii_hexdigit())) => {
+                    decoded.push(b);
+                    i += 3;
+                }
+                _ => {
+                    return Some(
+                        "has a '%' in its user or password that starts no escape (a '%' is written %25)",
+                    )
+                }
+            }
+        } else {
+            decoded.push(bytes[i]);
+            i += 1;
+        }
+    }
+    if std::str::from_utf8(&decoded).is_err() {
+        return Some(
+            "has a user or password whose percent-escapes decode to bytes that are not UTF-8",
+        );
+    }
+    None
 }
 
 /// A port as written in a URL: 1 to 5 ASCII digits, 1 to 65535.

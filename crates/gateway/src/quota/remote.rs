@@ -437,6 +437,10 @@ mod tests {
             "redis://[::1",
             "redis://0177.0.0.1",
             "redis://h/99999999999",
+            "redis://:a%FFb@h:1",
+            "redis://:a%zz@h:1",
+            "redis://:a%@h:1",
+            "redis://:%E2%82%AC%25@h:1",
         ];
         let mut accepted = 0;
         for url in urls {
