@@ -258,13 +258,23 @@ local function decide(k, p)
         end
         prev = true
       end
-      -- A block lasts at most this limit's block_for from now: one set under a longer
-      -- block_for, or before block_for was removed, is cut to it, and kept cut (written: cut
-      -- again at each request, it would slide on with a caller who keeps trying). Review:
-      -- removing block_for left callers refused for the old hour.
-      if blk > now + block then
-        blk = now + block
-        if write then at, changed = now, true end
+      -- A block set under another block_for: none once block_for is removed; else at most
+      -- block_for and the longest wait of the counters from now (a block covers the counters'
+      -- wait too, so one may end past block_for). Kept cut (written: cut again at each request,
+      -- it would slide on with a caller who keeps trying). Review: removing block_for left
+      -- callers refused for the old hour.
+      if blk > now then
+        local most = 0
+        if block > 0 then
+          local longest = w -- fixed window: the window's end
+          if algo == 's' then longest = 2 * w
+          elseif algo == 'g' then longest = quota * interval / scale end
+          most = now + block + longest
+        end
+        if blk > most then
+          blk = most
+          if write then at, changed = now, true end
+        end
       end
       if algo == 'g' then
         local u = 0

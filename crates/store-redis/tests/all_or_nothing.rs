@@ -528,54 +528,60 @@ async fn what_was_charged_ahead_counts_under_a_shorter_max_delay() {
     assert!(d.is_admitted(), "{d:?}");
 }
 
-/// A block set under a longer `block_for` lasts at most the limit's `block_for` now: removing
-/// or shortening it lifts blocks already in place (review: callers stayed refused for the old
-/// hour, `Retry-After: 3589`, after `block_for` was removed).
+/// A block set under another `block_for` is lifted when `block_for` is removed, and cut to the
+/// new `block_for` and the limit's longest wait when shortened (a block covers the counters'
+/// wait too). Review: callers stayed refused for the old hour, `Retry-After: 3589`, after
+/// `block_for` was removed.
 #[tokio::test]
 async fn a_block_lasts_at_most_the_block_for_in_force() {
     let server = RedisServer::start();
     let store = server.store().await;
-    let ten = Duration::from_secs(10);
-    let blocking = remote(&fixed("b", 2, ten).with_block_for(HOUR).unwrap());
-    let shorter = remote(
-        &fixed("b", 2, ten)
-            .with_block_for(Duration::from_secs(5))
-            .unwrap(),
-    );
-    let none = remote(&fixed("b", 2, ten));
-    for (i, (after, most)) in [(&none, ten), (&shorter, ten)].into_iter().enumerate() {
+    let s = |n| Duration::from_secs(n);
+    let us = |n: u64| n * 1_000_000;
+    let blocking = remote(&fixed("b", 2, s(10)).with_block_for(HOUR).unwrap());
+    let shorter = remote(&fixed("b", 2, s(10)).with_block_for(s(5)).unwrap());
+    let none = remote(&fixed("b", 2, s(10)));
+    // After the change: the wait at 1 s, and when the caller is admitted again.
+    for (i, (after, wait, free)) in [(&none, s(9), 10), (&shorter, s(15), 16)]
+        .into_iter()
+        .enumerate()
+    {
         let k = key(&format!("caller {i}"));
         let layers = [Layer::enforced(&blocking, k)];
         for _ in 0..2 {
-            assert!(store
+            let d = store
                 .decide_at(&layers, 1, Mode::Charge, at(0))
                 .await
-                .unwrap()
-                .is_admitted());
+                .unwrap();
+            assert!(d.is_admitted());
         }
-        let RemoteDecision::Refused(r) = store
+        let d = store
             .decide_at(&layers, 1, Mode::Charge, at(0))
             .await
-            .unwrap()
-        else {
-            panic!("the third is refused and blocks")
+            .unwrap();
+        let RemoteDecision::Refused(r) = d else {
+            panic!("the third is refused and blocks: {d:?}")
         };
-        assert!(r.wait.unwrap() > ten, "blocked for the hour: {r:?}");
-        // Under the new setting, only the window's own wait is left (the window is spent).
+        assert!(r.wait.unwrap() > s(60), "blocked for the hour: {r:?}");
         let later = [Layer::enforced(after, k)];
-        let RemoteDecision::Refused(r) = store
-            .decide_at(&later, 1, Mode::Charge, at(1_000_000))
-            .await
-            .unwrap()
-        else {
-            panic!("the window is still spent")
-        };
-        assert!(r.wait.unwrap() <= most, "case {i}: {r:?}");
-        // And in the next window, admitted.
-        let next = store
-            .decide_at(&later, 1, Mode::Charge, at(10_000_000))
+        let d = store
+            .decide_at(&later, 1, Mode::Charge, at(us(1)))
             .await
             .unwrap();
-        assert!(next.is_admitted(), "case {i}: {next:?}");
+        let RemoteDecision::Refused(r) = d else {
+            panic!("case {i}: the window is still spent: {d:?}")
+        };
+        assert_eq!(r.wait, Some(wait), "case {i}: {r:?}");
+        // The cut was kept: it does not slide on with a caller who keeps trying.
+        let d = store
+            .decide_at(&later, 1, Mode::Charge, at(us(free) - 1))
+            .await
+            .unwrap();
+        assert!(!d.is_admitted(), "case {i}: {d:?}");
+        let d = store
+            .decide_at(&later, 1, Mode::Charge, at(us(free)))
+            .await
+            .unwrap();
+        assert!(d.is_admitted(), "case {i}: {d:?}");
     }
 }
