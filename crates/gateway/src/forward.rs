@@ -1233,15 +1233,7 @@ const CLAIMS: [&str; 21] = [
 ];
 
 /// [`CLAIMS`]'s lengths, as [`length_bit`]s.
-const CLAIMS_LENGTHS: u64 = {
-    let mut mask = 0;
-    let mut i = 0;
-    while i < CLAIMS.len() {
-        mask |= length_bit(CLAIMS[i].len());
-        i += 1;
-    }
-    mask
-};
+const CLAIMS_LENGTHS: u64 = lengths_of(&CLAIMS);
 
 /// The fields the gateway writes for the upstream.
 const WRITTEN: [&str; 5] = [
@@ -1253,15 +1245,18 @@ const WRITTEN: [&str; 5] = [
 ];
 
 /// [`WRITTEN`]'s lengths, as [`length_bit`]s.
-const WRITTEN_LENGTHS: u64 = {
+const WRITTEN_LENGTHS: u64 = lengths_of(&WRITTEN);
+
+/// The lengths of `names`, as [`length_bit`]s.
+const fn lengths_of(names: &[&str]) -> u64 {
     let mut mask = 0;
     let mut i = 0;
-    while i < WRITTEN.len() {
-        mask |= length_bit(WRITTEN[i].len());
+    while i < names.len() {
+        mask |= length_bit(names[i].len());
         i += 1;
     }
     mask
-};
+}
 
 /// Whether `name` holds a `_`, eight bytes at a time (a `memchr` call per name, or a loop
 /// over its bytes, cost several times more on the short names of a request).

@@ -282,6 +282,17 @@ mod tests {
         );
     }
 
+    /// A listener with room for a whole 128 KiB response on the gateway's side, and a client
+    /// socket with little: most of a response stays unsent until the client reads.
+    fn narrow() -> (TcpListener, tokio::net::TcpSocket) {
+        let listening = tokio::net::TcpSocket::new_v4().unwrap();
+        listening.set_send_buffer_size(256 * 1024).unwrap();
+        listening.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let connecting = tokio::net::TcpSocket::new_v4().unwrap();
+        connecting.set_recv_buffer_size(4096).unwrap();
+        (listening.listen(8).unwrap(), connecting)
+    }
+
     /// A client silent for longer than the idle wait while the end of its download is still
     /// in the gateway's socket (its window is full: it is not reading), that then sends a byte
     /// (an HTTP/2 window update) and reads the rest, gets all of it. Shutting down at once and
@@ -290,12 +301,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_reader_silent_past_the_idle_wait_still_gets_the_tail() {
         let size = 128 * 1024;
-        let listening = tokio::net::TcpSocket::new_v4().unwrap();
-        // Room for the whole response on the gateway's side, little on the client's: most of
-        // it stays unsent until the client reads.
-        listening.set_send_buffer_size(256 * 1024).unwrap();
-        listening.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-        let listener = listening.listen(8).unwrap();
+        let (listener, connecting) = narrow();
         let addr = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {
             let (stream, _) = listener.accept().await.unwrap();
@@ -313,8 +319,6 @@ mod tests {
             )
             .await;
         });
-        let connecting = tokio::net::TcpSocket::new_v4().unwrap();
-        connecting.set_recv_buffer_size(4096).unwrap();
         let mut client = connecting.connect(addr).await.unwrap();
         tokio::time::sleep(LINGER_IDLE + Duration::from_secs(1)).await;
         client.write_all(b"u").await.unwrap();
@@ -339,12 +343,7 @@ mod tests {
     /// (`flush`) at most, as it would hold a response still being written.
     #[tokio::test(start_paused = true)]
     async fn a_client_that_never_reads_is_let_go_after_the_send_timeout() {
-        let listening = tokio::net::TcpSocket::new_v4().unwrap();
-        listening.set_send_buffer_size(256 * 1024).unwrap();
-        listening.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-        let listener = listening.listen(8).unwrap();
-        let connecting = tokio::net::TcpSocket::new_v4().unwrap();
-        connecting.set_recv_buffer_size(4096).unwrap();
+        let (listener, connecting) = narrow();
         let client = connecting
             .connect(listener.local_addr().unwrap())
             .await
