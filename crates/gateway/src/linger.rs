@@ -213,28 +213,35 @@ mod tests {
     use super::*;
     use tokio::net::TcpListener;
 
+    /// Accepts one connection and ends it as a connection ends in the gateway: hyper writes
+    /// `size` bytes, shuts down and drops its IO; then, with `flush`, the lingering close (the
+    /// header timeout 10 s), else the socket's close outright.
+    fn respond_and_end(
+        listener: TcpListener,
+        size: usize,
+        flush: Option<Duration>,
+    ) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            let (mut io, given) = GiveBack::new(stream);
+            io.write_all(&vec![7u8; size]).await.unwrap();
+            io.shutdown().await.unwrap();
+            drop(io);
+            let stream = given.await.expect("given back on drop");
+            if let Some(flush) = flush {
+                let max = Duration::from_secs(10);
+                linger(stream, max, flush, std::future::pending()).await;
+            }
+        })
+    }
+
     /// A server that writes `size` bytes, then closes while the client's bytes still arrive;
     /// the client reads slowly, sending a byte now and then (as HTTP/2 clients send window
     /// updates). Returns what the client read, and the error its reading or writing ended in.
     async fn download(size: usize, lingering: bool) -> (usize, Option<io::ErrorKind>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let server = tokio::spawn(async move {
-            let (stream, _) = listener.accept().await.unwrap();
-            let (mut io, given) = GiveBack::new(stream);
-            io.write_all(&vec![7u8; size]).await.unwrap();
-            drop(io);
-            let stream = given.await.expect("given back on drop");
-            if lingering {
-                linger(
-                    stream,
-                    Duration::from_secs(30),
-                    Duration::from_secs(30),
-                    std::future::pending(),
-                )
-                .await;
-            }
-        });
+        let server = respond_and_end(listener, size, lingering.then_some(Duration::from_secs(30)));
         let mut client = TcpStream::connect(addr).await.unwrap();
         let mut buf = vec![0u8; 64 * 1024];
         let (mut read, mut failed) = (0, None);
@@ -303,22 +310,7 @@ mod tests {
         let size = 128 * 1024;
         let (listener, connecting) = narrow();
         let addr = listener.local_addr().unwrap();
-        let server = tokio::spawn(async move {
-            let (stream, _) = listener.accept().await.unwrap();
-            // As a connection ends: hyper writes, shuts down, drops its IO.
-            let (mut io, given) = GiveBack::new(stream);
-            io.write_all(&vec![7u8; size]).await.unwrap();
-            io.shutdown().await.unwrap();
-            drop(io);
-            let stream = given.await.expect("given back on drop");
-            linger(
-                stream,
-                Duration::from_secs(10),
-                Duration::from_secs(60),
-                std::future::pending(),
-            )
-            .await;
-        });
+        let server = respond_and_end(listener, size, Some(Duration::from_secs(60)));
         let mut client = connecting.connect(addr).await.unwrap();
         tokio::time::sleep(LINGER_IDLE + Duration::from_secs(1)).await;
         client.write_all(b"u").await.unwrap();
