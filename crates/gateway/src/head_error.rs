@@ -12,9 +12,9 @@
 //! No head the gateway writes can look like it (every response it writes carries
 //! `x-request-id`, and a forwarded one never carries the upstream's `connection` header), but
 //! a body can hold any bytes (review: an upstream's body reading exactly like it was
-//! replaced). So only a write between messages is looked at: no request in flight, every byte
-//! of the responses before it written, not HTTP/2 (see `Counted::swap_for`). The check costs
-//! a comparison of the first bytes of such a write.
+//! replaced). So only a write between messages is looked at: no response being made, every
+//! byte of the responses before it written, not HTTP/2 (see `Counted::swap_for`). The check
+//! costs a comparison of the first bytes of such a write.
 
 use http::StatusCode;
 
