@@ -130,6 +130,14 @@ fn is_plain(path: &str, merge_slashes: bool) -> bool {
 /// replaced by the character, every other escape's hex digits in upper case, and each byte
 /// outside ASCII escaped (`/café` is `/caf%C3%A9`, as clients send it: both spellings name
 /// one resource, and must meet one route).
+/// The byte that the percent-escape at `bytes[at]` (a `%` and two hex digits) encodes, if
+/// it is one.
+pub(crate) fn escaped(bytes: &[u8], at: usize) -> Option<u8> {
+    let digit = |j: usize| bytes.get(j).and_then(|&b| char::from(b).to_digit(16));
+    let (hi, lo) = (digit(at + 1)?, digit(at + 2)?);
+    u8::try_from(hi << 4 | lo).ok()
+}
+
 fn decode_unreserved(path: &str) -> Result<Cow<'_, str>, MalformedPath> {
     if !path.bytes().any(|b| b == b'%' || !b.is_ascii()) {
         return Ok(Cow::Borrowed(path));
@@ -148,11 +156,7 @@ fn decode_unreserved(path: &str) -> Result<Cow<'_, str>, MalformedPath> {
     while i < bytes.len() {
         match bytes[i] {
             b'%' => {
-                let digit = |j: usize| bytes.get(j).and_then(|&b| char::from(b).to_digit(16));
-                let (Some(hi), Some(lo)) = (digit(i + 1), digit(i + 2)) else {
-                    return Err(MalformedPath);
-                };
-                let value = u8::try_from(hi << 4 | lo).map_err(|_| MalformedPath)?;
+                let value = escaped(bytes, i).ok_or(MalformedPath)?;
                 if value.is_ascii_alphanumeric() || matches!(value, b'-' | b'.' | b'_' | b'~') {
                     out.push(value);
                 } else {

@@ -242,20 +242,13 @@ fn percent_problem(userinfo: &str) -> Option<&'static str> {
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b'%' {
-            let hex = bytes
-                .get(i + 1..i + 3)
-                .and_then(|h| std::str::from_utf8(h).ok());
-            match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
-                Some(b) if hex.is_some_and(|h| h.bytes().all(|c| c.is_ascii_hexdigit())) => {
-                    decoded.push(b);
-                    i += 3;
-                }
-                _ => {
-                    return Some(
-                        "has a '%' in its user or password that starts no escape (a '%' is written %25)",
-                    )
-                }
-            }
+            let Some(b) = crate::path::escaped(bytes, i) else {
+                return Some(
+                    "has a '%' in its user or password that starts no escape (a '%' is written %25)",
+                );
+            };
+            decoded.push(b);
+            i += 3;
         } else {
             decoded.push(bytes[i]);
             i += 1;
