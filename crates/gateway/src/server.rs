@@ -809,6 +809,17 @@ mod tests {
         })
     }
 
+    /// Marks `head`'s connection as HTTP/2 and starts draining after `wait`: the drain's
+    /// watcher, and the drain.
+    fn http2_draining_after(
+        head: &Arc<HeadTimeout>,
+        drain: Drain,
+        wait: Duration,
+    ) -> (watch::Receiver<()>, tokio::task::JoinHandle<()>) {
+        speaking_http2(head);
+        (drain.watcher(), drain_after(drain, wait))
+    }
+
     /// [`drive`]s `conn`: its result, and whether it was asked to shut down gracefully.
     async fn driven<F: Future<Output = Result<(), ()>>>(
         conn: Pin<&mut F>,
@@ -900,10 +911,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn on_shutdown_an_http2_connection_left_unanswered_is_dropped_when_quiet() {
         let (head, drain, _end, conn) = setup();
-        speaking_http2(&head);
         tokio::pin!(conn);
-        let watcher = drain.watcher();
-        let shutdown = drain_after(drain, Duration::from_secs(2));
+        let (watcher, shutdown) = http2_draining_after(&head, drain, Duration::from_secs(2));
         let start = Instant::now();
         // The grace would end 30 s after the drain.
         let cut = tokio::time::sleep(Duration::from_secs(32));
@@ -920,11 +929,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn on_shutdown_an_http2_connection_is_dropped_only_once_quiet_after_its_requests() {
         let (head, drain, _end, conn) = setup();
-        speaking_http2(&head);
         tokio::pin!(conn);
+        let (watcher, shutdown) = http2_draining_after(&head, drain, Duration::from_secs(2));
         let busy = head.begin();
-        let watcher = drain.watcher();
-        let shutdown = drain_after(drain, Duration::from_secs(2));
         let requests = tokio::spawn({
             let head = Arc::clone(&head);
             async move {
@@ -963,10 +970,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn on_shutdown_bytes_waiting_to_be_written_keep_an_http2_connection() {
         let (head, drain, _end, conn) = setup();
-        speaking_http2(&head);
         tokio::pin!(conn);
-        let watcher = drain.watcher();
-        let shutdown = drain_after(drain, Duration::from_secs(2));
+        let (watcher, shutdown) = http2_draining_after(&head, drain, Duration::from_secs(2));
         head.note_write(&std::task::Poll::<std::io::Result<usize>>::Pending);
         // A slow reader: the socket takes a little every 5 s, then all of it at 20 s.
         let unblocked = tokio::spawn({
@@ -1003,10 +1008,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn on_shutdown_bytes_waiting_for_good_do_not_hold_an_http2_connection() {
         let (head, drain, _end, conn) = setup();
-        speaking_http2(&head);
         tokio::pin!(conn);
-        let watcher = drain.watcher();
-        let shutdown = drain_after(drain, Duration::from_secs(2));
+        let (watcher, shutdown) = http2_draining_after(&head, drain, Duration::from_secs(2));
         head.note_write(&std::task::Poll::<std::io::Result<usize>>::Pending);
         let start = Instant::now();
         let cut = tokio::time::sleep(Duration::from_secs(62));
