@@ -289,6 +289,22 @@ mod tests {
         );
     }
 
+    /// A client's socket and the gateway's, connected over loopback.
+    async fn connected() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        (client, listener.accept().await.unwrap().0)
+    }
+
+    /// How long [`linger`] with these bounds and no cut took.
+    async fn lingered(stream: TcpStream, max: Duration, flush: Duration) -> Duration {
+        let start = tokio::time::Instant::now();
+        linger(stream, max, flush, std::future::pending()).await;
+        start.elapsed()
+    }
+
     /// A listener with room for a whole 128 KiB response on the gateway's side, and a client
     /// socket with little: most of a response stays unsent until the client reads.
     fn narrow() -> (TcpListener, tokio::net::TcpSocket) {
@@ -342,34 +358,19 @@ mod tests {
             .unwrap();
         let (mut stream, _) = listener.accept().await.unwrap();
         stream.write_all(&vec![7u8; 128 * 1024]).await.unwrap();
-        let start = tokio::time::Instant::now();
         let flush = Duration::from_secs(20);
-        linger(
-            stream,
-            Duration::from_secs(10),
-            flush,
-            std::future::pending(),
-        )
-        .await;
-        assert_eq!(start.elapsed(), flush);
+        assert_eq!(
+            lingered(stream, Duration::from_secs(10), flush).await,
+            flush
+        );
         drop(client);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_client_that_never_closes_is_let_go_after_the_idle_wait() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let client = TcpStream::connect(addr).await.unwrap();
-        let (stream, _) = listener.accept().await.unwrap();
-        let start = tokio::time::Instant::now();
-        linger(
-            stream,
-            Duration::from_secs(30),
-            Duration::from_secs(30),
-            std::future::pending(),
-        )
-        .await;
-        assert_eq!(start.elapsed(), LINGER_IDLE);
+        let (client, stream) = connected().await;
+        let max = Duration::from_secs(30);
+        assert_eq!(lingered(stream, max, max).await, LINGER_IDLE);
         drop(client);
     }
 
@@ -378,10 +379,7 @@ mod tests {
     /// one (review: a byte every 4 s held a place for 30 s).
     #[tokio::test(start_paused = true)]
     async fn a_client_trickling_bytes_is_let_go_after_the_max() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let mut client = TcpStream::connect(addr).await.unwrap();
-        let (stream, _) = listener.accept().await.unwrap();
+        let (mut client, stream) = connected().await;
         let trickle = tokio::spawn(async move {
             for _ in 0..10 {
                 tokio::time::sleep(Duration::from_secs(4)).await;
@@ -391,15 +389,8 @@ mod tests {
             }
             client
         });
-        let start = tokio::time::Instant::now();
-        linger(
-            stream,
-            Duration::from_secs(10),
-            Duration::from_secs(10),
-            std::future::pending(),
-        )
-        .await;
-        assert_eq!(start.elapsed(), Duration::from_secs(10));
+        let max = Duration::from_secs(10);
+        assert_eq!(lingered(stream, max, max).await, max);
         drop(trickle.await.unwrap());
     }
 }
