@@ -9,6 +9,20 @@ use super::{place_after_hold, Held, Layers, Notes, Outcome, Pass, Quota, Refused
 use crate::capacity::{Capacity, HeldPlace, InFlight};
 
 impl Quota {
+    /// Takes `admission` back, and the caller's figures after it, read as of the refund: a
+    /// bucket's refund keeps the time it ran, so figures read before it would show a unit
+    /// spent (review: a fresh caller's 503 said `r=9;t=1` of a burst of 10).
+    fn refunded<'a>(
+        &'a self,
+        admission: &mut Admission,
+        layers: &'a Layers,
+    ) -> impl Iterator<Item = (LimitId, sluice_limiter::Report)> + 'a {
+        let later = self.clock.now();
+        self.limiter.refund(admission, later);
+        let figures = self.limiter.figures(&layers.enforced, later);
+        figures.map(|r| (r.limit, r))
+    }
+
     /// Quota, then capacity (refunding the quota when full), and the wait of a request held
     /// by `delay` limits. `slot` is a capacity slot the caller already holds, if any.
     pub(super) async fn admit_in_memory(
@@ -85,13 +99,8 @@ impl Quota {
                 Decision::Admitted(admission) => {
                     // A full gateway answers 503 now, to a request it would hold too.
                     let Some(slot) = slot.or_else(|| capacity.try_acquire()) else {
-                        // A 503 tells the caller what it has, nothing having been charged:
-                        // its figures as of the refund (a bucket's refund keeps the time it
-                        // left, so figures read before it would show a unit spent).
-                        let later = self.clock.now();
-                        self.limiter.refund(admission, later);
-                        let figures = self.limiter.figures(&layers.enforced, later);
-                        reports.extend(figures.map(|r| (r.limit, r)));
+                        // A 503 tells the caller what it has, nothing having been charged.
+                        reports.extend(self.refunded(admission, layers));
                         return Decided::Now(Err(Stop::Overloaded));
                     };
                     let wait = admission.wait();
@@ -100,10 +109,7 @@ impl Quota {
                     // enforcing one does: charged nothing, told when it would pass.
                     let place = if held_back {
                         let Some(place) = capacity.try_hold() else {
-                            let later = self.clock.now();
-                            self.limiter.refund(admission, later);
-                            let figures = self.limiter.figures(&layers.enforced, later);
-                            let figures = figures.map(|r| (r.limit, r)).collect();
+                            let figures = self.refunded(admission, layers).collect();
                             return Decided::Now(Err(self.no_room_to_hold(figures, wait)));
                         };
                         Some(place)
