@@ -340,6 +340,52 @@ async fn connect_is_answered_405_and_not_forwarded() {
     assert_eq!(get(gw.main, "/api/x", &[]).await.status, 200);
 }
 
+/// A `TRACE` or `OPTIONS` whose `Max-Forwards` is spent is answered by the gateway (RFC 9110
+/// section 7.6.2), never forwarded, and says which methods the route takes: a `405` must carry
+/// `Allow` (section 15.5.6), and an `OPTIONS` answer should (section 9.3.7).
+#[tokio::test]
+async fn a_spent_max_forwards_is_answered_with_the_allowed_methods() {
+    let up = MockUpstream::start().await;
+    let named = r#"
+[[routes]]
+name = "read"
+path = "/read"
+upstream = "app"
+methods = ["GET", "TRACE", "OPTIONS", "HEAD"]
+"#;
+    let gw = Sluice::start(&(config(&up.url(), "5s") + named));
+    let ask = |method: &str, path: &str| {
+        let req = Request::builder().method(method).uri(path);
+        let req = req.header("host", "x").header("max-forwards", "0");
+        send(gw.main, req.body(Full::new(Bytes::new())).unwrap())
+    };
+    let trace = ask("TRACE", "/api/x").await;
+    assert_eq!(trace.status, 405);
+    assert_eq!(
+        trace.header("allow"),
+        "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"
+    );
+    assert_eq!(
+        trace.json()["type"],
+        "https://api.example.com/problems/method-not-allowed"
+    );
+    let options = ask("OPTIONS", "/api/x").await;
+    assert_eq!(options.status, 200);
+    assert_eq!(
+        options.header("allow"),
+        "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"
+    );
+    // A route's own methods, with HEAD beside GET as routes match, once each, and no TRACE.
+    let trace = ask("TRACE", "/read/x").await;
+    assert_eq!(trace.status, 405);
+    assert_eq!(trace.header("allow"), "GET, HEAD, OPTIONS");
+    assert_eq!(
+        ask("OPTIONS", "/read/x").await.header("allow"),
+        "GET, HEAD, OPTIONS"
+    );
+    assert_eq!(up.requests(), 0, "never forwarded");
+}
+
 #[tokio::test]
 async fn unmatched_path_is_a_404_problem() {
     let up = MockUpstream::start().await;

@@ -188,9 +188,7 @@ pub(crate) async fn handle(
             // matched (docs/configuration.md, `methods`).
             if req.method().as_str().eq_ignore_ascii_case("CONNECT") {
                 let mut res = Problem::connect_not_allowed().into_response(&shared.problem_base);
-                let allow = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
-                res.headers_mut()
-                    .insert(http::header::ALLOW, HeaderValue::from_static(allow));
+                res.headers_mut().insert(http::header::ALLOW, allowed(None));
                 break 'walk res;
             }
             // Matched and forwarded in normal form: no spelling of a path escapes its route.
@@ -312,11 +310,14 @@ pub(crate) async fn handle(
             let mut res = match &route.action {
                 RouteAction::Respond(r) => respond(r),
                 RouteAction::Upstream(_) if max_forwards_spent(&mut req) => {
-                    if req.method() == http::Method::TRACE {
+                    let mut res = if req.method() == http::Method::TRACE {
                         Problem::trace_not_reflected().into_response(&shared.problem_base)
                     } else {
                         plain(StatusCode::OK, "")
-                    }
+                    };
+                    res.headers_mut()
+                        .insert(http::header::ALLOW, allowed(Some(route)));
+                    res
                 }
                 RouteAction::Upstream(u) => {
                     let upgrade = upgrade_protocol(&req);
@@ -515,6 +516,32 @@ fn respond(r: &Respond) -> Response<Body> {
         res.headers_mut().insert(CONTENT_TYPE, ct);
     }
     res
+}
+
+/// `Allow` for a `405` and for an `OPTIONS` the gateway answers itself (RFC 9110 sections
+/// 15.5.6 and 9.3.7): the route's methods when it names them, with `HEAD` beside `GET` as
+/// routes match, else the methods a reverse proxy forwards. Never `CONNECT` (refused) nor
+/// `TRACE` (reflected by no one here once `Max-Forwards` is spent).
+fn allowed(route: Option<&sluice_config::Route>) -> HeaderValue {
+    const ANY: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
+    let Some(methods) = route.and_then(|r| r.methods.as_deref()) else {
+        return HeaderValue::from_static(ANY);
+    };
+    let mut names: Vec<&str> = Vec::with_capacity(methods.len() + 1);
+    for m in methods {
+        let name = m.as_str();
+        let refused = ["CONNECT", "TRACE"]
+            .iter()
+            .any(|r| r.eq_ignore_ascii_case(name));
+        if !refused && !names.iter().any(|n| n.eq_ignore_ascii_case(name)) {
+            names.push(name);
+        }
+        if *m == http::Method::GET && !names.contains(&"HEAD") {
+            names.push("HEAD");
+        }
+    }
+    // Method names are tokens, which header values take as they are.
+    HeaderValue::from_str(&names.join(", ")).unwrap_or(HeaderValue::from_static(ANY))
 }
 
 /// `/ready` and `health_path`: 503 while draining and while `max_in_flight` requests run (when
