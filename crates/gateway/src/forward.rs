@@ -1050,8 +1050,9 @@ impl Peer {
 
 /// Rewrites request headers for the upstream: hop-by-hop stripped, the peer appended to a
 /// trusted proxy's `X-Forwarded-For` (anyone else's is replaced by the peer), `X-Forwarded-Proto` set (kept only from a trusted proxy), `Host` kept
-/// (taken from `:authority` for HTTP/2, and `upstream`'s own for a request that names no host:
-/// HTTP/1.0, or HTTP/2 without `:authority`), and HTTP/2's `cookie` fields joined into one
+/// (replaced by the target's authority where it has one: HTTP/2's `:authority`, an absolute-form
+/// target; `upstream`'s own for a request that names no host: HTTP/1.0, or HTTP/2 without
+/// `:authority`), and HTTP/2's `cookie` fields joined into one
 /// line (RFC 9113 section 8.2.3: many HTTP/1.1 servers read only the first).
 pub(crate) fn prepare_request<B>(
     req: &mut Request<B>,
@@ -1063,8 +1064,12 @@ pub(crate) fn prepare_request<B>(
         join_cookies(req.headers_mut());
     }
     strip_hop_by_hop(req.headers_mut(), &identity.names);
-    if !req.headers().contains_key(HOST) {
-        let host = req.uri().authority().unwrap_or(upstream).as_str();
+    // A target's authority (an absolute-form HTTP/1 target, HTTP/2's `:authority`) replaces
+    // `Host` (RFC 9112 section 3.2.2, RFC 9113 section 8.3.1): [`bad_host`] has held the two
+    // to one host, but `Host` may leave out a port the target names.
+    let authority = req.uri().authority();
+    if authority.is_some() || !req.headers().contains_key(HOST) {
+        let host = authority.unwrap_or(upstream).as_str();
         if let Ok(host) = HeaderValue::from_str(host) {
             req.headers_mut().insert(HOST, host);
         }
@@ -1770,6 +1775,41 @@ mod tests {
         prepare(&mut req, peer("192.0.2.1", false), &[]);
         assert_eq!(req.headers()[HOST], "api.example.com");
         assert!(!req.headers().contains_key("x-gone"));
+    }
+
+    /// A proxy forwards the target's authority as `Host`, port included, whatever `Host` the
+    /// request had (RFC 9112 section 3.2.2 for an absolute-form target, RFC 9113 section
+    /// 8.3.1 for HTTP/2's `:authority`); an origin-form target keeps its `Host`.
+    #[test]
+    fn a_targets_authority_replaces_host() {
+        for (version, uri, host, forwarded) in [
+            (
+                http::Version::HTTP_11,
+                "http://a.example:81/x",
+                "a.example",
+                "a.example:81",
+            ),
+            (
+                http::Version::HTTP_11,
+                "http://a.example/x",
+                "A.Example.:80",
+                "a.example",
+            ),
+            (
+                http::Version::HTTP_2,
+                "https://a.example:8443/",
+                "a.example",
+                "a.example:8443",
+            ),
+            (http::Version::HTTP_11, "/x", "A.Example:81", "A.Example:81"),
+        ] {
+            let req = Request::builder().version(version).uri(uri);
+            let mut req = req.header("host", host).body(()).unwrap();
+            assert_eq!(bad_host(&req), None, "{uri} {host}");
+            prepare(&mut req, peer("192.0.2.1", false), &[]);
+            let hosts: Vec<_> = req.headers().get_all(HOST).iter().collect();
+            assert_eq!(hosts, [forwarded], "{uri} {host}");
+        }
     }
 
     #[test]
