@@ -781,6 +781,13 @@ async fn stalled_redis_falls_back_within_the_timeout() {
             .is_some_and(|m| m.contains("following on_error"))
     })
     .await;
+    // Redis decides again, and the log says the outage ended.
+    assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+    gw.wait_log("the end of the outage", |v| {
+        v["message"].as_str() == Some("the shared store decides again")
+            && v["fallbacks_total"].as_u64() == Some(1)
+    })
+    .await;
 }
 
 #[tokio::test]

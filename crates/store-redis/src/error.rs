@@ -1,6 +1,7 @@
 //! Why the store could not decide. Every variant is the gateway's side (a 503 or the
 //! configured fallback), never the caller's.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A failed store call.
@@ -9,6 +10,16 @@ pub enum StoreError {
     /// Redis did not answer within the store's timeout.
     #[error("redis did not answer within {0:?}")]
     Timeout(Duration),
+    /// Redis did not answer within the store's timeout, and the last attempt to connect to it
+    /// anew (since its last answer) failed, for the reason given (`Connection refused`, say):
+    /// the same outage as [`StoreError::Timeout`], named.
+    #[error("redis did not answer within {within:?}, and connecting to it anew failed: {why}")]
+    Unreachable {
+        /// The store's timeout.
+        within: Duration,
+        /// Why the attempt to connect failed.
+        why: Arc<str>,
+    },
     /// Redis reached the request after its sender had stopped waiting (a stalled Redis): it
     /// charged nothing.
     #[error("redis reached the request after its deadline")]
@@ -52,6 +63,7 @@ impl StoreError {
     pub fn is_store_failure(&self) -> bool {
         match self {
             StoreError::Timeout(_)
+            | StoreError::Unreachable { .. }
             | StoreError::Expired
             | StoreError::Redis(_)
             | StoreError::Reply(_) => true,
@@ -64,6 +76,10 @@ impl StoreError {
     pub(crate) fn share(&self) -> StoreError {
         match self {
             StoreError::Timeout(d) => StoreError::Timeout(*d),
+            StoreError::Unreachable { within, why } => StoreError::Unreachable {
+                within: *within,
+                why: Arc::clone(why),
+            },
             StoreError::Expired => StoreError::Expired,
             StoreError::Redis(e) => {
                 StoreError::Redis(redis::RedisError::from((e.kind(), "redis", e.to_string())))
@@ -84,6 +100,10 @@ mod tests {
         let redis = redis::RedisError::from((redis::ErrorKind::IoError, "gone"));
         for e in [
             StoreError::Timeout(Duration::from_millis(25)),
+            StoreError::Unreachable {
+                within: Duration::from_millis(25),
+                why: "Connection refused".into(),
+            },
             StoreError::Redis(redis),
             StoreError::Reply("2 replies for 3 requests".into()),
         ] {

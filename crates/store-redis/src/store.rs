@@ -113,6 +113,12 @@ struct Link {
     timeouts: AtomicU32,
     replacing: AtomicBool,
     last_replaced: Mutex<Option<tokio::time::Instant>>,
+    /// Why the last attempt to connect anew failed, while Redis has not answered since: a
+    /// timeout then says so (a Redis that is down refuses connections, but the manager's
+    /// calls wait on its reconnection past the store's timeout, so they only ever time out).
+    unreachable: Mutex<Option<Arc<str>>>,
+    /// Whether `unreachable` holds a reason (read on every answer, locked only then).
+    known_unreachable: AtomicBool,
 }
 
 impl Link {
@@ -125,6 +131,31 @@ impl Link {
 
     fn answered(&self) {
         self.timeouts.store(0, Ordering::Relaxed);
+        if self.known_unreachable.load(Ordering::Relaxed) {
+            self.set_unreachable(None);
+        }
+    }
+
+    fn set_unreachable(&self, why: Option<Arc<str>>) {
+        let mut reason = self.unreachable.lock().unwrap_or_else(|e| e.into_inner());
+        self.known_unreachable
+            .store(why.is_some(), Ordering::Relaxed);
+        *reason = why;
+    }
+
+    /// The error for a call not answered `within` the store's timeout: named after the last
+    /// failed attempt to connect anew, if there is one since Redis last answered.
+    fn timeout(&self, within: Duration) -> StoreError {
+        if !self.known_unreachable.load(Ordering::Relaxed) {
+            return StoreError::Timeout(within);
+        }
+        match &*self.unreachable.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(why) => StoreError::Unreachable {
+                within,
+                why: Arc::clone(why),
+            },
+            None => StoreError::Timeout(within),
+        }
     }
 
     fn timed_out(self: &Arc<Self>) {
@@ -145,9 +176,22 @@ impl Link {
         tokio::spawn(async move {
             let fresh =
                 ConnectionManager::new_with_config(link.client.clone(), link.config.clone());
-            if let Ok(Ok(conn)) = tokio::time::timeout(link.connect_timeout, fresh).await {
-                *link.current.lock().unwrap_or_else(|e| e.into_inner()) = conn;
-                link.timeouts.store(0, Ordering::Relaxed);
+            match tokio::time::timeout(link.connect_timeout, fresh).await {
+                Ok(Ok(conn)) => {
+                    *link.current.lock().unwrap_or_else(|e| e.into_inner()) = conn;
+                    link.timeouts.store(0, Ordering::Relaxed);
+                    link.set_unreachable(None);
+                }
+                Ok(Err(e)) => link.set_unreachable(Some(e.to_string().into())),
+                // The manager retries a refused connection past the timeout: one plain try
+                // says why.
+                Err(_) => {
+                    let why = match why_not(&link.client, link.connect_timeout).await {
+                        StoreError::Redis(e) => e.to_string(),
+                        _ => format!("no connection within {:?}", link.connect_timeout),
+                    };
+                    link.set_unreachable(Some(why.into()));
+                }
             }
             *link.last_replaced.lock().unwrap_or_else(|e| e.into_inner()) =
                 Some(tokio::time::Instant::now());
@@ -240,6 +284,8 @@ impl RedisStore {
             timeouts: AtomicU32::new(0),
             replacing: AtomicBool::new(false),
             last_replaced: Mutex::new(None),
+            unreachable: Mutex::new(None),
+            known_unreachable: AtomicBool::new(false),
         });
         let sha: Arc<str> = Arc::from(sha);
         let (calls, queue) = mpsc::unbounded_channel();
@@ -495,7 +541,7 @@ impl RedisStore {
         // A release's timeout does not count towards replacing the connection: a stalled
         // decision's leases are released at once, and would count one stall several times.
         let Ok(done) = tokio::time::timeout(self.options.timeout, call).await else {
-            return Err(StoreError::Timeout(self.options.timeout));
+            return Err(self.link.timeout(self.options.timeout));
         };
         done?;
         self.link.answered();
@@ -759,7 +805,7 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
     let mut waiting: Vec<Option<Call>> = Vec::with_capacity(batch.len());
     for call in batch {
         if call.since + timeout <= now {
-            let _ = call.reply.send(Err(StoreError::Timeout(timeout)));
+            let _ = call.reply.send(Err(link.timeout(timeout)));
         } else {
             waiting.push(Some(call));
         }
@@ -788,7 +834,7 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
                 let now = tokio::time::Instant::now();
                 for slot in &mut waiting {
                     if let Some(late) = slot.take_if(|c| c.since + timeout <= now) {
-                        let _ = late.reply.send(Err(StoreError::Timeout(timeout)));
+                        let _ = late.reply.send(Err(link.timeout(timeout)));
                         gave_up.store(true, Ordering::Relaxed);
                     }
                 }

@@ -49,6 +49,52 @@ async fn the_first_decision_after_redis_restarts_is_decided_by_it() {
     );
 }
 
+/// A Redis that went down (connections refused) is named so: decisions time out while the
+/// connection manager waits on its reconnection, and once the store's own attempt to connect
+/// anew has failed, their error says why, not only that Redis did not answer in time. An
+/// answer clears it.
+#[tokio::test]
+async fn a_redis_that_refuses_connections_is_named_so() {
+    let mut redis = RedisServer::start();
+    let port = redis.port;
+    let options = StoreOptions {
+        timeout: Duration::from_millis(200),
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&redis.url(), options).await.unwrap();
+    let limit = remote(&fixed("a", 1000, SECOND));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    assert!(admitted(&store, &layers).await);
+    redis.kill();
+    let mut seen = Vec::new();
+    let named = loop {
+        let e = store.decide(&layers, 1, Mode::Charge).await.unwrap_err();
+        assert!(e.is_store_failure(), "{e}");
+        if let StoreError::Unreachable { why, .. } = &e {
+            break why.to_string();
+        }
+        seen.push(e.to_string());
+        assert!(seen.len() < 50, "never named the refusal: {seen:?}");
+    };
+    assert!(named.to_lowercase().contains("refused"), "{named}");
+    let redis = RedisServer::start_on(port);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match store.decide(&layers, 1, Mode::Charge).await {
+            Ok(d) => {
+                assert!(d.is_admitted());
+                break;
+            }
+            Err(e) => assert!(Instant::now() < deadline, "Redis is back, but: {e}"),
+        }
+    }
+    // Answered: a later silence is a plain timeout again, not the old refusal.
+    let stalled = stall_for_a_second(&redis).await;
+    let late = store.decide(&layers, 1, Mode::Charge).await;
+    assert!(matches!(late, Err(StoreError::Timeout(_))), "{late:?}");
+    stalled.await.unwrap();
+}
+
 /// A TCP relay in front of Redis that can fall silent on the connections it holds (bytes are
 /// no longer passed either way, nothing is closed), as a dropped route or a firewall that
 /// forgot the connection does; connections made after that pass.

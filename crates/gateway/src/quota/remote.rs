@@ -5,7 +5,7 @@
 //! Redis so that it costs no latency per request.
 
 use std::fmt::Display;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -40,6 +40,9 @@ pub(super) struct Remote {
     last_failure: std::sync::Mutex<String>,
     fallbacks: AtomicU64,
     warning: OnceASecond,
+    /// Set when the store fails, cleared (and said) at its next decision: the warnings above
+    /// say when an outage starts and goes on, this says when it ended.
+    failing: AtomicBool,
 }
 
 /// The reason a warning gives for an open circuit: the failure that opened it, or the last
@@ -90,6 +93,7 @@ impl Remote {
             last_failure: std::sync::Mutex::new(String::new()),
             fallbacks: AtomicU64::new(0),
             warning: OnceASecond::new(),
+            failing: AtomicBool::new(false),
         })
     }
 
@@ -143,6 +147,12 @@ impl Remote {
         let decision = match store.decide(&remote, cost, mode).await {
             Ok(d) => {
                 self.breaker.success();
+                if self.failing.load(Ordering::Relaxed)
+                    && self.failing.swap(false, Ordering::AcqRel)
+                {
+                    let total = self.fallbacks.load(Ordering::Relaxed);
+                    tracing::info!(fallbacks_total = total, "the shared store decides again");
+                }
                 d
             }
             Err(e) => {
@@ -151,6 +161,7 @@ impl Remote {
                 if e.is_store_failure() {
                     // Said before the failure counts, so that the circuit it may open has it.
                     *self.last_failure.lock().unwrap_or_else(|e| e.into_inner()) = e.to_string();
+                    self.failing.store(true, Ordering::Relaxed);
                     self.breaker.failure(gate == Gate::Probe);
                 } else {
                     self.breaker.success();
