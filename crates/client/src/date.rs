@@ -29,16 +29,19 @@ pub(crate) fn is_day_name(text: &str) -> bool {
 }
 
 /// The moment `text` names, if it is an HTTP-date in one of the three forms. `now` places an
-/// RFC 850 date's two-digit year: the year with those digits from 49 years before `now`'s to 50
-/// after (RFC 9110: one that "appears to be more than 50 years in the future" is in the past).
-/// Names of days and months are case-sensitive, and the day name must be the date's.
+/// RFC 850 date's two-digit year: the latest year with those digits whose date is at most 50
+/// years after `now` (RFC 9110: a date that "appears to be more than 50 years in the future"
+/// is in the past), the moment compared, not only the year. Names of days and months are
+/// case-sensitive, and the day name must be the date's (in the year so placed).
 pub(crate) fn parse(text: &str, now: SystemTime) -> Option<SystemTime> {
     let date = if let Some((day, rest)) = text.split_once(", ") {
         if let Some(weekday) = DAYS.iter().position(|d| *d == day) {
             imf_fixdate(rest.as_bytes(), weekday)?
         } else {
             let weekday = LONG_DAYS.iter().position(|d| *d == day)?;
-            rfc850(rest.as_bytes(), weekday, year_of(now))?
+            let mut date = rfc850(rest.as_bytes(), weekday, year_of(now))?;
+            date.place_within_fifty_years_of(now);
+            date
         }
     } else {
         asctime(text.as_bytes())?
@@ -56,6 +59,30 @@ struct Civil {
 }
 
 impl Civil {
+    /// Moves a two-digit year by centuries to the latest one whose date is at most 50 years
+    /// (of 365.2425 days) after `now`.
+    fn place_within_fifty_years_of(&mut self, now: SystemTime) {
+        const FIFTY_YEARS: i64 = 50 * 31_556_952;
+        let limit = seconds_of(now).saturating_add(FIFTY_YEARS);
+        let at = |year: i64| {
+            let days = days_from_civil(year, self.month, self.day);
+            days.saturating_mul(86_400)
+                .saturating_add(i64::from(self.seconds))
+        };
+        // The year starts in `now`'s century: two steps either way reach any placing. Bounded,
+        // since far from the epoch both sides saturate alike.
+        for _ in 0..2 {
+            if at(self.year) > limit {
+                self.year -= 100;
+            }
+        }
+        for _ in 0..2 {
+            if at(self.year + 100) <= limit {
+                self.year += 100;
+            }
+        }
+    }
+
     /// The moment, if the day exists in its month and the day name is right.
     fn moment(&self) -> Option<SystemTime> {
         if self.day == 0 || self.day > days_in_month(self.year, self.month) {
@@ -66,7 +93,9 @@ impl Civil {
         if (days + 3).rem_euclid(7) as usize != self.weekday {
             return None;
         }
-        let secs = days * 86_400 + i64::from(self.seconds);
+        let secs = days
+            .checked_mul(86_400)?
+            .checked_add(i64::from(self.seconds))?;
         if secs >= 0 {
             SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(secs.unsigned_abs()))
         } else {
@@ -89,18 +118,14 @@ fn imf_fixdate(b: &[u8], weekday: usize) -> Option<Civil> {
     })
 }
 
-/// `06-Nov-94 08:49:37 GMT`, after `Sunday, `.
+/// `06-Nov-94 08:49:37 GMT`, after `Sunday, `: the year in `this_year`'s century, for
+/// [`Civil::place_within_fifty_years_of`] to place.
 fn rfc850(b: &[u8], weekday: usize, this_year: i64) -> Option<Civil> {
     if b.len() != 22 || b[2] != b'-' || b[6] != b'-' || b[9] != b' ' || &b[18..] != b" GMT" {
         return None;
     }
     let two = i64::from(digits(&b[7..9])?);
-    let mut year = this_year - this_year.rem_euclid(100) + two;
-    if year > this_year + 50 {
-        year -= 100;
-    } else if year <= this_year - 50 {
-        year += 100;
-    }
+    let year = this_year - this_year.rem_euclid(100) + two;
     Some(Civil {
         day: digits(&b[0..2])?,
         month: month(&b[3..6])?,
@@ -175,6 +200,14 @@ fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
     let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(day) - 1;
     let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
     era * 146_097 + doe - 719_468
+}
+
+/// Seconds from 1970-01-01 to `now` (negative before), saturating far out.
+fn seconds_of(now: SystemTime) -> i64 {
+    match now.duration_since(SystemTime::UNIX_EPOCH) {
+        Ok(d) => i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        Err(e) => i64::try_from(e.duration().as_secs()).map_or(i64::MIN, |s| -s),
+    }
 }
 
 /// The year (UTC) of `now`.
@@ -264,6 +297,33 @@ mod tests {
         assert_eq!(year("Wednesday, 01-Jan-76 00:00:00 GMT"), 2076);
         assert_eq!(year("Saturday, 01-Jan-77 00:00:00 GMT"), 1977);
         assert_eq!(year("Saturday, 01-Jan-00 00:00:00 GMT"), 2000);
+        // The moment decides, not the year alone (review): on 2026-12-01, 30-Nov-76 is 49.99
+        // years ahead (2076), 02-Dec-76 50.003 (1976, a Thursday).
+        assert_eq!(year("Monday, 30-Nov-76 00:00:00 GMT"), 2076);
+        assert_eq!(year("Thursday, 02-Dec-76 00:00:00 GMT"), 1976);
+        assert_eq!(
+            parse("Wednesday, 02-Dec-76 00:00:00 GMT", now()),
+            None,
+            "2076's weekday"
+        );
+        // On 2026-01-01, 31-Dec-76 is 1976-12-31, a Friday, in the past.
+        let new_year = at(1_767_225_600);
+        assert_eq!(
+            parse("Friday, 31-Dec-76 23:59:59 GMT", new_year),
+            Some(at(220_924_799))
+        );
+        // Far from the epoch either way, placing ends (and panics on nothing).
+        for secs in [i64::MAX, i64::MAX / 2, i64::MIN / 2, -62_135_596_800] {
+            let far = SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(secs.unsigned_abs()));
+            let far = if secs >= 0 {
+                far
+            } else {
+                SystemTime::UNIX_EPOCH.checked_sub(Duration::from_secs(secs.unsigned_abs()))
+            };
+            if let Some(far) = far {
+                let _ = parse("Sunday, 06-Nov-94 08:49:37 GMT", far);
+            }
+        }
     }
 
     #[test]

@@ -14,15 +14,18 @@ use crate::retry_after::retry_after_header;
 /// - Only `429 Too Many Requests` and `503 Service Unavailable` are retried.
 /// - The wait is the response's `Retry-After`. Without a usable one, it is the longest `t` of
 ///   the `RateLimit` limits the response says are spent (`r=0`), as the RateLimit draft asks a
-///   client not to exceed a quota before it resets; without either, a [`Backoff`] draw.
+///   client not to exceed a quota before it resets (not on a response from a cache, `Age`
+///   above 0, whose fields the draft asks to ignore); without either, a [`Backoff`] draw.
 /// - A wait of zero (`Retry-After: 0`, a date already past, or `t=0`) is honoured for the first
-///   retry only; after that it is a [`Backoff`] draw, so a server (or a clock) that keeps saying
-///   "now" does not get the attempts back to back.
+///   retry only; after that it is set aside (the next source is read: a spent limit's reset,
+///   then a [`Backoff`] draw), so a server (or a clock) that keeps saying "now" does not get
+///   the attempts back to back.
 /// - Only idempotent methods are retried (GET, HEAD, OPTIONS, TRACE, PUT, DELETE, and QUERY,
 ///   which the `http` crate also counts), unless [`RetryPolicy::retry_non_idempotent`] opts in.
 /// - At most `max_attempts` requests are sent, first one included.
 /// - Waiting never takes the total time past `budget`: when the next wait would, the policy
-///   stops and the caller keeps the last response instead of sleeping.
+///   stops and the caller keeps the last response instead of sleeping. No wait is shortened to
+///   fit, a backoff draw included (its full jitter is what spreads refused callers apart).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetryPolicy {
     max_attempts: NonZeroU32,
@@ -121,14 +124,19 @@ impl RetryPolicy {
             return Decision::Stop(StopReason::AttemptsExhausted);
         }
         let remaining = self.budget.saturating_sub(attempt.elapsed);
-        // A server's wait is kept as it is (over the budget, the caller stops); a backoff of our
-        // own is drawn within what is left of the budget, so the draw alone never ends it.
+        // A zero wait is taken once; after that it is set aside before the next source is
+        // read, so a `Retry-After: 0` beside a spent limit's reset still waits for the reset.
+        let usable = |wait: &Duration| !wait.is_zero() || attempt.number == 1;
         let asked = retry_after_header(attempt.headers, attempt.now)
-            .or_else(|| spent_until(attempt.headers))
-            .filter(|wait| !wait.is_zero() || attempt.number == 1);
+            .filter(usable)
+            .or_else(|| spent_until(attempt.headers).filter(usable));
+        // Neither a server's wait nor a backoff draw is shortened to fit the budget: one that
+        // would end past it stops the retries. (Drawing within what was left made the last
+        // waits shrink, the attempts near the budget's end going out nearly back to back to a
+        // server that had said it was full: found by review.)
         let wait = asked.unwrap_or_else(|| {
             let retry = attempt.number.saturating_sub(1);
-            self.backoff.wait_within(retry, remaining, rng)
+            self.backoff.wait(retry, rng)
         });
         if wait > remaining || remaining.is_zero() {
             return Decision::Stop(StopReason::OverBudget { wait, remaining });
@@ -147,8 +155,22 @@ impl Default for RetryPolicy {
 
 /// The longest reset time `t` of the limits a `RateLimit` field says are spent (`r=0`), if it
 /// is readable and names one. Draft-ietf-httpapi-ratelimit-headers section 7: a client should
-/// not exceed the quota before it resets.
+/// not exceed the quota before it resets. None for a response from a cache (`Age` above 0):
+/// the draft asks that its fields be ignored there (section 7.3), their `t` counting from
+/// when the response was made, not from now.
 fn spent_until(headers: &HeaderMap) -> Option<Duration> {
+    // RFC 9111 section 5.1: the first member of the first field; an invalid one is ignored.
+    let age = headers.get(http::header::AGE).and_then(|age| {
+        let first = age.as_bytes().split(|&b| b == b',').next()?;
+        std::str::from_utf8(first.trim_ascii())
+            .ok()?
+            .parse::<u64>()
+            .ok()
+    });
+    let cached = age.is_some_and(|a| a > 0);
+    if cached {
+        return None;
+    }
     crate::ratelimit::limits(headers)
         .ok()?
         .iter()
@@ -396,29 +418,84 @@ mod tests {
         );
     }
 
-    /// A backoff of its own is drawn within what is left of the budget: the draw alone never
-    /// ends the retries (a server's `Retry-After` over the budget still does).
+    /// A backoff draw is not shortened to fit the budget (review: drawing within what was left
+    /// made the last waits shrink, the attempts near the budget's end bunching): it is drawn
+    /// over its whole ceiling, and one that would end past the budget stops the retries, as a
+    /// server's `Retry-After` over the budget does.
     #[test]
-    fn a_backoff_is_drawn_within_what_is_left_of_the_budget() {
+    fn a_backoff_draw_is_not_shortened_to_fit_the_budget() {
         let p = RetryPolicy::new(
             NonZeroU32::new(5).unwrap(),
             Duration::from_secs(1),
             Backoff::new(Duration::from_millis(800), Duration::from_secs(10)).unwrap(),
         );
-        for _ in 0..200 {
+        let (mut retried, mut stopped) = (0, 0);
+        let mut rng = StdRng::seed_from_u64(7);
+        for _ in 0..400 {
             // 0.1 s left, a ceiling of 1.6 s on the second retry.
-            let d = decide_at(
-                &p,
-                2,
-                Method::GET,
-                503,
-                &HeaderMap::new(),
-                Duration::from_millis(900),
-            );
+            let a = Attempt {
+                number: 2,
+                method: &Method::GET,
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                headers: &HeaderMap::new(),
+                elapsed: Duration::from_millis(900),
+                now: SystemTime::now(),
+            };
+            match p.decide(&a, &mut rng) {
+                Decision::Retry(w) => {
+                    assert!(w <= Duration::from_millis(100), "{w:?}");
+                    retried += 1;
+                }
+                Decision::Stop(StopReason::OverBudget { wait, remaining }) => {
+                    assert!(wait > remaining && wait <= Duration::from_millis(1600));
+                    assert_eq!(remaining, Duration::from_millis(100));
+                    stopped += 1;
+                }
+                d => panic!("{d:?}"),
+            }
+        }
+        // A draw over [0, 1.6 s] fits in the 0.1 s left one time in 16.
+        assert!(
+            (10..=45).contains(&retried),
+            "{retried} retried, {stopped} stopped"
+        );
+    }
+
+    /// Review: once a zero wait had been set aside, a spent limit's reset beside it was
+    /// ignored too, and the retry went after a backoff draw into a quota the server had said
+    /// was spent for 20 s. A response from a cache (`Age` above 0) has its `RateLimit` fields
+    /// ignored (draft section 7.3).
+    #[test]
+    fn a_zero_retry_after_set_aside_leaves_a_spent_limits_reset_and_a_cached_one_is_ignored() {
+        let p = policy(5, secs(60));
+        let mut h = retry_after("0");
+        h.insert("ratelimit", HeaderValue::from_static(r#""key";r=0;t=20"#));
+        assert_eq!(
+            decide(&p, 1, Method::GET, 429, &h),
+            Decision::Retry(Duration::ZERO),
+            "Retry-After comes first"
+        );
+        assert_eq!(
+            decide(&p, 2, Method::GET, 429, &h),
+            Decision::Retry(secs(20))
+        );
+        for age in ["3600", "1", "7, 0"] {
+            let mut cached = HeaderMap::new();
+            cached.insert("ratelimit", HeaderValue::from_static(r#""key";r=0;t=50"#));
+            cached.insert("age", HeaderValue::from_static(age));
+            let d = decide(&p, 1, Method::GET, 429, &cached);
             assert!(
-                matches!(d, Decision::Retry(w) if w <= Duration::from_millis(100)),
-                "{d:?}"
+                matches!(d, Decision::Retry(w) if w <= secs(2)),
+                "{age}: {d:?}"
             );
+        }
+        // Age 0, or an invalid Age (which RFC 9111 section 5.1 says to ignore): not cached.
+        for age in ["0", "x", "-5"] {
+            let mut fresh = HeaderMap::new();
+            fresh.insert("ratelimit", HeaderValue::from_static(r#""key";r=0;t=50"#));
+            fresh.insert("age", HeaderValue::from_static(age));
+            let d = decide(&p, 1, Method::GET, 429, &fresh);
+            assert_eq!(d, Decision::Retry(secs(50)), "{age}");
         }
     }
 
