@@ -118,10 +118,11 @@ impl<'a> Source<'a> {
 }
 
 /// `message` as one printable line: control characters (a value's newline, NUL) escaped, so
-/// that a value cannot forge a line of its own, and a very long one (a 1 MB value) cut in the
-/// middle.
+/// that a value cannot forge a line of its own, a very long one (a 1 MB value) cut in the
+/// middle, and the password of anything written like a URL's userinfo shown as `***`.
 pub fn printable(message: String) -> String {
     const MOST: usize = 600;
+    let message = without_passwords(message);
     // Control characters, and the invisible ones that reorder or hide text (bidirectional
     // overrides and isolates, zero-width marks).
     let hidden = |c: char| {
@@ -152,6 +153,63 @@ pub fn printable(message: String) -> String {
     )
 }
 
+/// `text` with the password of every URL-like word in it (`scheme://user:password@host`, and
+/// the slips `scheme:/user:password@host` and `user:password@host`) shown as `***`: an error
+/// quotes the value it refuses, and a Redis or upstream URL's password must never be printed,
+/// whatever the error (found by review: a `url` in the wrong section, of the wrong type, or
+/// missing a slash was shown whole). Words run between spaces and double quotes.
+fn without_passwords(text: String) -> String {
+    if !text.contains('@') {
+        return text;
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut word = String::new();
+    let mut flush = |word: &mut String, out: &mut String| {
+        out.push_str(&redact_userinfo(word));
+        word.clear();
+    };
+    for c in text.chars() {
+        if c.is_whitespace() || c == '"' {
+            flush(&mut word, &mut out);
+            out.push(c);
+        } else {
+            word.push(c);
+        }
+    }
+    flush(&mut word, &mut out);
+    out
+}
+
+/// One word, its userinfo's password (after the first `:` of what stands before the last `@`,
+/// past a `scheme:` followed by slashes) replaced by `***`.
+fn redact_userinfo(word: &str) -> std::borrow::Cow<'_, str> {
+    let Some(at) = word.rfind('@') else {
+        return word.into();
+    };
+    // A scheme is letters, digits, `+`, `-` and `.` from a letter, then `:/`; what stands
+    // before it (`app=` of `--upstream app=URL`) is kept.
+    let scheme_end = word[..at]
+        .find(":/")
+        .filter(|&i| {
+            let scheme = word[..i]
+                .rsplit(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
+                .next()
+                .unwrap_or("");
+            scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        })
+        .map_or(0, |i| i + 1);
+    let start =
+        scheme_end + word[scheme_end..].len() - word[scheme_end..].trim_start_matches('/').len();
+    if start > at {
+        return word.into();
+    }
+    let Some(colon) = word[start..at].find(':') else {
+        return word.into();
+    };
+    let from = start + colon + 1;
+    format!("{}***{}", &word[..from], &word[at..]).into()
+}
+
 fn floor_char_boundary(s: &str, mut i: usize) -> usize {
     while i > 0 && !s.is_char_boundary(i) {
         i -= 1;
@@ -173,6 +231,48 @@ mod tests {
         let long = printable(format!("\"{}\" is too long", "x".repeat(5000)));
         assert!(long.len() < 700 && long.contains(" [...] "), "{long}");
         assert!(long.ends_with("\" is too long"));
+    }
+
+    #[test]
+    fn passwords_are_never_printed() {
+        for (said, shown) in [
+            (
+                "\"redis://u:SECRET1@h:6379\" is not used",
+                "\"redis://u:***@h:6379\" is not used",
+            ),
+            (
+                "[\"redis://u:SECRET2@h:6379\"]: invalid type: sequence",
+                "[\"redis://u:***@h:6379\"]: invalid type: sequence",
+            ),
+            (
+                "\"redis:/u:SECRET3@h:6379\" is not",
+                "\"redis:/u:***@h:6379\" is not",
+            ),
+            (
+                "string \"redis://u:SECRET4@h:6379\", expected",
+                "string \"redis://u:***@h:6379\", expected",
+            ),
+            ("http://u:SECRETX@h twice", "http://u:***@h twice"),
+            (
+                "--upstream app=http://u:SECRETX@h:",
+                "--upstream app=http://u:***@h:",
+            ),
+            ("redis://:SECRET@[::1]:6379/0", "redis://:***@[::1]:6379/0"),
+            ("u:SECRET@h:6379", "u:***@h:6379"),
+            ("redis://u:pa:ss@w@h", "redis://u:***@h"),
+            ("redis:u:SECRET@h", "redis:***@h"),
+        ] {
+            assert_eq!(printable(said.into()), shown, "{said}");
+            assert!(!printable(said.into()).contains("SECRET"));
+        }
+        for kept in [
+            "user@example.com is",
+            "redis://u@h:6379",
+            "no at sign: a:b",
+            "\"@\" x",
+        ] {
+            assert_eq!(printable(kept.into()), kept);
+        }
     }
 
     #[test]
