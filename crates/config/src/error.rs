@@ -164,7 +164,7 @@ fn without_passwords(text: String) -> String {
     }
     let mut out = String::with_capacity(text.len());
     let mut word = String::new();
-    let mut flush = |word: &mut String, out: &mut String| {
+    let flush = |word: &mut String, out: &mut String| {
         out.push_str(&redact_userinfo(word));
         word.clear();
     };

@@ -263,6 +263,11 @@ fn serde_error_plain(
 /// serde's words for sluice's own types (`struct RawGateway`, `i64`) in the words of the file:
 /// a table, an integer.
 fn plain_types(message: &str) -> String {
+    // A table (a dotted key, `max_held.x = 1`) where one value goes: toml's spanned value reads
+    // the table's first key as its own marker and says so in its words (review).
+    if message.contains("expected a borrowed string") {
+        return "invalid type: table, expected one value".to_owned();
+    }
     let mut out = message.to_owned();
     for (rust, toml) in [
         ("expected i64", "expected an integer"),

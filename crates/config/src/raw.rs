@@ -8,25 +8,57 @@ use toml::Spanned;
 
 pub(crate) type S<T> = Spanned<T>;
 
+/// A section or entry written as a TOML table (`[gateway]`, `{ min = "2s", max = "5s" }`),
+/// and only as one. serde's derived structs also take an array, matching its elements to the
+/// fields by position, so `respond = [201, "x", "text/plain"]` and `admin = ["127.0.0.1:9"]`
+/// were read without a key named and past `deny_unknown_fields` (found by review).
+#[derive(Debug, Default)]
+pub(crate) struct Table<T>(pub T);
+
+impl<T> std::ops::Deref for Table<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Table<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Visitor<T> {
+            type Value = Table<T>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a table")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Table<T>, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map)).map(Table)
+            }
+        }
+        d.deserialize_map(Visitor(std::marker::PhantomData))
+    }
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawConfig {
     #[serde(default)]
-    pub gateway: RawGateway,
+    pub gateway: Table<RawGateway>,
     #[serde(default)]
-    pub admin: RawAdmin,
+    pub admin: Table<RawAdmin>,
     #[serde(default)]
-    pub identity: RawIdentity,
+    pub identity: Table<RawIdentity>,
     #[serde(default)]
-    pub responses: RawResponses,
+    pub responses: Table<RawResponses>,
     #[serde(default)]
-    pub upstreams: BTreeMap<S<String>, RawUpstream>,
+    pub upstreams: BTreeMap<S<String>, Table<RawUpstream>>,
     #[serde(default)]
-    pub routes: Vec<RawRoute>,
+    pub routes: Vec<Table<RawRoute>>,
     #[serde(default)]
-    pub limits: Vec<RawLimit>,
+    pub limits: Vec<Table<RawLimit>>,
     #[serde(default)]
-    pub store: RawStore,
+    pub store: Table<RawStore>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -42,7 +74,7 @@ pub(crate) struct RawGateway {
     pub send_timeout: Option<S<String>>,
     pub max_body_size: Option<S<String>>,
     pub shutdown_grace: Option<S<String>>,
-    pub overload_retry_after: Option<S<RawRange>>,
+    pub overload_retry_after: Option<S<Table<RawRange>>>,
     pub merge_slashes: Option<bool>,
     pub count_unrouted: Option<bool>,
     pub min_body_rate: Option<S<String>>,
@@ -97,7 +129,7 @@ pub(crate) struct RawRoute {
     pub methods: Option<S<Vec<S<String>>>>,
     pub host: Option<S<String>>,
     pub upstream: Option<S<String>>,
-    pub respond: Option<S<RawRespond>>,
+    pub respond: Option<S<Table<RawRespond>>>,
     pub cost: Option<S<i64>>,
 }
 

@@ -626,7 +626,7 @@ routes = ["wild", "wild"]
             "c.toml:3:7: upstreams.a.url: \"127.0.0.1:3900\" has no scheme (write e.g. \"http://127.0.0.1:3000\")",
             "c.toml:5:7: upstreams.b.url: \"http://127.0.0.1:70000\" has a port outside 1 to 65535",
             "c.toml:7:7: upstreams.c.url: \"http://127.0.0.1:0\" has a port outside 1 to 65535",
-            "c.toml:11:7: upstreams.e.url: \"http://user:pw@127.0.0.1\" has a user or password: an upstream URL is scheme, host and port only",
+            "c.toml:11:7: upstreams.e.url: \"http://user:***@127.0.0.1\" has a user or password: an upstream URL is scheme, host and port only",
             "c.toml:13:7: upstreams.f.url: \"http://127.0.0.1:+80\" has a port that is not a number",
             "c.toml:15:7: upstreams.g.url: \"http://127.0.0.1:80#x\" has a fragment; an upstream URL is scheme, host and port only",
             "c.toml:20:34: routes[0].respond.body: a 204 response has no body: \"gone\" would never be sent (leave body out)",
@@ -954,4 +954,36 @@ fn max_keys_defaults_to_a_million_and_is_a_count() {
         "{}",
         e[0]
     );
+}
+
+/// A section or entry is a table and only a table: an array in its place was read by position
+/// (`respond = [201, "x", "text/plain"]` served a 201, `admin = ["127.0.0.1:9999"]` listened
+/// there), past the check for unknown keys (found by review). And a table where one value
+/// goes is said in TOML's words.
+#[test]
+fn an_array_is_no_table_and_a_table_is_no_value() {
+    for (text, said) in [
+        (
+            "[[routes]]\nname = \"r\"\npath = \"/\"\nrespond = [201, \"x\", \"text/plain\"]\n",
+            "c.toml:4:11: routes[0].respond: [201, \"x\", \"text/plain\"]: invalid type: sequence, expected a table",
+        ),
+        (
+            "admin = [\"127.0.0.1:9999\"]\n",
+            "c.toml:1:9: admin: [\"127.0.0.1:9999\"]: invalid type: sequence, expected a table",
+        ),
+        (
+            "[gateway]\noverload_retry_after = [\"3s\", \"7s\"]\n",
+            "c.toml:2:24: gateway.overload_retry_after: [\"3s\", \"7s\"]: invalid type: sequence, expected a table",
+        ),
+        (
+            "[[gateway]]\nlisten = \"127.0.0.1:1\"\n",
+            "c.toml:1:1: gateway: invalid type: sequence, expected a table",
+        ),
+        (
+            "[gateway]\nmax_held.x = 1\n",
+            "c.toml:2:10: gateway.max_held.x: invalid type: table, expected one value",
+        ),
+    ] {
+        assert_eq!(errors(text), [said], "{text}");
+    }
 }

@@ -7,13 +7,13 @@ use super::routes::list_or_none;
 use super::sections::is_header_name;
 use super::Validator;
 use crate::model::{Algorithm, KeyPart, Limit, Mode, Route};
-use crate::raw::{RawLimit, RawRoute, S};
+use crate::raw::{RawLimit, RawRoute, Table, S};
 
 impl Validator<'_> {
     pub(super) fn limits(
         &mut self,
-        raw: &[RawLimit],
-        raw_routes: &[RawRoute],
+        raw: &[Table<RawLimit>],
+        raw_routes: &[Table<RawRoute>],
         routes: &[Route],
     ) -> Vec<Limit> {
         self.unique_names("limits", raw.iter().map(|l| &l.name));
@@ -41,7 +41,7 @@ impl Validator<'_> {
         &mut self,
         i: usize,
         l: &RawLimit,
-        raw_routes: &[RawRoute],
+        raw_routes: &[Table<RawRoute>],
         route_index: &HashMap<&str, usize>,
     ) -> Option<Limit> {
         let key = |field: &str| format!("limits[{i}].{field}");
@@ -289,7 +289,7 @@ impl Validator<'_> {
     }
 
     /// A route whose cost exceeds the most a limit can ever hold would be refused forever.
-    fn costs_fit(&mut self, limits: &[Limit], routes: &[Route], raw_routes: &[RawRoute]) {
+    fn costs_fit(&mut self, limits: &[Limit], routes: &[Route], raw_routes: &[Table<RawRoute>]) {
         for (ri, route) in routes.iter().enumerate() {
             for limit in limits {
                 let applies = limit.applies_to(ri);

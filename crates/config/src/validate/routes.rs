@@ -4,12 +4,12 @@ use std::num::NonZeroU32;
 
 use super::Validator;
 use crate::model::{methods_match, Respond, Route, RouteAction, Upstream};
-use crate::raw::{RawRespond, RawRoute, S};
+use crate::raw::{RawRespond, RawRoute, Table, S};
 
 impl Validator<'_> {
     pub(super) fn routes(
         &mut self,
-        raw: &[RawRoute],
+        raw: &[Table<RawRoute>],
         upstreams: &[Upstream],
         merge_slashes: bool,
     ) -> Vec<Route> {
@@ -24,7 +24,7 @@ impl Validator<'_> {
     /// Paths are matched regardless of case: a route with the path of an earlier one but for
     /// case, the same host (or the earlier one has none: every host), and no method the earlier
     /// one does not match, could never match.
-    fn reachable(&mut self, raw: &[RawRoute]) {
+    fn reachable(&mut self, raw: &[Table<RawRoute>]) {
         // The methods a route matches (`None`: all), as the router compares them: ignoring
         // case, and `GET` taking `HEAD`.
         fn names(ms: &S<Vec<S<String>>>) -> impl Iterator<Item = &str> {
@@ -205,7 +205,7 @@ impl Validator<'_> {
         found.map(RouteAction::Upstream)
     }
 
-    fn respond(&mut self, r: &S<RawRespond>, key: &str) -> Option<RouteAction> {
+    fn respond(&mut self, r: &S<Table<RawRespond>>, key: &str) -> Option<RouteAction> {
         let raw = r.get_ref();
         let status = u16::try_from(*raw.status.get_ref())
             .ok()

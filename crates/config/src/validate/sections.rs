@@ -12,7 +12,7 @@ use crate::model::{
     Admin, ClientIpHeader, Gateway, Identity, KeySource, MinBodyRate, Responses, RetryRange,
     Upstream,
 };
-use crate::raw::{RawAdmin, RawGateway, RawIdentity, RawResponses, RawUpstream, S};
+use crate::raw::{RawAdmin, RawGateway, RawIdentity, RawResponses, RawUpstream, Table, S};
 use crate::Cidr;
 
 const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
@@ -353,7 +353,10 @@ impl Validator<'_> {
         }
     }
 
-    pub(super) fn upstreams(&mut self, raw: &BTreeMap<S<String>, RawUpstream>) -> Vec<Upstream> {
+    pub(super) fn upstreams(
+        &mut self,
+        raw: &BTreeMap<S<String>, Table<RawUpstream>>,
+    ) -> Vec<Upstream> {
         let mut out = Vec::with_capacity(raw.len());
         for (name, u) in raw {
             let key = format!("upstreams.{}", name.get_ref());

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::Validator;
 use crate::host::{host_ok, redact_url};
 use crate::model::{Algorithm, Limit, OnError, RedisStore, Store};
-use crate::raw::{RawLimit, RawStore, S};
+use crate::raw::{RawLimit, RawStore, Table, S};
 
 /// `timeout` when not written.
 pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
@@ -144,7 +144,7 @@ impl Validator<'_> {
     /// same products as `sluice_store_redis::RemoteLimit::new` checks when `sluice run` starts,
     /// so that `sluice check` refuses what `run` would (a test in the gateway holds the two
     /// together).
-    pub(super) fn redis_exact(&mut self, limits: &[Limit], raw: &[RawLimit]) {
+    pub(super) fn redis_exact(&mut self, limits: &[Limit], raw: &[Table<RawLimit>]) {
         const EXACT: u128 = 1 << 52;
         for (i, (l, r)) in limits.iter().zip(raw).enumerate() {
             let Some(window) = l.window else { continue };
