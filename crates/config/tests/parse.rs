@@ -908,10 +908,44 @@ fn repeated_unused_or_odd_values_are_refused() {
             "routes[0].host: \"a..b\" is not a host name",
         ),
     ];
+    // Review: hosts a route could never match were taken as having no port.
+    let cases = cases.into_iter().map(|(t, e)| (t.to_owned(), e.to_owned())).chain(
+        ["example.com:", "a:b", "a:65536", "[::1]x", "a:+80", "::1", "a:0"].map(|host| {
+            (
+                format!("[[routes]]\nname = \"r\"\npath = \"/\"\nhost = \"{host}\"\nrespond = {{ status = 200 }}\n"),
+                format!("routes[0].host: \"{host}\" is not a host name"),
+            )
+        }),
+    ).chain(
+        ["-:x", "+:x", "1http://x/", "https://ex.com/<x>", "http://x/%zz", "http://x/%4", "a:b\\\\c"].map(|base| {
+            (
+                format!("[responses]\nproblem_base = \"{base}\"\n"),
+                format!("responses.problem_base: \"{}\" is not an absolute URI", base.replace("\\\\", "\\")),
+            )
+        }),
+    );
+    let (mut fine_hosts, mut fine_bases) = (Vec::new(), Vec::new());
+    for host in ["[::1]", "a.example.", "api-1_x.example.com"] {
+        fine_hosts.push(format!("[[routes]]\nname = \"r\"\npath = \"/\"\nhost = \"{host}\"\nrespond = {{ status = 200 }}\n"));
+    }
+    for base in [
+        "urn:sluice:problem:",
+        "https://api.example.com/problems/",
+        "tag:x.org,2026:p%2F#",
+    ] {
+        fine_bases.push(format!("[responses]\nproblem_base = \"{base}\"\n"));
+    }
+    for text in fine_hosts.iter().chain(&fine_bases) {
+        assert!(parse(text, Path::new("c.toml")).is_ok(), "{text}");
+    }
+    assert_eq!(
+        errors("[[routes]]\nname = \"r\"\npath = \"/\"\nhost = \"[::1]:80\"\nrespond = { status = 200 }\n"),
+        ["c.toml:4:8: routes[0].host: \"[::1]:80\" has a port: a route matches its host on any port (write the host alone)"]
+    );
     for (text, expected) in cases {
-        let e = errors(text);
+        let e = errors(&text);
         assert_eq!(e.len(), 1, "{e:?}");
-        assert!(e[0].contains(expected), "{text}: {e:?}");
+        assert!(e[0].contains(&expected), "{text}: {e:?}");
     }
 }
 

@@ -332,16 +332,20 @@ impl Validator<'_> {
             None => "urn:sluice:problem:".to_owned(),
             Some(v) => {
                 let s = v.get_ref();
+                // RFC 3986: a scheme from a letter, then only URI characters, each `%` an
+                // escape (found by review: `-:x`, `1http://x/`, `<x>` and `%zz` were taken).
                 let scheme_ok = s.split_once(':').is_some_and(|(scheme, _)| {
-                    !scheme.is_empty()
+                    scheme.starts_with(|c: char| c.is_ascii_alphabetic())
                         && scheme
                             .chars()
                             .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
                 });
-                if !scheme_ok
-                    || s.chars()
-                        .any(|c| c.is_whitespace() || c.is_control() || c == '"')
-                {
+                let uri_char =
+                    |c: char| c.is_ascii_alphanumeric() || "-._~:/?#[]@!$&'()*+,;=%".contains(c);
+                let escapes_ok = s.split('%').skip(1).all(|after| {
+                    after.len() >= 2 && after.as_bytes()[..2].iter().all(u8::is_ascii_hexdigit)
+                });
+                if !scheme_ok || !s.chars().all(uri_char) || !escapes_ok {
                     self.err(Some(v.span()), "responses.problem_base", format!("\"{s}\" is not an absolute URI (write e.g. \"https://api.example.com/problems/\")"));
                 }
                 s.clone()
