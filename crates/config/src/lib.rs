@@ -208,6 +208,23 @@ fn serde_error_plain(
         .join("; ");
     let message = plain_types(&message);
     let mut message = message;
+    // TOML says nothing of a control character in a comment (review: the line was printed
+    // with an empty message), or that it expected a newline: name it, wherever it is.
+    let control = inner.span().and_then(|span| {
+        let c = text.get(span.start..)?.chars().next()?;
+        (c.is_control() && !matches!(c, '\t' | '\n' | '\r')).then_some(c)
+    });
+    if let Some(c) = control {
+        if key.is_empty() {
+            key = key_at(text, inner.span().map_or(0, |s| s.start));
+        }
+        let message = format!(
+            "control character U+{:04X} is not allowed here: TOML allows none but tab outside strings, comments included (inside a string, write it as \\u{:04X})",
+            u32::from(c),
+            u32::from(c)
+        );
+        return error::Source::new(file, text).error(inner.span(), key, message);
+    }
     if let Some(span) = inner.span() {
         // An error inside a string (a bad escape, one never closed) is the string's key's; the
         // value shown is the string on the error's line, from its opening quote or the line's

@@ -1021,3 +1021,19 @@ fn an_array_is_no_table_and_a_table_is_no_value() {
         assert_eq!(errors(text), [said], "{text}");
     }
 }
+
+/// A control character is named wherever it stands (review: one in a comment gave a line with
+/// no message at all).
+#[test]
+fn a_control_character_is_named_even_in_a_comment() {
+    let said = |text: &str| errors(text).join("\n");
+    assert_eq!(
+        said("# c\u{1}mment\n"),
+        "c.toml:1:4: control character U+0001 is not allowed here: TOML allows none but tab outside strings, comments included (inside a string, write it as \\u0001)"
+    );
+    let e = said("[gateway]\nlisten = \"127.0.0.1:1\" # \u{7f}\n");
+    assert!(
+        e.starts_with("c.toml:2:26: gateway.listen: control character U+007F is not allowed here"),
+        "{e}"
+    );
+}

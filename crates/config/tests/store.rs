@@ -76,6 +76,21 @@ fn redis_without_url_names_the_missing_key() {
         errors("[store]\nkind = \"redis\"\n"),
         vec!["c.toml:2:8: store.url: required with kind = \"redis\" (write e.g. url = \"redis://127.0.0.1:6379\")"]
     );
+    // Review: the other keys' problems were found only once a url was added.
+    let text = "[store]\nkind = \"redis\"\ntimeout = \"bogus\"\non_error = \"maybe\"\nhash_secret_env = \"1X\"\n";
+    let keys: Vec<String> = errors(text)
+        .iter()
+        .map(|e| e.split(": ").nth(1).unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "store.url",
+            "store.timeout",
+            "store.on_error",
+            "store.hash_secret_env"
+        ]
+    );
 }
 
 #[test]

@@ -59,16 +59,19 @@ impl Validator<'_> {
     }
 
     fn redis(&mut self, raw: &RawStore) -> Option<RedisStore> {
-        let Some(url) = &raw.url else {
-            let span = raw.kind.as_ref().map(S::span);
-            self.err(
-                span,
-                "store.url",
-                "required with kind = \"redis\" (write e.g. url = \"redis://127.0.0.1:6379\")",
-            );
-            return None;
+        // Without a url the other keys are still checked: every problem at once (review).
+        let url = match &raw.url {
+            Some(url) => self.redis_url(url).then(|| url.get_ref().clone()),
+            None => {
+                let span = raw.kind.as_ref().map(S::span);
+                self.err(
+                    span,
+                    "store.url",
+                    "required with kind = \"redis\" (write e.g. url = \"redis://127.0.0.1:6379\")",
+                );
+                None
+            }
         };
-        let url_ok = self.redis_url(url);
         let timeout = self.duration(&raw.timeout, "store.timeout", DEFAULT_TIMEOUT);
         let on_error = match &raw.on_error {
             None => OnError::Local,
@@ -107,7 +110,7 @@ impl Validator<'_> {
             }
         };
         Some(RedisStore {
-            url: url_ok.then(|| url.get_ref().clone())?,
+            url: url?,
             timeout,
             on_error,
             instances: instances?,
