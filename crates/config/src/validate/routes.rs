@@ -94,11 +94,12 @@ impl Validator<'_> {
         }
         let methods = r.methods.as_ref().map(|ms| {
             let all = ms.get_ref();
+            // A set, not a look back over the list: 100,000 methods took 19 s (review).
+            let mut seen = std::collections::HashSet::with_capacity(all.len());
             all.iter()
-                .enumerate()
-                .filter_map(|(j, m)| {
+                .filter_map(|m| {
                     let v = m.get_ref();
-                    if all[..j].iter().any(|earlier| earlier.get_ref() == v) {
+                    if !seen.insert(v.as_str()) {
                         self.err(Some(m.span()), &key("methods"), format!("\"{v}\" is listed twice"));
                         return None;
                     }

@@ -238,11 +238,12 @@ impl Validator<'_> {
             }
         };
         let mut trusted_proxies = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         for (i, s) in raw.trusted_proxies.iter().flatten().enumerate() {
             let key = format!("identity.trusted_proxies[{i}]");
             let parsed = s.get_ref().parse::<Cidr>();
             if let Ok(c) = &parsed {
-                if trusted_proxies.contains(c) {
+                if !seen.insert(*c) {
                     let msg = format!("\"{}\" is listed twice (as {c})", s.get_ref());
                     self.err(Some(s.span()), &key, msg);
                     continue;
