@@ -29,7 +29,9 @@ pub struct ConfigError {
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some(loc) = &self.location {
-            write!(f, "{}:{}:{}: ", loc.file.display(), loc.line, loc.column)?;
+            // The path as one printable line too: a file name holding a newline could forge one.
+            let file = printable(loc.file.display().to_string());
+            write!(f, "{file}:{}:{}: ", loc.line, loc.column)?;
         }
         if !self.key.is_empty() {
             write!(f, "{}: ", self.key)?;

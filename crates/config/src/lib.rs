@@ -39,7 +39,8 @@ pub fn load_with(path: &Path, url_overrides: &[(String, String)]) -> Result<Conf
         ConfigErrors(vec![ConfigError {
             location: None,
             key: String::new(),
-            message,
+            // It names the path, which is one printable line too.
+            message: printable(message),
         }])
     };
     let bytes = read_bounded(path).map_err(whole_file)?;

@@ -1037,3 +1037,18 @@ fn a_control_character_is_named_even_in_a_comment() {
         "{e}"
     );
 }
+
+/// The file's name is printed as one printable line: a name holding a newline could forge a
+/// line of its own (found by review).
+#[test]
+fn a_file_name_cannot_forge_a_line() {
+    let e = parse("x = 1\n", Path::new("evil\nfake.toml:1:1: forged")).unwrap_err();
+    assert_eq!(e.0.len(), 1);
+    let line = e.to_string();
+    assert!(
+        !line.contains('\n') && line.starts_with("evil\\nfake.toml"),
+        "{line}"
+    );
+    let missing = sluice_config::load(Path::new("/nonexistent/a\nb.toml")).unwrap_err();
+    assert!(!missing.to_string().contains('\n'), "{missing}");
+}

@@ -40,7 +40,7 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
         Store::Redis(r) => writeln!(
             out,
             "store: redis {} (timeout {}, on_error {}, instances {}, secret from ${})",
-            redact_url(&r.url),
+            printable(redact_url(&r.url)),
             format_duration(r.timeout),
             match r.on_error {
                 OnError::Allow => "allow",
