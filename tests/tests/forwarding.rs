@@ -1692,3 +1692,97 @@ async fn a_malformed_head_behind_an_upload_answered_early_gets_a_problem_body() 
     assert!(rest.starts_with("HTTP/1.1 400 "), "{rest}");
     assert!(rest.contains("/problems/bad-request"), "{rest}");
 }
+
+/// One HTTP/2 frame: its 9-byte header and `payload`.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len()).unwrap().to_be_bytes();
+    let mut f = vec![len[1], len[2], len[3], kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// Review: an HTTP/2 client that opened its flow-control windows wide and then stopped reading
+/// had its responses taken whole into the gateway's memory (hyper's defaults: 200 streams of
+/// 400 KiB each, about 60 MB per connection), each counted as sent once handed over, so
+/// neither `send_timeout` nor `max_in_flight` applied and readiness stayed up. Now a stream
+/// buffers 16 KiB ahead of the socket and a connection opens at most 100: the responses stay
+/// in flight (the gateway is full, and says so) until `send_timeout` cuts the connection.
+#[tokio::test]
+async fn an_http2_client_that_stops_reading_holds_places_not_memory() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const STREAMS: u32 = 64;
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), "5s").replace(
+        "max_in_flight = 64",
+        &format!("max_in_flight = {STREAMS}\nsend_timeout = \"3s\""),
+    );
+    let gw = Sluice::start(&cfg);
+    assert_eq!(get(gw.main, "/health", &[]).await.status, 200);
+    let before = gw.peak_rss();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut conn = socket.connect(gw.main).await.unwrap();
+    // The preface, windows opened as far as they go, and the server's settings read.
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    let window = (1u32 << 31) - 1;
+    hello.extend(h2_frame(
+        4,
+        0,
+        0,
+        &[&[0, 4][..], &window.to_be_bytes()].concat(),
+    ));
+    hello.extend(h2_frame(8, 0, 0, &(window - 65_535).to_be_bytes()));
+    conn.write_all(&hello).await.unwrap();
+    let mut head = [0; 9];
+    conn.read_exact(&mut head).await.unwrap();
+    assert_eq!(head[3], 4, "the server's SETTINGS first");
+    let mut settings = vec![0; usize::from(head[2])];
+    conn.read_exact(&mut settings).await.unwrap();
+    let streams = settings
+        .chunks(6)
+        .find(|s| s[..2] == [0, 3])
+        .map(|s| u32::from_be_bytes([s[2], s[3], s[4], s[5]]));
+    assert_eq!(streams, Some(100), "SETTINGS_MAX_CONCURRENT_STREAMS");
+    let mut asks = h2_frame(4, 1, 0, &[]);
+    // 300 KB each: under hyper's former 400 KiB stream buffer, so each was handed over whole.
+    let path = b"/api/download?bytes=300000";
+    for i in 0..STREAMS {
+        // HPACK: GET, http, :path and :authority as literals of indexed names.
+        let mut block = vec![0x82, 0x86, 0x04, path.len() as u8];
+        block.extend_from_slice(path);
+        block.extend_from_slice(&[0x01, 1, b'x']);
+        asks.extend(h2_frame(1, 0x5, 1 + 2 * i, &block));
+    }
+    conn.write_all(&asks).await.unwrap();
+    // Never read again: the gateway is full while the responses wait on this client...
+    let waited = tokio::time::Instant::now();
+    loop {
+        let ready = get(gw.main, "/health", &[]).await.status;
+        if ready == 503 {
+            break;
+        }
+        assert!(
+            waited.elapsed() < Duration::from_secs(2),
+            "the responses were taken as sent: readiness stayed up"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // ...holding little of them (64 x 300 KB would be 19 MB)...
+    let grown = gw.peak_rss().saturating_sub(before);
+    assert!(grown < 10 << 20, "grew {} KiB", grown >> 10);
+    // ...until send_timeout lets their places go.
+    loop {
+        if get(gw.main, "/health", &[]).await.status == 200 {
+            break;
+        }
+        assert!(
+            waited.elapsed() < Duration::from_secs(15),
+            "send_timeout never freed the stalled client's places"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let grown = gw.peak_rss().saturating_sub(before);
+    assert!(grown < 10 << 20, "grew {} KiB", grown >> 10);
+    drop(conn);
+}

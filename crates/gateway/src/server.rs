@@ -30,6 +30,14 @@ pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
 /// HTTP/2 requests are held to it by the gateway.
 pub(crate) const MAX_HEADERS: usize = 100;
 
+/// HTTP/2 streams a client may have open at once on one connection: RFC 9113's recommended
+/// least (section 6.5.2), nginx's default is 128.
+pub(crate) const H2_STREAMS: u32 = 100;
+
+/// Bytes of a response an HTTP/2 stream buffers ahead of the socket (hyper's default is 400
+/// KiB): the kernel's send buffer holds the rest of what is in flight.
+pub(crate) const H2_SEND_BUFFER: usize = 16 * 1024;
+
 /// Builds the connection settings of both listeners.
 pub(crate) fn builder() -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -42,6 +50,14 @@ pub(crate) fn builder() -> auto::Builder<TokioExecutor> {
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(MAX_HEAD_BYTES as u32)
+        // What a connection may hold of its responses while its client does not read: each
+        // stream buffers up to `H2_SEND_BUFFER` (and one more piece) ahead of the socket, so a
+        // connection holds at most about `H2_STREAMS` times that. hyper's defaults (200
+        // streams of 400 KiB) let one client that opened its windows and stopped reading pin
+        // about 60 MB per connection, past `send_timeout` and `max_in_flight` (a response
+        // handed over whole counted as sent): found by review.
+        .max_concurrent_streams(H2_STREAMS)
+        .max_send_buf_size(H2_SEND_BUFFER)
         .keep_alive_interval(Some(Duration::from_secs(20)))
         .keep_alive_timeout(Duration::from_secs(20));
     builder
