@@ -1757,31 +1757,24 @@ async fn an_http2_client_that_stops_reading_holds_places_not_memory() {
     conn.write_all(&asks).await.unwrap();
     // Never read again: the gateway is full while the responses wait on this client...
     let waited = tokio::time::Instant::now();
-    loop {
-        let ready = get(gw.main, "/health", &[]).await.status;
-        if ready == 503 {
-            break;
+    let health_becomes = |status: u16, within: u64, why: &'static str| async move {
+        while get(gw.main, "/health", &[]).await.status != status {
+            assert!(waited.elapsed() < Duration::from_secs(within), "{why}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        assert!(
-            waited.elapsed() < Duration::from_secs(2),
-            "the responses were taken as sent: readiness stayed up"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    };
+    let why = "the responses were taken as sent: readiness stayed up";
+    health_becomes(503, 2, why).await;
     // ...holding little of them (64 x 300 KB would be 19 MB)...
     let grown = gw.peak_rss().saturating_sub(before);
     assert!(grown < 10 << 20, "grew {} KiB", grown >> 10);
     // ...until send_timeout lets their places go.
-    loop {
-        if get(gw.main, "/health", &[]).await.status == 200 {
-            break;
-        }
-        assert!(
-            waited.elapsed() < Duration::from_secs(15),
-            "send_timeout never freed the stalled client's places"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    health_becomes(
+        200,
+        15,
+        "send_timeout never freed the stalled client's places",
+    )
+    .await;
     let grown = gw.peak_rss().saturating_sub(before);
     assert!(grown < 10 << 20, "grew {} KiB", grown >> 10);
     drop(conn);
