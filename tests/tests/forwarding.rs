@@ -41,6 +41,47 @@ upstream = "app"
     )
 }
 
+/// Reads from `conn` until what has come holds `done`, each read within `within`: fails,
+/// naming `what`, if one takes longer or the connection closes first.
+async fn read_until(
+    conn: &mut (impl tokio::io::AsyncRead + Unpin),
+    done: impl Fn(&[u8]) -> bool,
+    within: Duration,
+    what: &str,
+) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !done(&got) {
+        let read = tokio::time::timeout(within, conn.read(&mut buf));
+        let n = read
+            .await
+            .unwrap_or_else(|_| panic!("{what} in time"))
+            .unwrap();
+        assert!(
+            n > 0,
+            "closed before {what}: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+    }
+    got
+}
+
+/// Reads a request head from an upstream-side socket; `None` if it ends or fails first.
+async fn read_head(s: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match s.read(&mut buf).await {
+            Ok(n @ 1..) => head.extend_from_slice(&buf[..n]),
+            _ => return None,
+        }
+    }
+    Some(head)
+}
+
 /// `n` requests held by the upstream at once, then released: each needs its own connection.
 async fn at_once(gw: &Sluice, up: &MockUpstream, n: usize) {
     let held: Vec<_> = (0..n)
@@ -312,7 +353,7 @@ async fn large_bodies_stream_both_ways_with_flat_memory() {
 /// The connection goes on.
 #[tokio::test]
 async fn connect_is_answered_405_and_not_forwarded() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let up = MockUpstream::start().await;
     let gw = Sluice::start(&config(&up.url(), "5s"));
     let mut conn = tokio::net::TcpStream::connect(gw.main).await.unwrap();
@@ -323,14 +364,8 @@ async fn connect_is_answered_405_and_not_forwarded() {
     ] {
         let ask = format!("{method} {target} HTTP/1.1\r\nHost: example.com:443\r\n\r\n");
         conn.write_all(ask.as_bytes()).await.unwrap();
-        let mut answer = Vec::new();
-        while !String::from_utf8_lossy(&answer).contains("}") {
-            let mut buf = [0; 4096];
-            let read = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut buf));
-            let n = read.await.expect("an answer in time").unwrap();
-            assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&answer));
-            answer.extend_from_slice(&buf[..n]);
-        }
+        let done = |a: &[u8]| a.contains(&b'}');
+        let answer = read_until(&mut conn, done, Duration::from_secs(10), "an answer").await;
         let answer = String::from_utf8_lossy(&answer).to_ascii_lowercase();
         assert!(answer.starts_with("http/1.1 405"), "{answer}");
         assert!(answer.contains("\r\nallow: get, "), "{answer}");
@@ -665,16 +700,8 @@ async fn a_kept_upload_that_stalls_ends_its_connection() {
         .write_all(b"POST /api/deaf HTTP/1.1\r\nhost: x\r\ncontent-length: 1073741824\r\n\r\n")
         .await
         .unwrap();
-    let mut answer = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !answer.ends_with(b"ok\n") {
-        let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut buf))
-            .await
-            .expect("the answer in time")
-            .unwrap();
-        assert!(n > 0, "closed: {}", String::from_utf8_lossy(&answer));
-        answer.extend_from_slice(&buf[..n]);
-    }
+    let done = |a: &[u8]| a.ends_with(b"ok\n");
+    read_until(&mut client, done, Duration::from_secs(10), "the answer").await;
     // Push until every buffer on the way is full (bounded: 512 MiB, 20 s).
     let piece = vec![b'u'; 1 << 20];
     let started = tokio::time::Instant::now();
@@ -1420,19 +1447,14 @@ async fn a_get_with_a_chunked_body_is_forwarded_with_it() {
 /// An upstream on loopback that answers every request on every connection with `response`,
 /// as written, then closes.
 async fn raw_upstream(response: &'static [u8]) -> std::net::SocketAddr {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut buf).await {
-                        Ok(n @ 1..) => head.extend_from_slice(&buf[..n]),
-                        _ => return,
-                    }
+                if read_head(&mut s).await.is_none() {
+                    return;
                 }
                 let _ = s.write_all(response).await;
                 let _ = s.shutdown().await;
@@ -1551,13 +1573,8 @@ async fn a_body_that_looks_like_a_refused_head_is_forwarded_as_it_is() {
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                let mut got = Vec::new();
-                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut buf).await {
-                        Ok(n @ 1..) => got.extend_from_slice(&buf[..n]),
-                        _ => return,
-                    }
+                if read_head(&mut s).await.is_none() {
+                    return;
                 }
                 let head = format!(
                     "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n",
@@ -1567,7 +1584,7 @@ async fn a_body_that_looks_like_a_refused_head_is_forwarded_as_it_is() {
                 // The head goes on its way first: the body is a write of its own.
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 s.write_all(lookalike.as_bytes()).await.unwrap();
-                let _ = s.read(&mut buf).await;
+                let _ = s.read(&mut [0u8; 4096]).await;
             });
         }
     });
@@ -1673,16 +1690,8 @@ async fn a_malformed_head_behind_an_upload_answered_early_gets_a_problem_body() 
         .await
         .unwrap();
     // The early answer, whole, before the rest of the upload.
-    let mut reply = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&reply).contains("\r\n\r\nok") {
-        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
-            .await
-            .expect("the early answer")
-            .unwrap();
-        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&reply));
-        reply.extend_from_slice(&buf[..n]);
-    }
+    let done = |r: &[u8]| r.windows(6).any(|w| w == b"\r\n\r\nok");
+    read_until(&mut s, done, Duration::from_secs(5), "the early answer").await;
     s.write_all(b"67890GET /bad path HTTP/1.1\r\nhost: x\r\n\r\n")
         .await
         .unwrap();
