@@ -314,11 +314,10 @@ mod tests {
         );
         // Far from the epoch either way, placing ends (and panics on nothing).
         for secs in [i64::MAX, i64::MAX / 2, i64::MIN / 2, -62_135_596_800] {
-            let far = SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(secs.unsigned_abs()));
-            let far = if secs >= 0 {
-                far
-            } else {
-                SystemTime::UNIX_EPOCH.checked_sub(Duration::from_secs(secs.unsigned_abs()))
+            let span = Duration::from_secs(secs.unsigned_abs());
+            let far = match secs >= 0 {
+                true => SystemTime::UNIX_EPOCH.checked_add(span),
+                false => SystemTime::UNIX_EPOCH.checked_sub(span),
             };
             if let Some(far) = far {
                 let _ = parse("Sunday, 06-Nov-94 08:49:37 GMT", far);

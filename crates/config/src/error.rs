@@ -167,7 +167,7 @@ fn without_passwords(text: String) -> String {
     let mut out = String::with_capacity(text.len());
     let mut word = String::new();
     let flush = |word: &mut String, out: &mut String| {
-        out.push_str(&redact_userinfo(word));
+        out.push_str(&crate::host::redact_userinfo(word));
         word.clear();
     };
     for c in text.chars() {
@@ -180,36 +180,6 @@ fn without_passwords(text: String) -> String {
     }
     flush(&mut word, &mut out);
     out
-}
-
-/// One word, its userinfo's password (after the first `:` of what stands before the last `@`,
-/// past a `scheme:` followed by slashes) replaced by `***`.
-fn redact_userinfo(word: &str) -> std::borrow::Cow<'_, str> {
-    let Some(at) = word.rfind('@') else {
-        return word.into();
-    };
-    // A scheme is letters, digits, `+`, `-` and `.` from a letter, then `:/`; what stands
-    // before it (`app=` of `--upstream app=URL`) is kept.
-    let scheme_end = word[..at]
-        .find(":/")
-        .filter(|&i| {
-            let scheme = word[..i]
-                .rsplit(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
-                .next()
-                .unwrap_or("");
-            scheme.starts_with(|c: char| c.is_ascii_alphabetic())
-        })
-        .map_or(0, |i| i + 1);
-    let start =
-        scheme_end + word[scheme_end..].len() - word[scheme_end..].trim_start_matches('/').len();
-    if start > at {
-        return word.into();
-    }
-    let Some(colon) = word[start..at].find(':') else {
-        return word.into();
-    };
-    let from = start + colon + 1;
-    format!("{}***{}", &word[..from], &word[at..]).into()
 }
 
 fn floor_char_boundary(s: &str, mut i: usize) -> usize {

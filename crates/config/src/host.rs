@@ -42,16 +42,37 @@ pub(crate) fn host_ok(host: &str) -> bool {
 /// everything between the first `:` after `://` and the last `@` is hidden, so a password that
 /// holds `/`, `?`, `#` or `@` unencoded is hidden whole too.
 pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
+    redact_userinfo(url).into_owned()
+}
+
+/// One word, its userinfo's password (after the first `:` of what stands before the last `@`,
+/// past a `scheme:` followed by slashes) replaced by `***`.
+pub(crate) fn redact_userinfo(word: &str) -> std::borrow::Cow<'_, str> {
+    let Some(at) = word.rfind('@') else {
+        return word.into();
     };
-    let Some(at) = rest.rfind('@') else {
-        return url.to_owned();
-    };
-    match rest[..at].split_once(':') {
-        Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[at..]),
-        None => url.to_owned(),
+    // A scheme is letters, digits, `+`, `-` and `.` from a letter, then `:/`; what stands
+    // before it (`app=` of `--upstream app=URL`) is kept.
+    let scheme_end = word[..at]
+        .find(":/")
+        .filter(|&i| {
+            let scheme = word[..i]
+                .rsplit(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
+                .next()
+                .unwrap_or("");
+            scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        })
+        .map_or(0, |i| i + 1);
+    let start =
+        scheme_end + word[scheme_end..].len() - word[scheme_end..].trim_start_matches('/').len();
+    if start > at {
+        return word.into();
     }
+    let Some(colon) = word[start..at].find(':') else {
+        return word.into();
+    };
+    let from = start + colon + 1;
+    format!("{}***{}", &word[..from], &word[at..]).into()
 }
 
 #[cfg(test)]

@@ -343,9 +343,10 @@ impl Validator<'_> {
                 });
                 let uri_char =
                     |c: char| c.is_ascii_alphanumeric() || "-._~:/?#[]@!$&'()*+,;=%".contains(c);
-                let escapes_ok = s.split('%').skip(1).all(|after| {
-                    after.len() >= 2 && after.as_bytes()[..2].iter().all(u8::is_ascii_hexdigit)
-                });
+                let escapes_ok = s
+                    .bytes()
+                    .enumerate()
+                    .all(|(i, b)| b != b'%' || crate::path::escaped(s.as_bytes(), i).is_some());
                 if !scheme_ok || !s.chars().all(uri_char) || !escapes_ok {
                     self.err(Some(v.span()), "responses.problem_base", format!("\"{s}\" is not an absolute URI (write e.g. \"https://api.example.com/problems/\")"));
                 }
