@@ -1788,3 +1788,95 @@ async fn an_http2_client_that_stops_reading_holds_places_not_memory() {
     assert!(grown < 10 << 20, "grew {} KiB", grown >> 10);
     drop(conn);
 }
+
+/// Review (CVE-2023-44487, "rapid reset", after dispatch): an HTTP/2 client that resets each
+/// request as soon as it reached the upstream had 120,900 streams in 20 s on one connection, up
+/// to 55,000 upstream requests, past the concurrency limits (a reset request gives its places
+/// back at once). h2 counts only streams reset before hyper takes them. Now a connection whose
+/// requests are mostly reset before their answers is dropped: on a young one, at the 250th.
+#[tokio::test]
+async fn an_http2_client_resetting_its_requests_after_dispatch_is_dropped() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const TRIES: u32 = 600;
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let conn = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    let (mut rx, mut tx) = conn.into_split();
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(h2_frame(4, 0, 0, &[]));
+    tx.write_all(&hello).await.unwrap();
+    // Reads until the gateway ends the connection (a `GOAWAY`, or the socket closed).
+    let closed = Arc::new(AtomicBool::new(false));
+    let reader = tokio::spawn({
+        let closed = Arc::clone(&closed);
+        async move {
+            let mut head = [0; 9];
+            while rx.read_exact(&mut head).await.is_ok() {
+                let len = usize::from(head[2]) | usize::from(head[1]) << 8;
+                let mut payload = vec![0; len];
+                if rx.read_exact(&mut payload).await.is_err() || head[3] == 7 {
+                    break;
+                }
+            }
+            closed.store(true, SeqCst);
+        }
+    });
+    tx.write_all(&h2_frame(4, 1, 0, &[])).await.unwrap();
+    let path = b"/api/hold";
+    let mut reset = 0;
+    while reset < TRIES && !closed.load(SeqCst) {
+        let stream = 1 + 2 * reset;
+        let mut block = vec![0x82, 0x86, 0x04, path.len() as u8];
+        block.extend_from_slice(path);
+        block.extend_from_slice(&[0x01, 1, b'x']);
+        if tx
+            .write_all(&h2_frame(1, 0x5, stream, &block))
+            .await
+            .is_err()
+        {
+            break;
+        }
+        // Reset once it has reached the upstream (or the gateway has ended the connection).
+        let asked = tokio::time::Instant::now();
+        while up.requests() <= reset as usize && !closed.load(SeqCst) {
+            assert!(
+                asked.elapsed() < Duration::from_secs(5),
+                "request {reset} never forwarded"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        if closed.load(SeqCst) {
+            break;
+        }
+        let cancel = 8u32.to_be_bytes();
+        if tx
+            .write_all(&h2_frame(3, 0, stream, &cancel))
+            .await
+            .is_err()
+        {
+            break;
+        }
+        reset += 1;
+    }
+    tokio::time::timeout(Duration::from_secs(5), reader)
+        .await
+        .expect("the connection was never ended")
+        .unwrap();
+    assert!(
+        (250..=260).contains(&up.requests()),
+        "{} requests forwarded, {reset} reset",
+        up.requests()
+    );
+    let warning = gw
+        .wait_log("the warning", |v| {
+            v["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("rapid reset"))
+        })
+        .await;
+    assert_eq!(warning["level"], "WARN", "{warning}");
+    // The gateway serves on.
+    assert_eq!(get(gw.main, "/health", &[]).await.status, 200);
+}

@@ -178,6 +178,7 @@ impl Body {
     /// Keeps the connection counted busy (no header timeout) until the body ends or is
     /// dropped, and sending (the send timeout) whenever it is not waiting for its upstream.
     pub(crate) fn keep_busy(&mut self, mut busy: Busy) {
+        busy.answered();
         busy.sending();
         self.extras.get_or_insert_default().busy = Some(busy);
     }

@@ -54,6 +54,27 @@ pub(crate) enum Expiry {
     /// A response waited on the client and the connection made no progress for the send
     /// timeout: drop it.
     Stalled,
+    /// An HTTP/2 client reset most of its requests before they were answered ([`EARLY_RESETS`]):
+    /// drop it.
+    ResetFlood,
+}
+
+/// The HTTP/2 "rapid reset" guard (CVE-2023-44487), Envoy's rule: a stream the client resets
+/// before its answer, within [`EARLY`] of its start, is an early reset; a connection is dropped
+/// once its early resets reach half of its ended streams, counted over at least this many
+/// (so from 250 early resets on a young connection). h2 already counts streams reset before
+/// hyper takes them; these are the ones reset after: each had started its upstream request
+/// (review: 120,900 streams in 20 s on one connection, up to 55,000 upstream requests, past the
+/// concurrency limits, as a reset request gives its places back at once).
+pub(crate) const EARLY_RESETS: u64 = 500;
+
+/// How young a stream must be for its reset to count as early: a client that gives up on a
+/// slow answer (a deadline of its own) is not flooding.
+pub(crate) const EARLY: Duration = Duration::from_secs(1);
+
+/// Whether a connection whose `ended` HTTP/2 streams include `early` early resets is flooding.
+fn resets_flood(ended: u64, early: u64) -> bool {
+    early.saturating_mul(2) >= ended.max(EARLY_RESETS)
 }
 
 /// One connection's state for its header and send timeouts.
@@ -104,6 +125,11 @@ pub(crate) struct HeadTimeout {
     /// [`Lingering::abandon`]): the connection is dropped, as for a stalled response.
     abandoned: AtomicBool,
     abandon_now: tokio::sync::Notify,
+    /// HTTP/2 streams that ended, and of those the early resets ([`EARLY_RESETS`]).
+    streams_ended: AtomicU64,
+    early_resets: AtomicU64,
+    /// Set when the early resets reached their share: the connection is dropped.
+    flooded: AtomicBool,
 }
 
 impl HeadTimeout {
@@ -127,6 +153,9 @@ impl HeadTimeout {
             room: Mutex::new(None),
             abandoned: AtomicBool::new(false),
             abandon_now: tokio::sync::Notify::new(),
+            streams_ended: AtomicU64::new(0),
+            early_resets: AtomicU64::new(0),
+            flooded: AtomicBool::new(false),
         })
     }
 
@@ -145,7 +174,8 @@ impl HeadTimeout {
         Busy {
             head: Arc::clone(self),
             sending: false,
-            http2: false,
+            http2: None,
+            answered: false,
             stream: None,
         }
     }
@@ -204,6 +234,9 @@ impl HeadTimeout {
             }
             if self.abandoned.load(Ordering::Acquire) {
                 return Expiry::Stalled;
+            }
+            if self.flooded.load(Ordering::Acquire) {
+                return Expiry::ResetFlood;
             }
             let now = Instant::now();
             let left = if self.http2.load(Ordering::Relaxed) {
@@ -273,6 +306,19 @@ impl HeadTimeout {
     fn idle_deadline(&self) -> Instant {
         self.last_ended() + self.timeout
     }
+
+    /// An HTTP/2 stream ended, reset early or not: past their share ([`EARLY_RESETS`]), the
+    /// connection's timer goes off.
+    fn stream_ended(&self, early: bool) {
+        let ended = self.streams_ended.fetch_add(1, Ordering::AcqRel) + 1;
+        let early = match early {
+            true => self.early_resets.fetch_add(1, Ordering::AcqRel) + 1,
+            false => self.early_resets.load(Ordering::Acquire),
+        };
+        if resets_flood(ended, early) && !self.flooded.swap(true, Ordering::AcqRel) {
+            self.abandon_now.notify_one();
+        }
+    }
 }
 
 /// A request in flight on its connection; dropping it makes the connection idle again (if it
@@ -281,7 +327,11 @@ impl HeadTimeout {
 pub(crate) struct Busy {
     head: Arc<HeadTimeout>,
     sending: bool,
-    http2: bool,
+    /// When the request began, if it came over HTTP/2.
+    http2: Option<Instant>,
+    /// Whether its response was handed to hyper: dropped before, it was given up on (over
+    /// HTTP/2, its client reset it, or the connection ended).
+    answered: bool,
     /// Its slot in the connection's `streams`, while it waits on an HTTP/2 client.
     stream: Option<usize>,
 }
@@ -289,12 +339,17 @@ pub(crate) struct Busy {
 impl Busy {
     /// The request came over HTTP/2: its connection's progress is pieces of response bodies.
     pub(crate) fn http2(&mut self) {
-        self.http2 = true;
+        self.http2 = Some(Instant::now());
         self.head.http2.store(true, Ordering::Relaxed);
     }
 
     pub(crate) fn is_http2(&self) -> bool {
-        self.http2
+        self.http2.is_some()
+    }
+
+    /// Its response goes to hyper: the request was not given up on.
+    pub(crate) fn answered(&mut self) {
+        self.answered = true;
     }
 
     /// Takes the connection's room, for a tunnel that outlives the connection as hyper sees
@@ -315,7 +370,7 @@ impl Busy {
         if !self.sending {
             self.sending = true;
             self.head.sending.fetch_add(1, Ordering::AcqRel);
-            if self.http2 {
+            if self.http2.is_some() {
                 let mut streams = self.head.streams();
                 let now = Some(Instant::now());
                 self.stream = Some(match streams.iter().position(Option::is_none) {
@@ -364,7 +419,7 @@ impl Busy {
         self.head.in_flight.fetch_add(1, Ordering::AcqRel);
         Lingering {
             head: Arc::downgrade(&self.head),
-            http2: self.http2,
+            http2: self.http2.is_some(),
             begun: self.head.begun(),
         }
     }
@@ -376,6 +431,10 @@ impl Drop for Busy {
         // Its response ended: hyper may still hold its last piece.
         self.head.settled.store(false, Ordering::Release);
         self.head.responding.fetch_sub(1, Ordering::AcqRel);
+        if let Some(begun) = self.http2 {
+            self.head
+                .stream_ended(!self.answered && begun.elapsed() < EARLY);
+        }
         request_ended(&self.head);
     }
 }
@@ -858,5 +917,66 @@ mod tests {
         // Waiting for the upstream's head or held by a delay limit: nothing to send yet.
         assert!(!expired_after(&mut expired, SEND * 10).await);
         drop(busy);
+    }
+
+    /// An HTTP/2 request that ends: answered or not, and at what age.
+    async fn http2_request(t: &Arc<HeadTimeout>, answered: bool, age: Duration) {
+        let mut busy = t.begin();
+        busy.http2();
+        tokio::time::advance(age).await;
+        if answered {
+            busy.answered();
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_http2_connection_whose_requests_are_mostly_reset_early_is_dropped() {
+        let young = Duration::from_millis(1);
+        // A young connection: dropped at its 250th early reset, whatever came between.
+        let t = head(NEVER);
+        let mut expired = pin!(t.expired(true));
+        for _ in 0..100 {
+            http2_request(&t, true, young).await;
+        }
+        for _ in 0..(EARLY_RESETS / 2 - 1) {
+            http2_request(&t, false, young).await;
+        }
+        assert!(!expired_after(&mut expired, Duration::ZERO).await);
+        http2_request(&t, false, young).await;
+        assert_eq!(
+            expiry_within(&mut expired, Duration::ZERO).await,
+            Some(Expiry::ResetFlood)
+        );
+
+        // Past `EARLY_RESETS` streams: dropped once half of them were reset early.
+        let t = head(NEVER);
+        let mut expired = pin!(t.expired(true));
+        for _ in 0..1_000 {
+            http2_request(&t, true, young).await;
+        }
+        for _ in 0..999 {
+            http2_request(&t, false, young).await;
+        }
+        assert!(!expired_after(&mut expired, Duration::ZERO).await);
+        http2_request(&t, false, young).await;
+        assert_eq!(
+            expiry_within(&mut expired, Duration::ZERO).await,
+            Some(Expiry::ResetFlood)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn giving_up_on_slow_answers_or_http1_requests_is_no_reset_flood() {
+        let t = head(NEVER);
+        let mut expired = pin!(t.expired(true));
+        // Every request given up on, each after a second: a client with a deadline of its own.
+        for _ in 0..EARLY_RESETS * 2 {
+            http2_request(&t, false, EARLY).await;
+        }
+        // HTTP/1.1 requests dropped unanswered: their connection ended.
+        for _ in 0..EARLY_RESETS * 2 {
+            drop(t.begin());
+        }
+        assert!(!expired_after(&mut expired, Duration::ZERO).await);
     }
 }

@@ -665,8 +665,8 @@ where
         _ = drain.changed() => None,
         expiry = expired.as_mut() => Some(expiry),
     };
-    if why == Some(Expiry::Stalled) {
-        tracing::debug!(%peer, "a response made no progress within send_timeout: dropping the connection");
+    if let Some(expiry @ (Expiry::Stalled | Expiry::ResetFlood)) = why {
+        dropping(expiry, peer);
         return (Ok(()), Ended::Dropped);
     }
     graceful_shutdown(conn.as_mut());
@@ -724,13 +724,31 @@ where
     tokio::select! {
         biased;
         result = finish => result,
-        _ = head.expired(false) => {
-            tracing::debug!(%peer, "a response made no progress within send_timeout: dropping the connection");
+        expiry = head.expired(false) => {
+            dropping(expiry, peer);
             (Ok(()), Ended::Dropped)
         }
         () = cut => {
             tracing::debug!(%peer, "the shutdown grace is over: dropping the connection");
             (Ok(()), Ended::Dropped)
+        }
+    }
+}
+
+/// Says why a connection is dropped: a stall at debug level, a reset flood as a warning (at
+/// most once a second: an attack comes over many connections).
+fn dropping(expiry: Expiry, peer: SocketAddr) {
+    static FLOODS: std::sync::LazyLock<OnceASecond> = std::sync::LazyLock::new(OnceASecond::new);
+    match expiry {
+        Expiry::ResetFlood if FLOODS.now() => tracing::warn!(
+            %peer,
+            "an HTTP/2 client reset most of its requests before their answers (rapid reset, CVE-2023-44487): dropping its connection"
+        ),
+        Expiry::ResetFlood => {
+            tracing::debug!(%peer, "an HTTP/2 client reset most of its requests: dropping its connection")
+        }
+        _ => {
+            tracing::debug!(%peer, "a response made no progress within send_timeout: dropping the connection")
         }
     }
 }
