@@ -1880,3 +1880,77 @@ async fn an_http2_client_resetting_its_requests_after_dispatch_is_dropped() {
     // The gateway serves on.
     assert_eq!(get(gw.main, "/health", &[]).await.status, 200);
 }
+
+/// Review: a body sent in one-byte chunks went upstream a chunk per write (1 MB of them took
+/// 1,000,000 `writev`s and 5.5 s of the gateway's CPU). Pieces ready together now go as one,
+/// and the upstream gets every byte, in order.
+#[tokio::test]
+async fn a_body_in_tiny_chunks_goes_upstream_in_few_large_ones() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const CHUNKS: usize = 100_000;
+    // An upstream that reads one chunked body and answers with what it counted.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut got = read_until(
+            &mut s,
+            |r| r.ends_with(b"\r\n0\r\n\r\n"),
+            Duration::from_secs(20),
+            "the whole body",
+        )
+        .await;
+        let at = got.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        let mut rest = &got.split_off(at)[..];
+        let (mut chunks, mut body) = (0, Vec::new());
+        loop {
+            let line = rest.windows(2).position(|w| w == b"\r\n").unwrap();
+            let size = usize::from_str_radix(std::str::from_utf8(&rest[..line]).unwrap(), 16);
+            let size = size.unwrap();
+            if size == 0 {
+                break;
+            }
+            body.extend_from_slice(&rest[line + 2..line + 2 + size]);
+            rest = &rest[line + 2 + size + 2..];
+            chunks += 1;
+        }
+        let intact = body
+            .iter()
+            .enumerate()
+            .all(|(i, b)| *b == b'a' + (i % 26) as u8);
+        let said = format!("{chunks} {} {intact}", body.len());
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{said}",
+            said.len()
+        );
+        s.write_all(answer.as_bytes()).await.unwrap();
+    });
+    let gw = Sluice::start(&config(&format!("http://{upstream}"), "20s"));
+    let mut upload =
+        b"POST /api/up HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+    for i in 0..CHUNKS {
+        upload.extend_from_slice(&[b'1', b'\r', b'\n', b'a' + (i % 26) as u8, b'\r', b'\n']);
+    }
+    upload.extend_from_slice(b"0\r\n\r\n");
+    let mut conn = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    conn.write_all(&upload).await.unwrap();
+    let answer = read_until(
+        &mut conn,
+        |r| r.ends_with(b" true") || r.ends_with(b" false"),
+        Duration::from_secs(30),
+        "the upstream's count",
+    )
+    .await;
+    let answer = String::from_utf8_lossy(&answer);
+    let said: Vec<&str> = answer
+        .rsplit("\r\n\r\n")
+        .next()
+        .unwrap()
+        .split(' ')
+        .collect();
+    let chunks: usize = said[0].parse().unwrap();
+    assert_eq!(said[1..], [CHUNKS.to_string().as_str(), "true"], "{answer}");
+    // 16 KiB pieces would be 7; each read of the client's bytes ends a piece too.
+    assert!(chunks < CHUNKS / 100, "{chunks} chunks upstream");
+    drop(conn.read(&mut [0; 1]));
+}

@@ -15,11 +15,11 @@ use std::time::Duration;
 
 use tokio::time::{Instant, Sleep};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue, CONNECTION, COOKIE, HOST, UPGRADE};
 use http::uri::{Authority, PathAndQuery};
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
-use http_body::{Frame, SizeHint};
+use http_body::{Body as _, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
@@ -441,6 +441,7 @@ pin_project! {
     /// stops looking once the response head has come, and an upstream that answers before
     /// the body ends (one that streams, or echoes) must not leave a trickling client
     /// unbounded. Only a body that has to wait pays for the timer.
+    #[project = UploadProj]
     #[derive(Debug)]
     pub(crate) struct Upload {
         #[pin]
@@ -454,6 +455,122 @@ pin_project! {
         client_timer: Option<Pin<Box<Sleep>>>,
         // Tells the response's side when the upload is over (ended, failed or dropped).
         gone: Option<Gone>,
+        // Small pieces gathered into one before they go upstream.
+        merge: Merge<BoxError>,
+    }
+}
+
+type BoxError = Box<dyn StdError + Send + Sync>;
+
+/// Pieces of a request body smaller than this are gathered into pieces of about this much
+/// before they go upstream: a body sent in tiny chunks (or HTTP/2 `DATA` frames) otherwise
+/// costs a write to the upstream per chunk (review: 1 MB in one-byte chunks took 1,000,000
+/// `writev`s and 5.5 s of CPU).
+const MERGE: usize = 16 * 1024;
+
+/// A body's next piece, as [`Merge::poll`] asks for it: whether the wait is the client's, then
+/// the piece and whether the body ended with it.
+type PollPiece<'a, E> =
+    dyn FnMut(&mut Context<'_>, bool) -> (Poll<Option<Result<Frame<Bytes>, E>>>, bool) + 'a;
+
+/// Gathers a body's small pieces. hyper hands an HTTP/1.1 body on a chunk at a time, the next
+/// one decoded only once the last is taken (on the client connection's task), so the pieces
+/// behind a small one are never ready at once: a piece waits while yields to the scheduler
+/// bring more, and goes when [`YIELDS`] in a row bring none, when it reaches [`MERGE`], or
+/// when something that cannot join it comes (a large piece, trailers, the end, an error: held
+/// for the next poll). A client that sends slowly has each piece wait that many yields.
+/// How many yields in a row that bring no piece end a gathering. One is not enough on a
+/// multi-threaded runtime: the yielding task can be stolen by an idle worker and polled again
+/// before the connection's task has decoded the next chunk (measured: one yield gathered
+/// nothing, up to four gathered 20,000 one-byte chunks into two pieces).
+const YIELDS: u8 = 4;
+
+#[derive(Debug)]
+struct Merge<E> {
+    buf: Option<BytesMut>,
+    yielded: u8,
+    held: Option<Option<Result<Frame<Bytes>, E>>>,
+}
+
+impl<E> Default for Merge<E> {
+    fn default() -> Self {
+        Merge {
+            buf: None,
+            yielded: 0,
+            held: None,
+        }
+    }
+}
+
+impl<E> Merge<E> {
+    fn poll(
+        &mut self,
+        cx: &mut Context<'_>,
+        piece: &mut PollPiece<'_, E>,
+    ) -> Poll<Option<Result<Frame<Bytes>, E>>> {
+        if let Some(held) = self.held.take() {
+            return Poll::Ready(held);
+        }
+        loop {
+            // Only a wait with nothing in hand is the client's: hyper asks for the next piece.
+            let (polled, ended) = piece(cx, self.buf.is_none());
+            match polled {
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) if data.len() < MERGE && !ended => {
+                        let buf = self.buf.get_or_insert_with(|| {
+                            // Under `MERGE` before each piece, and each piece under it.
+                            BytesMut::with_capacity(2 * MERGE)
+                        });
+                        buf.extend_from_slice(&data);
+                        self.yielded = 0;
+                        if buf.len() >= MERGE {
+                            return Poll::Ready(self.take());
+                        }
+                    }
+                    Ok(data) => return Poll::Ready(self.before(Some(Ok(Frame::data(data))))),
+                    Err(frame) => return Poll::Ready(self.before(Some(Ok(frame)))),
+                },
+                Poll::Ready(other) => return Poll::Ready(self.before(other)),
+                Poll::Pending if self.buf.is_none() => return Poll::Pending,
+                Poll::Pending if self.yielded < YIELDS => {
+                    self.yielded += 1;
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                Poll::Pending => return Poll::Ready(self.take()),
+            }
+        }
+    }
+
+    /// What was gathered, if anything, before `next` (held for the next poll); else `next`.
+    fn before(&mut self, next: Option<Result<Frame<Bytes>, E>>) -> Option<Result<Frame<Bytes>, E>> {
+        match self.buf {
+            Some(_) => {
+                self.held = Some(next);
+                self.take()
+            }
+            None => next,
+        }
+    }
+
+    fn take(&mut self) -> Option<Result<Frame<Bytes>, E>> {
+        self.yielded = 0;
+        let data = self.buf.take().unwrap_or_default().freeze();
+        Some(Ok(Frame::data(data)))
+    }
+
+    /// Whether nothing is in hand.
+    fn is_empty(&self) -> bool {
+        self.buf.is_none() && self.held.is_none()
+    }
+
+    /// The data bytes in hand.
+    fn len(&self) -> u64 {
+        let held = match &self.held {
+            Some(Some(Ok(frame))) => frame.data_ref().map_or(0, Bytes::len),
+            _ => 0,
+        };
+        (self.buf.as_ref().map_or(0, BytesMut::len) + held) as u64
     }
 }
 
@@ -742,6 +859,7 @@ impl Upload {
             allowed,
             timeout,
             client_timer: None,
+            merge: Merge::default(),
         }
     }
 }
@@ -775,51 +893,76 @@ fn client_late(
 
 impl http_body::Body for Upload {
     type Data = Bytes;
-    type Error = Box<dyn StdError + Send + Sync>;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let mut this = self.project();
-        let polled = this.body.as_mut().poll_frame(cx);
-        let len = match &polled {
-            Poll::Ready(Some(Ok(frame))) => frame.data_ref().map_or(0, |d| d.len() as u64),
-            _ => 0,
-        };
-        if let Some(moved) = this.moved {
-            match &polled {
-                Poll::Pending => {
-                    moved.wait();
-                    if client_late(this.client_timer, moved, *this.timeout, cx) {
-                        return Poll::Ready(Some(Err(Box::new(ClientTooSlow))));
-                    }
-                }
-                Poll::Ready(Some(Ok(_))) if !this.body.is_end_stream() => moved.note(MOVING, len),
-                Poll::Ready(_) => {
-                    moved.note(ENDED, len);
-                    moved.upload_over();
-                }
-            }
-        }
-        if len > 0 {
-            match this.allowed.checked_sub(len) {
-                Some(left) => *this.allowed = left,
-                None => return Poll::Ready(Some(Err(Box::new(BodyTooLarge)))),
-            }
-        }
-        // Coerced, not `into()`: that would box the box, and hide the type from `caused_by`.
-        let client_body = |e| -> Self::Error { Box::new(ClientBody(e)) };
-        polled.map(|frame| frame.map(|f| f.map_err(client_body)))
+        // Taken out for the call, as the pieces are polled through `this`.
+        let mut merge = std::mem::take(this.merge);
+        let polled = merge.poll(cx, &mut |cx: &mut Context<'_>, asked| {
+            let polled = poll_piece(&mut this, cx, asked);
+            (polled, this.body.is_end_stream())
+        });
+        *this.merge = merge;
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.merge.is_empty() && self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        let mut hint = self.body.size_hint();
+        let held = self.merge.len();
+        hint.set_lower(hint.lower() + held);
+        if let Some(upper) = hint.upper() {
+            hint.set_upper(upper + held);
+        }
+        hint
     }
+}
+
+/// The body's next piece, counted (its time and size, `max_body_size`). A wait for the
+/// client is noted, and its deadlines looked at, only if the piece is asked for (`asked`):
+/// not when looking for more to merge with one in hand.
+fn poll_piece(
+    this: &mut UploadProj<'_>,
+    cx: &mut Context<'_>,
+    asked: bool,
+) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    let polled = this.body.as_mut().poll_frame(cx);
+    let len = match &polled {
+        Poll::Ready(Some(Ok(frame))) => frame.data_ref().map_or(0, |d| d.len() as u64),
+        _ => 0,
+    };
+    if let Some(moved) = this.moved {
+        match &polled {
+            Poll::Pending if !asked => {}
+            Poll::Pending => {
+                moved.wait();
+                if client_late(this.client_timer, moved, *this.timeout, cx) {
+                    return Poll::Ready(Some(Err(Box::new(ClientTooSlow))));
+                }
+            }
+            Poll::Ready(Some(Ok(_))) if !this.body.is_end_stream() => moved.note(MOVING, len),
+            Poll::Ready(_) => {
+                moved.note(ENDED, len);
+                moved.upload_over();
+            }
+        }
+    }
+    if len > 0 {
+        match this.allowed.checked_sub(len) {
+            Some(left) => *this.allowed = left,
+            None => return Poll::Ready(Some(Err(Box::new(BodyTooLarge)))),
+        }
+    }
+    // Coerced, not `into()`: that would box the box, and hide the type from `caused_by`.
+    let client_body = |e| -> BoxError { Box::new(ClientBody(e)) };
+    polled.map(|frame| frame.map(|f| f.map_err(client_body)))
 }
 
 /// Whether `e` or one of its sources is an `E`.
@@ -2276,5 +2419,116 @@ mod tests {
             .unwrap();
         prepare(&mut req, peer("203.0.113.7", false), &[]);
         assert!(!req.headers().contains_key("x-forwarded-host"));
+    }
+
+    type Piece = (Poll<Option<Result<Frame<Bytes>, ()>>>, bool);
+
+    /// A body's pieces as `Merge::poll` asks for them, from a script: each a piece (`Some`) or
+    /// a wait (`None`); the body ends with its last piece.
+    struct Script {
+        steps: VecDeque<Option<Frame<Bytes>>>,
+        asked: Vec<bool>,
+    }
+
+    impl Script {
+        fn new(steps: Vec<Option<Frame<Bytes>>>) -> Self {
+            Script {
+                steps: steps.into(),
+                asked: Vec::new(),
+            }
+        }
+
+        fn piece(&mut self, asked: bool) -> Piece {
+            self.asked.push(asked);
+            let polled = match self.steps.pop_front() {
+                Some(Some(frame)) => Poll::Ready(Some(Ok(frame))),
+                Some(None) => Poll::Pending,
+                None => Poll::Ready(None),
+            };
+            (polled, self.steps.is_empty())
+        }
+    }
+
+    #[derive(Default)]
+    struct Wakes(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// What `Merge::poll` gives, each poll, for `script`: a data piece's length, `T` for
+    /// trailers, `W` for a wait (with how many wake-ups it asked for), `E` for the end.
+    fn merged(script: &mut Script) -> Vec<String> {
+        let wakes = Arc::new(Wakes::default());
+        let waker = std::task::Waker::from(Arc::clone(&wakes));
+        let mut cx = Context::from_waker(&waker);
+        let mut merge = Merge::<()>::default();
+        let mut seen = Vec::new();
+        loop {
+            let before = wakes.0.load(Ordering::SeqCst);
+            let polled = merge.poll(&mut cx, &mut |_, asked| script.piece(asked));
+            seen.push(match polled {
+                Poll::Pending => format!("W{}", wakes.0.load(Ordering::SeqCst) - before),
+                Poll::Ready(Some(Ok(frame))) if frame.is_data() => {
+                    frame.into_data().unwrap().len().to_string()
+                }
+                Poll::Ready(Some(Ok(_))) => "T".to_owned(),
+                Poll::Ready(Some(Err(()))) => "error".to_owned(),
+                Poll::Ready(None) => {
+                    seen.push("E".to_owned());
+                    return seen;
+                }
+            });
+            if seen.len() > 100 {
+                return seen;
+            }
+        }
+    }
+
+    fn data(len: usize) -> Option<Frame<Bytes>> {
+        Some(Frame::data(Bytes::from(vec![b'x'; len])))
+    }
+
+    #[test]
+    fn small_pieces_ready_together_go_as_one_of_about_merge_bytes() {
+        let mut script = Script::new((0..7).map(|_| data(6_000)).collect());
+        assert_eq!(merged(&mut script), ["18000", "18000", "6000", "E"]);
+        // Only the first piece of each was asked for: the rest were looked for.
+        let asked: Vec<bool> = script.asked.iter().copied().take(4).collect();
+        assert_eq!(asked, [true, false, false, true]);
+    }
+
+    #[test]
+    fn a_piece_waits_while_yields_bring_more_and_goes_when_they_stop() {
+        // A piece after every other yield: gathered. Then none through `YIELDS` yields: sent.
+        let mut steps = vec![data(1)];
+        for _ in 0..10 {
+            steps.extend([None, data(1)]);
+        }
+        steps.extend((0..=YIELDS).map(|_| None));
+        steps.push(data(1));
+        let mut script = Script::new(steps);
+        let mut want = vec!["W1".to_owned(); 10 + usize::from(YIELDS)];
+        want.extend(["11", "1", "E"].map(str::to_owned));
+        assert_eq!(merged(&mut script), want);
+        // Asked for: the first piece, then (once the gathered one went) the last and the end.
+        let asked = script.asked.iter().filter(|a| **a).count();
+        assert_eq!((script.asked[0], asked), (true, 3));
+        assert_eq!(script.asked[script.asked.len() - 2..], [true, true]);
+    }
+
+    #[test]
+    fn a_large_piece_trailers_or_the_end_do_not_join_but_follow() {
+        let trailers = Some(Frame::trailers(HeaderMap::new()));
+        let mut script = Script::new(vec![data(10), data(20), data(MERGE), data(5), trailers]);
+        assert_eq!(merged(&mut script), ["30", "16384", "5", "T", "E"]);
+        // The last piece goes alone at once: nothing can follow it.
+        let mut script = Script::new(vec![data(10), None, data(3)]);
+        assert_eq!(merged(&mut script), ["W1", "10", "3", "E"]);
+        // A large piece alone passes as it came.
+        let mut script = Script::new(vec![data(MERGE + 1), data(MERGE * 2)]);
+        assert_eq!(merged(&mut script), ["16385", "32768", "E"]);
     }
 }
