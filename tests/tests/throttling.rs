@@ -951,6 +951,17 @@ async fn a_request_with_two_different_keys_in_one_header_is_refused_and_charges_
         "https://api.example.com/problems/bad-request"
     );
     assert_eq!(up.requests(), 0, "never forwarded");
+    // Review: an empty value first, a random one after and the real key in `Authorization`
+    // was counted under the random one, and served (by an upstream reading the first
+    // `X-Api-Key`, finding it empty) as the real key's caller.
+    let empty_first = [
+        ("x-api-key", ""),
+        ("x-api-key", "random"),
+        ("authorization", "Bearer k1"),
+    ];
+    let r = raw_get(gw.main, "/v1/echo", &empty_first).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(up.requests(), 0, "never forwarded");
     // The same key twice is one key; it still has its whole quota (5).
     let same = [("x-api-key", "k1"), ("x-api-key", "k1")];
     for _ in 0..5 {

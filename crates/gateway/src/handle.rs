@@ -241,11 +241,11 @@ pub(crate) async fn handle(
                     break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
                 }
                 Err(KeyError::Ambiguous) => {
-                    let detail = "The request carries two different API keys in one place (a header sent twice, say). Send one.";
+                    let detail = "The request carries two different API keys in one place (a header sent twice, say, or once empty and once not). Send one.";
                     break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
                 }
                 Err(KeyError::Unreadable) => {
-                    let detail = "The API key has a byte that is not a visible ASCII character (a space inside it, or a byte outside ASCII).";
+                    let detail = "The API key has a byte that is not a visible ASCII character (a space inside it, a byte outside ASCII, or a `+` at either end of a query parameter, which servers read as a space).";
                     break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
                 }
             };

@@ -150,7 +150,10 @@ impl Identify {
                         .map(Into::into),
                 )?,
                 KeySource::Query(name) => match uri.query() {
-                    Some(q) => only(query_params(q, name).map(Into::into))?,
+                    Some(q) => {
+                        let values = query_params(q, name).collect::<Result<Vec<_>, _>>()?;
+                        only(values.into_iter().map(Into::into))?
+                    }
                     None => None,
                 },
             };
@@ -180,20 +183,22 @@ pub(crate) enum KeyError {
     Unreadable,
 }
 
-/// The one non-empty value among `values` (repeats of the same value are one), `None` if
-/// there is none, an error if there are two different ones.
+/// The one value of a source: `None` if it has none, or only empty ones; an error if it has
+/// two different ones, an empty one beside another included (review: `X-Api-Key:` empty and
+/// then a random one was counted under the random one, and served by an upstream reading the
+/// first value, empty, under the `Authorization` key it falls back to).
 fn only<'r>(
     values: impl Iterator<Item = Cow<'r, [u8]>>,
 ) -> Result<Option<Cow<'r, [u8]>>, KeyError> {
     let mut found: Option<Cow<'r, [u8]>> = None;
-    for v in values.filter(|v| !v.is_empty()) {
+    for v in values {
         match &found {
             None => found = Some(v),
             Some(f) if *f == v => {}
             Some(_) => return Err(KeyError::Ambiguous),
         }
     }
-    Ok(found)
+    Ok(found.filter(|v| !v.is_empty()))
 }
 
 fn trim(b: &[u8]) -> &[u8] {
@@ -210,12 +215,37 @@ fn bearer(v: &[u8]) -> Option<&[u8]> {
         .then(|| trim(rest))
 }
 
-/// Every value of `name` in a query string, percent-decoded.
-fn query_params<'q>(query: &'q str, name: &'q str) -> impl Iterator<Item = Vec<u8>> + 'q {
-    query.split('&').filter_map(move |pair| {
+/// Every value of `name` in a query string, percent-decoded, under any name servers read as
+/// `name`: parameters are split at `;` as well as `&` (Rack 2, Python before 3.9.2 and Go
+/// before 1.17 did), and names are compared in any case (ASP.NET Core) with `.`, `[`, spaces
+/// and `+` taken for `_` (PHP). A value that begins or ends with `+` is refused: form-decoding
+/// servers read a space there, which a server that trims takes off, so `K+` would be counted
+/// apart from `K` and served as it (review).
+fn query_params<'q>(
+    query: &'q str,
+    name: &'q str,
+) -> impl Iterator<Item = Result<Vec<u8>, KeyError>> + 'q {
+    let name = param_name(name.as_bytes());
+    query.split(['&', ';']).filter_map(move |pair| {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        (percent_decode(k.as_bytes()) == name.as_bytes()).then(|| percent_decode(v.as_bytes()))
+        (param_name(k.as_bytes()) == name).then(|| match v.starts_with('+') || v.ends_with('+') {
+            true => Err(KeyError::Unreadable),
+            false => Ok(percent_decode(v.as_bytes())),
+        })
     })
+}
+
+/// A query parameter's name as the most lenient servers read it: decoded, in lower case, with
+/// `.`, `[`, spaces and `+` as `_`.
+fn param_name(raw: &[u8]) -> Vec<u8> {
+    let mut name = percent_decode(raw);
+    for b in &mut name {
+        *b = match b.to_ascii_lowercase() {
+            b'.' | b'[' | b' ' | b'+' => b'_',
+            other => other,
+        };
+    }
+    name
 }
 
 /// `%XX` escapes decoded; `+` stays `+`. Servers that form-decode read it as a space, others
@@ -506,6 +536,16 @@ mod tests {
         }
         let h = headers(&[("authorization", "Bearer tok en")]);
         assert_eq!(id.api_key(&h, &root), Err(KeyError::Unreadable));
+        // A `+` at either end is a space to a form-decoding server, which trimming takes off.
+        for query in ["/x?api_key=k+", "/x?api_key=+k", "/x?api_key=k++"] {
+            let uri: Uri = query.parse().unwrap();
+            let none = HeaderMap::new();
+            assert_eq!(
+                id.api_key(&none, &uri),
+                Err(KeyError::Unreadable),
+                "{query}"
+            );
+        }
         // A base64 key pasted unescaped keeps its `+`.
         let uri: Uri = "/x?api_key=abc+def=".parse().unwrap();
         let none = HeaderMap::new();
@@ -561,15 +601,34 @@ mod tests {
             id.api_key(&HeaderMap::new(), &uri),
             Err(KeyError::Ambiguous)
         );
-        // The same key repeated, or beside empty values, is one key.
-        let same = headers(&[
-            ("x-api-key", "k1"),
-            ("x-api-key", " k1 "),
-            ("x-api-key", ""),
-        ]);
+        // The same key repeated is one key.
+        let same = headers(&[("x-api-key", "k1"), ("x-api-key", " k1 ")]);
         assert_eq!(
             id.api_key(&same, &root).unwrap().as_deref(),
             Some(&b"k1"[..])
+        );
+        // An empty value beside a key is another value: an upstream reading the first one
+        // sees no key there, and falls back to its next source (review).
+        let beside = headers(&[
+            ("x-api-key", ""),
+            ("x-api-key", "random"),
+            ("authorization", "Bearer spent"),
+        ]);
+        assert_eq!(id.api_key(&beside, &root), Err(KeyError::Ambiguous));
+        for query in ["/x?api_key=&api_key=k", "/x?api_key&api_key=k"] {
+            let uri: Uri = query.parse().unwrap();
+            let none = HeaderMap::new();
+            assert_eq!(id.api_key(&none, &uri), Err(KeyError::Ambiguous), "{query}");
+        }
+        // Empty values alone are no key: the next source is read, as the upstream would.
+        let empty = headers(&[
+            ("x-api-key", ""),
+            ("x-api-key", " "),
+            ("authorization", "Bearer k"),
+        ]);
+        assert_eq!(
+            id.api_key(&empty, &root).unwrap().as_deref(),
+            Some(&b"k"[..])
         );
         // Different keys in different sources are the configured order's business: an app's
         // key beside a user's bearer token is a common pattern, and the first source wins.
@@ -578,5 +637,40 @@ mod tests {
             id.api_key(&both, &root).unwrap().as_deref(),
             Some(&b"app"[..])
         );
+    }
+
+    /// Review: servers read a query parameter under names that are not the configured one,
+    /// byte for byte (PHP turns `.`, `[` and spaces into `_`, ASP.NET Core ignores case, older
+    /// servers split at `;`): each of those was no key to the gateway and the key to the
+    /// upstream.
+    #[test]
+    fn a_query_key_is_found_under_every_name_servers_read_as_its_own() {
+        let id = identify(&[]);
+        let none = HeaderMap::new();
+        for query in [
+            "/x?api.key=K",
+            "/x?api+key=K",
+            "/x?api%20key=K",
+            "/x?api[key=K",
+            "/x?API_KEY=K",
+            "/x?Api.Key=K",
+            "/x?a=1;api_key=K",
+            "/x?api_key=K;a=1",
+        ] {
+            let uri: Uri = query.parse().unwrap();
+            assert_eq!(
+                id.api_key(&none, &uri).unwrap().as_deref(),
+                Some(&b"K"[..]),
+                "{query}"
+            );
+        }
+        // Two spellings with different keys: which one counts is the server's choice.
+        let uri: Uri = "/x?api_key=RANDOM&api.key=K".parse().unwrap();
+        assert_eq!(id.api_key(&none, &uri), Err(KeyError::Ambiguous));
+        // Other names are other parameters.
+        for query in ["/x?apikey=K", "/x?api_keys=K", "/x?xapi_key=K"] {
+            let uri: Uri = query.parse().unwrap();
+            assert_eq!(id.api_key(&none, &uri), Ok(None), "{query}");
+        }
     }
 }

@@ -307,7 +307,7 @@ impl Quota {
     }
 
     /// A header some limit counts callers by that `headers` holds twice with different
-    /// values (empty ones aside), or with a byte outside ASCII. Such a request is refused, as
+    /// values (an empty one beside another included), or with a byte outside ASCII. Such a request is refused, as
     /// one with two API keys is: the limit would count the first value, and an upstream may
     /// read the last; and servers trim such bytes differently (Python's `str.strip()` takes a
     /// trailing `\xa0` off), so one caller could be counted as many.
@@ -321,7 +321,12 @@ impl Quota {
         route: usize,
     ) -> Option<(&HeaderName, KeyHeader)> {
         self.by_route[route].key_headers.iter().find_map(|h| {
-            let mut values = header_values(headers, h);
+            // Empty values too: `x-tenant:` empty before `x-tenant: a` is counted under `a`
+            // and served as no tenant by an upstream reading the first (review).
+            let mut values = headers
+                .get_all(h)
+                .into_iter()
+                .map(|v| v.as_bytes().trim_ascii());
             let first = values.next()?;
             let mut twice = false;
             for v in std::iter::once(first).chain(values) {
@@ -680,6 +685,16 @@ mode = "dry_run"
             found.map(|(h, why)| (h.as_str(), why)),
             Some(("x-tenant", KeyHeader::Twice))
         );
+        // An empty value beside another is another value: an upstream reading the first
+        // sees no tenant (review).
+        for twice in [&["", "a"][..], &["a", ""], &["", " a "]] {
+            let found = quota.bad_key_header(&headers(twice), 0);
+            assert_eq!(
+                found.map(|(_, why)| why),
+                Some(KeyHeader::Twice),
+                "{twice:?}"
+            );
+        }
         // A byte outside ASCII (here U+00A0, which Python's `str.strip()` would take off the
         // end, so that every such spelling were one caller upstream and many here).
         for not_ascii in [&["a\u{a0}"][..], &["a", "a\u{a0}"], &["\u{a0}a", "a"]] {
@@ -694,8 +709,8 @@ mode = "dry_run"
             &[][..],
             &["a"],
             &["a", "a"],
-            &["a", ""],
-            &["", " a "],
+            &["a", " a"],
+            &["", " "],
             &["a b"],
         ] {
             assert_eq!(quota.bad_key_header(&headers(fine), 0), None, "{fine:?}");
