@@ -479,10 +479,10 @@ type PollPiece<'a, E> =
 /// bring more, and goes when [`YIELDS`] in a row bring none, when it reaches [`MERGE`], or
 /// when something that cannot join it comes (a large piece, trailers, the end, an error: held
 /// for the next poll). A client that sends slowly has each piece wait that many yields.
-/// How many yields in a row that bring no piece end a gathering. One is not enough on a
-/// multi-threaded runtime: the yielding task can be stolen by an idle worker and polled again
-/// before the connection's task has decoded the next chunk (measured: one yield gathered
-/// nothing, up to four gathered 20,000 one-byte chunks into two pieces).
+/// How many yields in a row that bring no piece end a gathering. One is not enough: the next
+/// chunk comes about two scheduler turns after the last was taken (measured: with one yield,
+/// none of 20,000 one-byte chunks were gathered; with up to four, they went as two pieces,
+/// each yield-run ending after two).
 const YIELDS: u8 = 4;
 
 #[derive(Debug)]
