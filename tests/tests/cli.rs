@@ -213,10 +213,16 @@ fn check_describes_a_redis_store() {
     let text = std::fs::read_to_string(SHIPPED).unwrap()
         + "\n[store]\nkind = \"redis\"\nurl = \"redis://user:hunter2@10.0.0.5:6379\"\ntimeout = \"25ms\"\non_error = \"local\"\ninstances = 3\n";
     let file = TempFile::new("toml", &text);
-    let (code, out, err) = run_cli(&["check", "--config", file.0.to_str().unwrap()]);
+    let args = ["check", "--config", file.0.to_str().unwrap()];
+    let (code, out, err) = run_cli_with(&args, &[("SLUICE_HASH_SECRET", "s3cret")]);
     assert_eq!(code, 0, "{err}");
     // The password is not printed; the fallback is written as in the file.
     assert!(out.contains("store: redis redis://user:***@10.0.0.5:6379 (timeout 25ms, on_error local, instances 3, secret from $SLUICE_HASH_SECRET)"), "{out}");
+    assert!(!out.contains("warning"), "{out}");
+    // Without the secret `run` refuses to start: `check` says so (review: it said only ok).
+    let (code, out, err) = run_cli_with(&args, &[("SLUICE_HASH_SECRET", "")]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("warning: $SLUICE_HASH_SECRET is empty or not set here: `sluice run` refuses to start without it"), "{out}");
 }
 
 /// A password in a URL is never printed, whatever the error quoting it (review: a `url` left

@@ -51,6 +51,17 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
             r.hash_secret_env
         ),
     };
+    // Read from the environment when the gateway starts, so not part of the file: said here,
+    // or a file `check` passed would not `run` where it was checked.
+    if let Store::Redis(r) = &config.store {
+        if std::env::var_os(&r.hash_secret_env).is_none_or(|v| v.is_empty()) {
+            let _ = writeln!(
+                out,
+                "  warning: ${} is empty or not set here: `sluice run` refuses to start without it",
+                r.hash_secret_env
+            );
+        }
+    }
     let _ = writeln!(out, "routes:");
     if config.routes.is_empty() {
         let _ = writeln!(
