@@ -2,7 +2,7 @@
 //! It carries the request's in-flight slot and access-log record, so both end exactly when the
 //! body does, or when the client goes away and hyper drops it (the slot, and the connection's
 //! busy mark, wait for the request's upload too when the upstream answered before reading it
-//! all: `forward::UploadTail`). An upstream body that stops
+//! all, whose rest is then dropped, not forwarded: `forward::UploadTail`). An upstream body that stops
 //! arriving for the upstream's `timeout` ends in an error, which closes the exchange: a stalled
 //! upstream cannot hold an in-flight slot for ever. The body also tells the connection's send
 //! timeout (`head_timeout.rs`) whether the response waits on the client or on its upstream, and
@@ -61,6 +61,10 @@ impl Extras {
     /// `header_timeout = "1s"`, the upstream left with a third of the body).
     fn request_over(&mut self) {
         let slot = self.slot.take();
+        // Nothing more of the upload goes upstream: its rest is read and dropped.
+        if let Some(upload) = &self.upload {
+            upload.cut();
+        }
         match self.upload.take() {
             Some(upload) if slot.is_some() || self.busy.is_some() => {
                 let busy = self.busy.take().map(Busy::linger);

@@ -302,8 +302,13 @@ impl UpstreamClient {
             };
             match sent {
                 Ok(res) => {
-                    // A connection that switched protocols is the tunnel's now.
-                    if res.status() != StatusCode::SWITCHING_PROTOCOLS {
+                    // A connection that switched protocols is the tunnel's now; one whose
+                    // request's body is still going is not reused: if the response ends
+                    // first, the body is cut short ([`UploadTail::cut`]).
+                    let upload_going = moved
+                        .as_ref()
+                        .is_some_and(|m| m.state.load(Ordering::Acquire) != ENDED);
+                    if res.status() != StatusCode::SWITCHING_PROTOCOLS && !upload_going {
                         self.checkin(conn);
                     }
                     return Ok(res);
@@ -605,6 +610,27 @@ pub(crate) struct UploadTail {
 }
 
 impl UploadTail {
+    /// The response is over before the upload: nothing more of the body goes upstream. The
+    /// rest is read and dropped (so that the client's connection can serve its next request),
+    /// and then the upstream connection is closed, not reused (its request's body is cut
+    /// short). An upstream that answers without reading the body and takes what comes after
+    /// for its next request would otherwise serve requests no limit counted, and once the
+    /// connection went back to the pool, serve another client's request joined to them
+    /// (review: 50 requests past a limit of 2 in one body; RFC 9112 section 11.2; nginx stops
+    /// sending too).
+    pub(crate) fn cut(&self) {
+        self.moved.cut.store(true, Ordering::Release);
+        let waiting = self
+            .moved
+            .waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(waker) = waiting {
+            waker.wake();
+        }
+    }
+
     /// Keeps `slots` until the upload is over or stalls, or `capacity` is cut at the end of
     /// the shutdown grace; drops them at once if the upload is over.
     pub(crate) fn keep_until_over(self, slots: Box<dyn KeptUntilOver>, capacity: Option<Capacity>) {
@@ -670,6 +696,13 @@ impl UploadTail {
 #[error("the client sent the request body too slowly")]
 struct ClientTooSlow;
 
+/// The response ended before the request body, whose rest was read and dropped: the body
+/// ends in an error, so that the upstream connection closes rather than taking the body as
+/// whole.
+#[derive(Debug, thiserror::Error)]
+#[error("the response ended before the request body: its rest was not forwarded")]
+struct AnsweredFirst;
+
 /// A request body went past `max_body_size` while it was forwarded.
 #[derive(Debug, thiserror::Error)]
 #[error("the request body is larger than max_body_size")]
@@ -701,6 +734,11 @@ struct Moved {
     tail: Mutex<Tail>,
     /// Wakes the watcher of what is kept when the upload is over.
     over_now: tokio::sync::Notify,
+    /// Set when the response ended first: the rest of the body is read and dropped, not
+    /// forwarded ([`UploadTail::cut`]).
+    cut: std::sync::atomic::AtomicBool,
+    /// The task polling the body while it waits on the client, woken by the cut.
+    waiting: Mutex<Option<std::task::Waker>>,
 }
 
 /// The slots a response that ended before its upload left to it.
@@ -752,7 +790,21 @@ impl Moved {
             min_rate,
             tail: Mutex::default(),
             over_now: tokio::sync::Notify::new(),
+            cut: std::sync::atomic::AtomicBool::new(false),
+            waiting: Mutex::new(None),
         }
+    }
+
+    /// The task polling the body waits on the client: the cut wakes it.
+    fn wake_on_cut(&self, cx: &Context<'_>) {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        if !waiting.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            *waiting = Some(cx.waker().clone());
+        }
+    }
+
+    fn is_cut(&self) -> bool {
+        self.cut.load(Ordering::Acquire)
     }
 
     /// The upload has ended, failed or been dropped: what its response left is freed.
@@ -900,6 +952,9 @@ impl http_body::Body for Upload {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let mut this = self.project();
+        if this.moved.as_ref().is_some_and(|m| m.is_cut()) {
+            return drain(&mut this, cx);
+        }
         // Taken out for the call, as the pieces are polled through `this`.
         let mut merge = std::mem::take(this.merge);
         let polled = merge.poll(cx, &mut |cx: &mut Context<'_>, asked| {
@@ -925,6 +980,23 @@ impl http_body::Body for Upload {
     }
 }
 
+/// The rest of a body whose response ended first, read and dropped (still held to its
+/// deadlines and `max_body_size`); then an error, so that the upstream connection closes.
+fn drain(
+    this: &mut UploadProj<'_>,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    *this.merge = Merge::default();
+    loop {
+        match poll_piece(this, cx, true) {
+            Poll::Ready(Some(Ok(frame))) if frame.is_data() && !this.body.is_end_stream() => {}
+            Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
+            Poll::Ready(_) => return Poll::Ready(Some(Err(Box::new(AnsweredFirst)))),
+            Poll::Pending => return Poll::Pending,
+        }
+    }
+}
+
 /// The body's next piece, counted (its time and size, `max_body_size`). A wait for the
 /// client is noted, and its deadlines looked at, only if the piece is asked for (`asked`):
 /// not when looking for more to merge with one in hand.
@@ -943,6 +1015,7 @@ fn poll_piece(
             Poll::Pending if !asked => {}
             Poll::Pending => {
                 moved.wait();
+                moved.wake_on_cut(cx);
                 if client_late(this.client_timer, moved, *this.timeout, cx) {
                     return Poll::Ready(Some(Err(Box::new(ClientTooSlow))));
                 }
