@@ -2069,3 +2069,34 @@ async fn a_body_whose_response_ended_first_is_not_forwarded_and_its_connection_n
         "{text:#?}"
     );
 }
+
+/// Review: a `POST` carrying `X-HTTP-Method-Override: GET` (or `_method=GET`) was routed and
+/// counted as a `POST`, and served by frameworks that honour the override (Symfony, Laravel,
+/// Rails) as the `GET`-only route's action, outside its limits. It is refused, and reaches no
+/// upstream; a `POST` that names itself is a `POST`.
+#[tokio::test]
+async fn a_post_asking_to_be_served_as_another_method_is_refused() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    let post = |uri: &str, fields: &[(&str, &str)]| {
+        let mut b = Request::post(uri).header("host", "x");
+        for (n, v) in fields {
+            b = b.header(*n, *v);
+        }
+        b.body(Full::new(Bytes::from_static(b"q"))).unwrap()
+    };
+    for (uri, fields) in [
+        ("/api/echo", &[("x-http-method-override", "GET")][..]),
+        ("/api/echo", &[("x_http_method", "DELETE")]),
+        ("/api/echo?_method=PUT", &[]),
+    ] {
+        let r = send(gw.main, post(uri, fields)).await;
+        assert_eq!(r.status, 400, "{uri} {fields:?}: {}", r.text());
+        let detail = r.json()["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains("method override"), "{detail}");
+    }
+    assert_eq!(up.requests(), 0, "never forwarded");
+    let itself = [("x-http-method-override", "POST")];
+    let r = send(gw.main, post("/api/echo?_method=post", &itself)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}

@@ -1614,6 +1614,56 @@ pub(crate) fn bad_host<B>(req: &Request<B>) -> Option<&'static str> {
     }
 }
 
+/// The method a `POST` asks servers to dispatch it as instead (`X-HTTP-Method-Override`,
+/// `X-HTTP-Method`, `X-Method-Override`, in either spelling, or a `_method` query parameter),
+/// if it names another method. Symfony and Laravel, Rails (`Rack::MethodOverride`),
+/// ASP.NET Core's override middleware and Express's honour such a field on a `POST` (review:
+/// `POST` with `X-HTTP-Method-Override: GET` was served as the `GET`-only route's action,
+/// counted under another route at another cost). Such a request is answered 400: routing it
+/// by the named method would let a caller whose upstream ignores the field be counted under
+/// the cheaper route instead.
+pub(crate) fn method_override<B>(req: &Request<B>) -> Option<String> {
+    if req.method() != Method::POST {
+        return None;
+    }
+    let named = |value: &[u8]| {
+        let value = value.trim_ascii();
+        (!value.is_empty() && !value.eq_ignore_ascii_case(b"POST"))
+            .then(|| String::from_utf8_lossy(value).into_owned())
+    };
+    for (name, value) in req.headers() {
+        let name = name.as_str();
+        // `x-http-method-override` is the longest: most names are passed over by length.
+        if name.len() <= "x-http-method-override".len()
+            && [
+                "x-http-method-override",
+                "x-http-method",
+                "x-method-override",
+            ]
+            .iter()
+            .any(|o| same_name(name, o))
+        {
+            if let Some(method) = named(value.as_bytes()) {
+                return Some(method);
+            }
+        }
+    }
+    let query = req.uri().query()?;
+    query.split(['&', ';']).find_map(|pair| {
+        let (k, v) = pair.split_once('=')?;
+        (k == "_method").then(|| named(v.as_bytes())).flatten()
+    })
+}
+
+/// Whether a header name (lower case) is `spelled`, with `_` for any `-`.
+fn same_name(name: &str, spelled: &str) -> bool {
+    name.len() == spelled.len()
+        && name
+            .bytes()
+            .zip(spelled.bytes())
+            .all(|(n, s)| n == s || (n == b'_' && s == b'-'))
+}
+
 /// Whether two `host[:port]` values name the same host: case and a trailing dot aside, and
 /// a port left out on one side agreeing with any.
 fn same_host(a: &[u8], b: &[u8]) -> bool {
@@ -2603,5 +2653,51 @@ mod tests {
         // A large piece alone passes as it came.
         let mut script = Script::new(vec![data(MERGE + 1), data(MERGE * 2)]);
         assert_eq!(merged(&mut script), ["16385", "32768", "E"]);
+    }
+
+    #[test]
+    fn a_post_asking_to_be_served_as_another_method_is_found() {
+        let req = |method: &str, uri: &str, fields: &[(&str, &str)]| {
+            let mut b = Request::builder().method(method).uri(uri);
+            for (n, v) in fields {
+                b = b.header(*n, *v);
+            }
+            b.body(()).unwrap()
+        };
+        for (uri, fields) in [
+            ("/s", &[("x-http-method-override", "GET")][..]),
+            ("/s", &[("X-HTTP-Method", " GET ")]),
+            ("/s", &[("x-method-override", "GET")]),
+            ("/s", &[("x_http_method_override", "GET")]),
+            (
+                "/s",
+                &[("x-http-method-override", "POST"), ("x-http-method", "GET")],
+            ),
+            ("/s?q=a&_method=GET", &[]),
+            ("/s?q=a;_method=GET", &[]),
+        ] {
+            let found = method_override(&req("POST", uri, fields));
+            assert_eq!(found.as_deref(), Some("GET"), "{uri} {fields:?}");
+        }
+        for (method, uri, fields) in [
+            ("POST", "/s", &[][..]),
+            ("POST", "/s", &[("x-http-method-override", "post")]),
+            ("POST", "/s", &[("x-http-method-override", "")]),
+            ("POST", "/s?_method=POST", &[]),
+            ("POST", "/s?x_method=GET", &[]),
+            ("POST", "/s", &[("x-http-method-overrides", "GET")]),
+            // Servers honour overrides on a `POST` only.
+            (
+                "GET",
+                "/s?_method=DELETE",
+                &[("x-http-method-override", "DELETE")],
+            ),
+        ] {
+            assert_eq!(
+                method_override(&req(method, uri, fields)),
+                None,
+                "{method} {uri} {fields:?}"
+            );
+        }
     }
 }

@@ -19,9 +19,9 @@ use crate::advertise;
 use crate::body::Body;
 use crate::capacity::Capacity;
 use crate::forward::{
-    bad_host, max_forwards_spent, one_content_length, prepare_request, set_upgrade,
-    strip_hop_by_hop, unsupported_coding, upgrade_protocol, IdentityHeaders, Peer, UploadTail,
-    UpstreamClient,
+    bad_host, max_forwards_spent, method_override, one_content_length, prepare_request,
+    set_upgrade, strip_hop_by_hop, unsupported_coding, upgrade_protocol, IdentityHeaders, Peer,
+    UploadTail, UpstreamClient,
 };
 use crate::head_error::HeadErrors;
 use crate::head_timeout::Busy;
@@ -200,6 +200,11 @@ pub(crate) async fn handle(
             }
             // Routed by `Host` (health checks above need none): it must be one, and valid.
             if let Some(detail) = bad_host(&req) {
+                break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
+            }
+            // And by its method, which the upstream must not read otherwise.
+            if let Some(method) = method_override(&req) {
+                let detail = format!("The request asks to be served as {method} (a method override): send a {method} request instead. The gateway routes and counts requests by their own method.");
                 break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
             }
             // A request no route matches is still counted (and refused) by the limits that
