@@ -173,7 +173,7 @@ fn hint(key: &str, message: &str) -> Option<String> {
             }
         }
     }
-    if message.contains("invalid type: map, expected a sequence")
+    if message.contains("invalid type: table, expected a sequence")
         && (key == "limits" || key == "routes")
     {
         return Some(format!(
@@ -263,6 +263,10 @@ fn serde_error_plain(
             key = found;
         }
         let value = value_at(text, span.start);
+        // toml hands a date-time to serde as a map, which is called a table above.
+        if value.starts_with(|c: char| c.is_ascii_digit()) {
+            message = message.replace("invalid type: table", "invalid type: date-time");
+        }
         // A table header is no value: the error is the table's.
         let line_start = text[..span.start.min(text.len())]
             .rfind('\n')
@@ -290,6 +294,7 @@ fn plain_types(message: &str) -> String {
     for (rust, toml) in [
         ("expected i64", "expected an integer"),
         ("expected u64", "expected an integer"),
+        ("invalid type: map", "invalid type: table"),
     ] {
         out = out.replace(rust, toml);
     }
@@ -409,10 +414,79 @@ fn value_at(text: &str, offset: usize) -> &str {
     &line[..end]
 }
 
+/// The dotted key whose key or value stands at `offset` (an array of tables with its index:
+/// `routes[1].respond`): read from the parsed document's spans when the text parses as TOML,
+/// so that quoted names, inline tables and multi-line strings are named right (review: they
+/// were not, by the text alone); else from the text ([`key_on_line`]).
+fn key_at(text: &str, offset: usize) -> String {
+    match toml_edit::ImDocument::parse(text) {
+        Ok(doc) => spanned_key(doc.as_table(), "", offset).unwrap_or_default(),
+        Err(_) => key_on_line(text, offset),
+    }
+}
+
+/// The deepest key under `table` (named `path`) whose key, value or table spans `offset`.
+fn spanned_key(table: &toml_edit::Table, path: &str, offset: usize) -> Option<String> {
+    let within = |span: Option<std::ops::Range<usize>>| span.is_some_and(|s| s.contains(&offset));
+    let join = |name: &str| match path {
+        "" => name.to_owned(),
+        _ => format!("{path}.{name}"),
+    };
+    for (name, _) in table.iter() {
+        let (key, item) = table.get_key_value(name)?;
+        let here = join(name);
+        let found = match item {
+            toml_edit::Item::None => None,
+            toml_edit::Item::Value(value) => {
+                let start = key.span().map_or(usize::MAX, |s| s.start);
+                let end = value.span().map_or(0, |s| s.end);
+                (start <= offset && offset < end)
+                    .then(|| spanned_value(value, &here, offset).unwrap_or(here.clone()))
+            }
+            // A table's span runs from its header over its entries: an entry first.
+            toml_edit::Item::Table(t) => {
+                spanned_key(t, &here, offset).or_else(|| within(t.span()).then(|| here.clone()))
+            }
+            toml_edit::Item::ArrayOfTables(tables) => {
+                tables.iter().enumerate().find_map(|(i, t)| {
+                    let here = format!("{here}[{i}]");
+                    spanned_key(t, &here, offset).or_else(|| within(t.span()).then_some(here))
+                })
+            }
+        };
+        if found.is_some() {
+            return found;
+        }
+    }
+    None
+}
+
+/// Within a value named `path`: the key of an inline table's entry, or an array's element,
+/// that spans `offset`.
+fn spanned_value(value: &toml_edit::Value, path: &str, offset: usize) -> Option<String> {
+    match value {
+        toml_edit::Value::InlineTable(t) => t.iter().find_map(|(name, v)| {
+            let (key, _) = t.get_key_value(name)?;
+            let start = key.span().map_or(usize::MAX, |s| s.start);
+            let end = v.span().map_or(0, |s| s.end);
+            let here = format!("{path}.{name}");
+            (start <= offset && offset < end)
+                .then(|| spanned_value(v, &here, offset).unwrap_or(here.clone()))
+        }),
+        toml_edit::Value::Array(a) => a.iter().enumerate().find_map(|(i, v)| {
+            let here = format!("{path}[{i}]");
+            v.span()
+                .is_some_and(|s| s.contains(&offset))
+                .then(|| spanned_value(v, &here, offset).unwrap_or(here.clone()))
+        }),
+        _ => None,
+    }
+}
+
 /// The dotted key whose value stands at `offset`, from the text: the table header above it
 /// (an array of tables with its index) and the key before `=` on the line. Empty if the line
-/// has no `=` before `offset`.
-fn key_at(text: &str, offset: usize) -> String {
+/// has no `=` before `offset`. For text that does not parse as TOML.
+fn key_on_line(text: &str, offset: usize) -> String {
     let Some(before) = text.get(..offset) else {
         return String::new();
     };

@@ -792,7 +792,7 @@ fn common_slips_are_told_what_to_write() {
     for (text, expected) in [
         (
             "[limits]\nname = \"a\"\n",
-            "c.toml:1:1: limits: invalid type: map, expected a sequence (each entry is its own [[limits]] table, with two brackets)",
+            "c.toml:1:1: limits: invalid type: table, expected a sequence (each entry is its own [[limits]] table, with two brackets)",
         ),
         (
             "[[limits]]\nname = \"a\"\nby = \"ip\"\nquota = 1\nwindow = 60\n",
@@ -1051,4 +1051,48 @@ fn a_file_name_cannot_forge_a_line() {
     );
     let missing = sluice_config::load(Path::new("/nonexistent/a\nb.toml")).unwrap_err();
     assert!(!missing.to_string().contains('\n'), "{missing}");
+}
+
+/// Review: the key an error is about was read from the text around it, which quoted table
+/// names, inline tables and a multi-line string holding a `[x]` line misled. It is read from
+/// the parsed document's spans.
+#[test]
+fn errors_name_keys_under_quoted_tables_inside_inline_tables_and_after_long_strings() {
+    let route = "[[routes]]\nname = \"r\"\npath = \"/\"\n";
+    let cases = [
+        (
+            "[upstreams.\"app\"]\nurl = \"http://127.0.0.1:1\"\nbogus = 1\n".to_owned(),
+            "c.toml:3:1: upstreams.app.bogus: ",
+        ),
+        (
+            format!("{route}respond = {{ status = \"x\" }}\n"),
+            "c.toml:4:22: routes[0].respond.status: ",
+        ),
+        (
+            format!("{route}respond = {{ status = 200, body = \"\"\"\n[x]\n\"\"\", bogus = 1 }}\n"),
+            "c.toml:6:6: routes[0].respond.bogus: ",
+        ),
+        (
+            format!("{route}respond = {{ status = 200, body = \"\"\"\n[x]\nname = 1\"\"\" }}\n[[limits]]\nname = \"l\"\nquota = \"many\"\n"),
+            "c.toml:9:9: limits[0].quota: ",
+        ),
+    ];
+    for (text, want) in cases {
+        let e = errors(&text);
+        assert!(
+            e.iter().any(|e| e.starts_with(want)),
+            "{want}\n{e:#?}\n{text}"
+        );
+    }
+}
+
+/// A date-time where another value goes is called one (toml hands it to serde as a map).
+#[test]
+fn a_date_time_is_called_one() {
+    let e =
+        errors("[upstreams.app]\nurl = \"http://127.0.0.1:1\"\ntimeout = 1979-05-27T07:32:00Z\n");
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert!(e[0].contains("invalid type: date-time"), "{e:?}");
+    let e = errors("[gateway]\nlisten = { a = 1 }\n");
+    assert!(e[0].contains("invalid type: table"), "{e:?}");
 }
