@@ -876,3 +876,43 @@ async fn with_redis_down_and_deny_a_missing_path_is_still_a_404() {
         assert_eq!(line["policy"], "quota-store", "{line}");
     }
 }
+
+/// Review: a client that left while Redis was deciding its request (a stalled Redis) left the
+/// concurrency lease the decision took in Redis until it expired, a minute later: the caller
+/// was refused at its limit all that time. The decision's answer, finding its caller gone,
+/// releases it.
+#[tokio::test]
+async fn a_lease_decided_after_its_client_left_is_released() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let limit =
+        "[[limits]]\nname = \"conc\"\nby = \"api_key\"\nalgorithm = \"concurrency\"\nquota = 1\n";
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "3s"),
+        64,
+        limit,
+    ));
+    assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+    // Redis answers nobody for a while; the client gives up meanwhile.
+    redis.cli(&["CLIENT", "PAUSE", "1000", "ALL"]);
+    let gave_up = tokio::time::timeout(Duration::from_millis(200), call(gw.main, "/v1/items", "k"));
+    assert!(gave_up.await.is_err(), "answered during the pause");
+    gw.wait_log("the client leaving", |v| v["status"] == 499)
+        .await;
+    // Once Redis answers, the lease it granted is released at once, not a minute later.
+    let key = redis.cli(&["--scan", "--pattern", "sluice:conc:*"]);
+    let started = Instant::now();
+    loop {
+        let held = redis.cli(&["ZCARD", key.trim()]).trim().to_string();
+        if held == "0" && started.elapsed() > Duration::from_millis(1000) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{held} leases held"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
+}

@@ -228,6 +228,26 @@ struct Call {
     since: tokio::time::Instant,
     /// The request's figures, and whether the call was sent twice (see [`eval`]).
     reply: oneshot::Sender<Result<(Vec<i64>, bool), StoreError>>,
+    /// The concurrency lease the request asks for, released if its caller is gone by the
+    /// time the call is answered (see [`answer`]).
+    lease: Option<(RedisStore, Arc<LeaseSlots>)>,
+}
+
+/// Answers `call`. A caller that stopped waiting (its client left while Redis decided) cannot
+/// hold the lease the call may have taken: that is released, or the caller's slots stayed
+/// taken until the lease expired (review: a client that left during a stalled decision kept
+/// its key at its concurrency limit for a minute).
+fn answer(call: Call, result: Result<(Vec<i64>, bool), StoreError>) {
+    let Call { reply, lease, .. } = call;
+    if let (Err(result), Some((store, slots))) = (reply.send(result), lease) {
+        let took = match &result {
+            Ok((figures, _)) => figures.first() == Some(&1),
+            Err(e) => e.is_store_failure(),
+        };
+        if took {
+            crate::decision::release_later(store, slots);
+        }
+    }
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -394,15 +414,23 @@ impl RedisStore {
             None => self.clock.deadline(sent, self.options.timeout),
             Some(_) => None,
         };
+        let lease = leases.then(|| {
+            let keys = layers
+                .iter()
+                .filter(|l| l.limit.is_concurrency())
+                .map(|l| l.limit.key_name(l.key))
+                .collect();
+            let slots = LeaseSlots {
+                id: lease_id.clone(),
+                keys,
+            };
+            (self.clone(), Arc::new(slots))
+        });
         let reply = self
-            .call(Part::new(
-                layers,
-                code,
-                cost,
-                &lease_id,
-                (now, deadline),
-                None,
-            ))
+            .call(
+                Part::new(layers, code, cost, &lease_id, (now, deadline), None),
+                lease,
+            )
             .await;
         let reply = match reply {
             Ok((reply, resent)) => {
@@ -524,7 +552,7 @@ impl RedisStore {
         }
         let tags = Some(admission.tags.as_slice());
         let part = Part::new(layers, mode, admission.cost, &lease_id, (now, None), tags);
-        match self.call(part).await?.0.first() {
+        match self.call(part, None).await?.0.first() {
             Some(3) => Ok(()),
             _ => Err(StoreError::Reply("refund not confirmed".into())),
         }
@@ -554,12 +582,21 @@ impl RedisStore {
 
     /// Has the batcher decide `part` in the next `EVALSHA`, within the timeout of this asking
     /// (kept by the call's timer, see [`send`], not by one per request).
-    async fn call(&self, part: Part) -> Result<(Vec<i64>, bool), StoreError> {
+    async fn call(
+        &self,
+        part: Part,
+        lease: Option<(RedisStore, Arc<LeaseSlots>)>,
+    ) -> Result<(Vec<i64>, bool), StoreError> {
         let (reply, answer) = oneshot::channel();
         let stopped = || StoreError::Reply("the store's batcher has stopped".into());
         let since = tokio::time::Instant::now();
         self.calls
-            .send(Call { part, since, reply })
+            .send(Call {
+                part,
+                since,
+                reply,
+                lease,
+            })
             .map_err(|_| stopped())?;
         answer.await.map_err(|_| stopped())?
     }
@@ -805,7 +842,7 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
     let mut waiting: Vec<Option<Call>> = Vec::with_capacity(batch.len());
     for call in batch {
         if call.since + timeout <= now {
-            let _ = call.reply.send(Err(link.timeout(timeout)));
+            answer(call, Err(link.timeout(timeout)));
         } else {
             waiting.push(Some(call));
         }
@@ -834,7 +871,7 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
                 let now = tokio::time::Instant::now();
                 for slot in &mut waiting {
                     if let Some(late) = slot.take_if(|c| c.since + timeout <= now) {
-                        let _ = late.reply.send(Err(link.timeout(timeout)));
+                        answer(late, Err(link.timeout(timeout)));
                         gave_up.store(true, Ordering::Relaxed);
                     }
                 }
@@ -861,13 +898,13 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
             // Redis decided and charged.
             for (slot, reply) in waiting.into_iter().zip(replies) {
                 if let Some(call) = slot {
-                    let _ = call.reply.send(script::unpack(&reply).map(|r| (r, resent)));
+                    answer(call, script::unpack(&reply).map(|r| (r, resent)));
                 }
             }
         }
         Err(e) => {
             for call in waiting.into_iter().flatten() {
-                let _ = call.reply.send(Err(e.share()));
+                answer(call, Err(e.share()));
             }
         }
     }
