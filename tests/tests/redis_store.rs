@@ -916,3 +916,25 @@ async fn a_lease_decided_after_its_client_left_is_released() {
     }
     assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200);
 }
+
+/// Review: with Redis down and `on_error = "deny"`, a route counted only by a `dry_run` limit
+/// was answered 503: a limit added to watch took its routes down. Such a request passes,
+/// unchecked; one an enforced limit counts is still refused.
+#[tokio::test]
+async fn with_redis_down_and_deny_a_request_only_dry_run_limits_count_passes() {
+    let mut redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let limits = "[[limits]]\nname = \"watch\"\nby = \"ip\"\nalgorithm = \"fixed_window\"\nquota = 1\nwindow = \"1h\"\nmode = \"dry_run\"\n\n[[limits]]\nname = \"search\"\nby = \"ip\"\nalgorithm = \"fixed_window\"\nquota = 100\nwindow = \"1h\"\nroutes = [\"search\"]\n";
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "25ms"),
+        64,
+        limits,
+    ));
+    assert_eq!(get(gw.main, "/v1/items", &[]).await.status, 200);
+    redis.kill();
+    for _ in 0..3 {
+        assert_eq!(get(gw.main, "/v1/items", &[]).await.status, 200);
+    }
+    assert_eq!(get(gw.main, "/v1/search", &[]).await.status, 503);
+}

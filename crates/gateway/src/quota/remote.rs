@@ -261,7 +261,10 @@ impl Remote {
         notes: Notes<'_>,
     ) -> Result<Pass, Stop> {
         match self.on_error {
-            OnError::Allow => match slot.or_else(|| capacity.try_acquire()) {
+            // A request only `dry_run` limits count is not refused for them (review: a limit
+            // added in dry run to watch took its routes down with Redis).
+            OnError::Deny if !layers.enforced.is_empty() => Err(Stop::StoreUnavailable),
+            OnError::Allow | OnError::Deny => match slot.or_else(|| capacity.try_acquire()) {
                 Some(slot) => Ok(Pass {
                     slot,
                     held: Held::default(),
@@ -269,7 +272,6 @@ impl Remote {
                 }),
                 None => Err(Stop::Overloaded),
             },
-            OnError::Deny => Err(Stop::StoreUnavailable),
             OnError::Local => {
                 quota
                     .admit_in_memory(layers, cost, capacity, slot, notes)
