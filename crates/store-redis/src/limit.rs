@@ -92,6 +92,11 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
 }
 
 impl RemoteLimit {
+    /// How long the limit may hold a request (`delay` mode), if it may.
+    pub(crate) fn max_delay(&self) -> Option<std::time::Duration> {
+        self.limit.max_delay()
+    }
+
     /// Checks that `limit` can be decided exactly by the script: its window and `block_for`
     /// are whole microseconds, and (token bucket) `burst * window_us / gcd(window_us, quota)`
     /// or (sliding window) `quota * window_us` stay within 2^52.

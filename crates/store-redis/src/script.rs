@@ -256,7 +256,7 @@ pub(crate) fn decision(
     }
     match reply[0] {
         1 => Ok(RemoteDecision::Admitted(RemoteAdmission {
-            hold: micros(reply[2]).unwrap_or(Duration::ZERO),
+            hold: hold(reply[2], layers)?,
             reports,
             dry_run_refused: (reply[4] != 0)
                 .then(|| index(reply[4], layers.len()))
@@ -277,6 +277,26 @@ pub(crate) fn decision(
             now,
         })),
         other => Err(StoreError::Reply(format!("outcome {other}"))),
+    }
+}
+
+/// An admitted request's hold, which no enforced layer's `max_delay` is shorter than: a reply
+/// past it (a hostile or broken Redis) is refused, rather than holding the request for as long
+/// as it says (review: 142 years, on routes with no `delay` limit at all).
+fn hold(micros_held: i64, layers: &[Layer<'_>]) -> Result<Duration, StoreError> {
+    let hold = micros(micros_held).unwrap_or(Duration::ZERO);
+    let most = layers
+        .iter()
+        .filter(|l| !l.dry_run)
+        .filter_map(|l| l.limit.max_delay())
+        .max()
+        .unwrap_or(Duration::ZERO);
+    match hold <= most {
+        true => Ok(hold),
+        false => Err(StoreError::Reply(format!(
+            "a hold of {} us, past every limit's max_delay",
+            hold.as_micros()
+        ))),
     }
 }
 
@@ -360,5 +380,43 @@ mod tests {
             decision(&[1, 0, -1], &layers, 1),
             Err(StoreError::Reply(_))
         ));
+    }
+
+    /// Review: a reply that held a request for 2^52 us (142 years) was obeyed, on a route with
+    /// no `delay` limit. A hold is at most the longest `max_delay` of the enforced layers.
+    #[test]
+    fn a_hold_past_every_limits_max_delay_is_a_bad_reply() {
+        let second = Duration::from_secs(1);
+        let delayed = Limit::new(
+            "d",
+            Algorithm::FixedWindow,
+            NonZeroU32::new(5).unwrap(),
+            second,
+        )
+        .unwrap()
+        .with_max_delay(3 * second)
+        .unwrap();
+        let delayed = RemoteLimit::new(&delayed).unwrap();
+        let plain = fixed();
+        let key = KeyHasher::with_secret(b"s").key(&[b"a"]);
+        let admitted = |hold: i64| [1, 0, hold, 0, 0, 8_000_000, 4, 0, 1, -2, 0];
+        let held = |layers: &[Layer<'_>], hold: i64| match decision(&admitted(hold), layers, 1) {
+            Ok(RemoteDecision::Admitted(a)) => Ok(a.hold),
+            Ok(_) => panic!("not an admission"),
+            Err(e) => Err(e),
+        };
+        let with_delay = [Layer::enforced(&delayed, key)];
+        assert_eq!(held(&with_delay, 2_000_000).unwrap(), 2 * second);
+        assert_eq!(held(&with_delay, 3_000_000).unwrap(), 3 * second);
+        assert!(matches!(
+            held(&with_delay, 3_000_001),
+            Err(StoreError::Reply(_))
+        ));
+        let without = [Layer::enforced(&plain, key)];
+        assert_eq!(held(&without, -1).unwrap(), Duration::ZERO);
+        assert!(matches!(held(&without, 1 << 52), Err(StoreError::Reply(_))));
+        // A dry-run layer holds nothing.
+        let dry = [Layer::dry_run(&delayed, key)];
+        assert!(matches!(held(&dry, 1_000_000), Err(StoreError::Reply(_))));
     }
 }
