@@ -61,9 +61,10 @@ impl Extras {
     /// `header_timeout = "1s"`, the upstream left with a third of the body).
     fn request_over(&mut self) {
         let slot = self.slot.take();
-        // Nothing more of the upload goes upstream: its rest is read and dropped.
+        // The upstream connection, which took nothing more of the upload since the answer's
+        // head, is closed.
         if let Some(upload) = &self.upload {
-            upload.cut();
+            upload.response_over();
         }
         match self.upload.take() {
             Some(upload) if slot.is_some() || self.busy.is_some() => {

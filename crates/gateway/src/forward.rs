@@ -179,7 +179,9 @@ impl UpstreamClient {
                 let mut res = res.map(Upstreamed::Hyper);
                 // Only an upload still going can outlive the answer: most have ended by now,
                 // and cost no extensions map.
-                if let Some(tail) = tail.filter(|t| t.moved.state.load(Ordering::Acquire) != ENDED)
+                // (One cut at the answer's head waits for the answer's end, ended or not.)
+                if let Some(tail) = tail
+                    .filter(|t| t.moved.is_cut() || t.moved.state.load(Ordering::Acquire) != ENDED)
                 {
                     res.extensions_mut().insert(tail);
                 }
@@ -305,11 +307,16 @@ impl UpstreamClient {
                     // A connection that switched protocols is the tunnel's now; one whose
                     // request's body is still going is not reused: if the response ends
                     // first, the body is cut short ([`UploadTail::cut`]).
-                    let upload_going = moved
+                    let going = moved
                         .as_ref()
-                        .is_some_and(|m| m.state.load(Ordering::Acquire) != ENDED);
-                    if res.status() != StatusCode::SWITCHING_PROTOCOLS && !upload_going {
-                        self.checkin(conn);
+                        .filter(|m| m.state.load(Ordering::Acquire) != ENDED);
+                    if res.status() != StatusCode::SWITCHING_PROTOCOLS {
+                        match going {
+                            // The answer's head has come: nothing more of the body goes
+                            // upstream, however slowly the client takes the answer.
+                            Some(moved) => moved.cut(),
+                            None => self.checkin(conn),
+                        }
                     }
                     return Ok(res);
                 }
@@ -442,15 +449,15 @@ pin_project! {
     /// that stops is timed out from its last piece.
     ///
     /// While it waits on the client, the body also keeps its own timer on the client's
-    /// deadlines (`timeout` after the last piece, and `min_body_rate`): the exchange's timer
-    /// stops looking once the response head has come, and an upstream that answers before
-    /// the body ends (one that streams, or echoes) must not leave a trickling client
-    /// unbounded. Only a body that has to wait pays for the timer.
+    /// deadlines (`timeout` after the last piece, and `min_body_rate`), as the task that
+    /// drops its rest once the answer's head has come does ([`drain`]). Only a body that has
+    /// to wait pays for the timer.
     #[project = UploadProj]
     #[derive(Debug)]
     pub(crate) struct Upload {
-        #[pin]
-        body: Incoming,
+        // Taken by the task that reads and drops the rest once the answer has come
+        // ([`Moved::cut`]).
+        body: Option<Incoming>,
         moved: Option<Arc<Moved>>,
         // Bytes still allowed (`max_body_size`).
         allowed: u64,
@@ -609,26 +616,22 @@ pub(crate) struct UploadTail {
     timeout: Duration,
 }
 
+/// An answer the gateway does not pass on (its framing, say): its exchange is over, and the
+/// upstream connection, if it waits on the rest of the request's body, is closed.
+pub(crate) fn answer_dropped<B>(res: &Response<B>) {
+    if let Some(tail) = res.extensions().get::<UploadTail>() {
+        tail.response_over();
+    }
+}
+
 impl UploadTail {
-    /// The response is over before the upload: nothing more of the body goes upstream. The
-    /// rest is read and dropped (so that the client's connection can serve its next request),
-    /// and then the upstream connection is closed, not reused (its request's body is cut
-    /// short). An upstream that answers without reading the body and takes what comes after
-    /// for its next request would otherwise serve requests no limit counted, and once the
-    /// connection went back to the pool, serve another client's request joined to them
-    /// (review: 50 requests past a limit of 2 in one body; RFC 9112 section 11.2; nginx stops
-    /// sending too).
-    pub(crate) fn cut(&self) {
+    /// The response is over before the upload: the upstream connection, which has sent its
+    /// last piece of the body since the answer's head came ([`Moved::cut`]), is closed, its
+    /// request's body cut short (never taken for whole), not reused.
+    pub(crate) fn response_over(&self) {
         self.moved.cut.store(true, Ordering::Release);
-        let waiting = self
-            .moved
-            .waiting
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(waker) = waiting {
-            waker.wake();
-        }
+        self.moved.answered.store(true, Ordering::Release);
+        self.moved.wake();
     }
 
     /// Keeps `slots` until the upload is over or stalls, or `capacity` is cut at the end of
@@ -696,9 +699,9 @@ impl UploadTail {
 #[error("the client sent the request body too slowly")]
 struct ClientTooSlow;
 
-/// The response ended before the request body, whose rest was read and dropped: the body
-/// ends in an error, so that the upstream connection closes rather than taking the body as
-/// whole.
+/// The answer came before the request body ended, and is over: the body, whose rest was read
+/// and dropped, ends in an error, so that the upstream connection closes rather than take it
+/// for whole.
 #[derive(Debug, thiserror::Error)]
 #[error("the response ended before the request body: its rest was not forwarded")]
 struct AnsweredFirst;
@@ -734,9 +737,12 @@ struct Moved {
     tail: Mutex<Tail>,
     /// Wakes the watcher of what is kept when the upload is over.
     over_now: tokio::sync::Notify,
-    /// Set when the response ended first: the rest of the body is read and dropped, not
-    /// forwarded ([`UploadTail::cut`]).
+    /// Set when the answer's head came first: the rest of the body is read and dropped, not
+    /// forwarded ([`Moved::cut`]).
     cut: std::sync::atomic::AtomicBool,
+    /// Set when, after that, the answer is over too: the upstream connection is then closed
+    /// ([`UploadTail::response_over`]).
+    answered: std::sync::atomic::AtomicBool,
     /// The task polling the body while it waits on the client, woken by the cut.
     waiting: Mutex<Option<std::task::Waker>>,
 }
@@ -791,6 +797,7 @@ impl Moved {
             tail: Mutex::default(),
             over_now: tokio::sync::Notify::new(),
             cut: std::sync::atomic::AtomicBool::new(false),
+            answered: std::sync::atomic::AtomicBool::new(false),
             waiting: Mutex::new(None),
         }
     }
@@ -805,6 +812,28 @@ impl Moved {
 
     fn is_cut(&self) -> bool {
         self.cut.load(Ordering::Acquire)
+    }
+
+    /// The answer's head has come while the body is still coming: nothing more of the body
+    /// goes upstream, however slowly the client takes the answer. An upstream that answers
+    /// without reading the body and takes what follows for its next requests would otherwise
+    /// serve requests no limit counted (review: 50 requests in one body past a limit of 2,
+    /// also with the answer read slowly; RFC 9112 section 11.2). The task polling the body is
+    /// woken to hand it off ([`hand_off`]).
+    fn cut(&self) {
+        self.cut.store(true, Ordering::Release);
+        self.wake();
+    }
+
+    fn wake(&self) {
+        let waiting = self
+            .waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(waker) = waiting {
+            waker.wake();
+        }
     }
 
     /// The upload has ended, failed or been dropped: what its response left is freed.
@@ -905,7 +934,7 @@ impl Upload {
         let moved =
             (!http_body::Body::is_end_stream(&body)).then(|| Arc::new(Moved::new(min_rate)));
         Upload {
-            body,
+            body: Some(body),
             gone: moved.clone().map(Gone),
             moved,
             allowed,
@@ -952,25 +981,39 @@ impl http_body::Body for Upload {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let mut this = self.project();
-        if this.moved.as_ref().is_some_and(|m| m.is_cut()) {
-            return drain(&mut this, cx);
+        if let Some(moved) = this.moved.as_ref().filter(|m| m.is_cut()) {
+            let moved = Arc::clone(moved);
+            hand_off(&mut this);
+            // The upstream connection waits for the rest of the body while its answer comes;
+            // once the answer is over, it is closed.
+            if moved.answered.load(Ordering::Acquire) {
+                return Poll::Ready(Some(Err(Box::new(AnsweredFirst))));
+            }
+            moved.wake_on_cut(cx);
+            if moved.answered.load(Ordering::Acquire) {
+                return Poll::Ready(Some(Err(Box::new(AnsweredFirst))));
+            }
+            return Poll::Pending;
         }
         // Taken out for the call, as the pieces are polled through `this`.
         let mut merge = std::mem::take(this.merge);
         let polled = merge.poll(cx, &mut |cx: &mut Context<'_>, asked| {
             let polled = poll_piece(&mut this, cx, asked);
-            (polled, this.body.is_end_stream())
+            (polled, ended(this.body))
         });
         *this.merge = merge;
         polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.merge.is_empty() && self.body.is_end_stream()
+        self.merge.is_empty() && ended(&self.body)
     }
 
     fn size_hint(&self) -> SizeHint {
-        let mut hint = self.body.size_hint();
+        let Some(body) = &self.body else {
+            return SizeHint::default();
+        };
+        let mut hint = body.size_hint();
         let held = self.merge.len();
         hint.set_lower(hint.lower() + held);
         if let Some(upper) = hint.upper() {
@@ -980,21 +1023,66 @@ impl http_body::Body for Upload {
     }
 }
 
-/// The rest of a body whose response ended first, read and dropped (still held to its
-/// deadlines and `max_body_size`); then an error, so that the upstream connection closes.
-fn drain(
-    this: &mut UploadProj<'_>,
-    cx: &mut Context<'_>,
-) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+/// Whether a body has ended (or was handed off).
+fn ended(body: &Option<Incoming>) -> bool {
+    body.as_ref().is_none_or(http_body::Body::is_end_stream)
+}
+
+/// The answer's head has come while the body is still coming ([`Moved::cut`]): nothing more
+/// of it goes upstream. What was gathered is dropped, and the rest goes to a task of its own
+/// that reads and drops it (once).
+fn hand_off(this: &mut UploadProj<'_>) {
     *this.merge = Merge::default();
-    loop {
-        match poll_piece(this, cx, true) {
-            Poll::Ready(Some(Ok(frame))) if frame.is_data() && !this.body.is_end_stream() => {}
-            Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
-            Poll::Ready(_) => return Poll::Ready(Some(Err(Box::new(AnsweredFirst)))),
-            Poll::Pending => return Poll::Pending,
+    if let (Some(body), Some(moved)) = (this.body.take(), this.moved.clone()) {
+        let gone = this.gone.take();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(drain(body, moved, gone, *this.allowed, *this.timeout));
         }
     }
+}
+
+/// Reads and drops the rest of a body whose answer has come, so that the client's connection
+/// can be read past it, held to the same deadlines (`timeout` after its last piece,
+/// `min_body_rate`) and `max_body_size` as before; it is over when it ends or fails, or is
+/// cut at a deadline or the limit. (Its request's slots wait for that: [`UploadTail`].)
+async fn drain(
+    mut body: Incoming,
+    moved: Arc<Moved>,
+    gone: Option<Gone>,
+    mut allowed: u64,
+    timeout: Duration,
+) {
+    use http_body_util::BodyExt;
+    let _gone = gone;
+    loop {
+        moved.wait();
+        let frame = {
+            let next = body.frame();
+            tokio::pin!(next);
+            loop {
+                let Verdict::Wait(at) = moved.verdict(timeout, Instant::now()) else {
+                    return;
+                };
+                tokio::select! {
+                    frame = next.as_mut() => break frame,
+                    () = tokio::time::sleep_until(at) => {}
+                }
+            }
+        };
+        let len = match frame {
+            Some(Ok(frame)) => frame.data_ref().map_or(0, |d| d.len() as u64),
+            _ => break,
+        };
+        if body.is_end_stream() {
+            break;
+        }
+        moved.note(MOVING, len);
+        match allowed.checked_sub(len) {
+            Some(left) => allowed = left,
+            None => return,
+        }
+    }
+    moved.note(ENDED, 0);
 }
 
 /// The body's next piece, counted (its time and size, `max_body_size`). A wait for the
@@ -1005,7 +1093,11 @@ fn poll_piece(
     cx: &mut Context<'_>,
     asked: bool,
 ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-    let polled = this.body.as_mut().poll_frame(cx);
+    let Some(body) = this.body.as_mut() else {
+        return Poll::Ready(Some(Err(Box::new(AnsweredFirst))));
+    };
+    let polled = Pin::new(&mut *body).poll_frame(cx);
+    let at_end = body.is_end_stream();
     let len = match &polled {
         Poll::Ready(Some(Ok(frame))) => frame.data_ref().map_or(0, |d| d.len() as u64),
         _ => 0,
@@ -1020,7 +1112,7 @@ fn poll_piece(
                     return Poll::Ready(Some(Err(Box::new(ClientTooSlow))));
                 }
             }
-            Poll::Ready(Some(Ok(_))) if !this.body.is_end_stream() => moved.note(MOVING, len),
+            Poll::Ready(Some(Ok(_))) if !at_end => moved.note(MOVING, len),
             Poll::Ready(_) => {
                 moved.note(ENDED, len);
                 moved.upload_over();

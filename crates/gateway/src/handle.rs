@@ -19,9 +19,9 @@ use crate::advertise;
 use crate::body::Body;
 use crate::capacity::Capacity;
 use crate::forward::{
-    bad_host, max_forwards_spent, method_override, one_content_length, prepare_request,
-    set_upgrade, strip_hop_by_hop, unsupported_coding, upgrade_protocol, IdentityHeaders, Peer,
-    UploadTail, UpstreamClient,
+    answer_dropped, bad_host, max_forwards_spent, method_override, one_content_length,
+    prepare_request, set_upgrade, strip_hop_by_hop, unsupported_coding, upgrade_protocol,
+    IdentityHeaders, Peer, UploadTail, UpstreamClient,
 };
 use crate::head_error::HeadErrors;
 use crate::head_timeout::Busy;
@@ -383,6 +383,7 @@ pub(crate) async fn handle(
                                     || unsupported_coding(res.headers())) =>
                         {
                             tracing::debug!(headers = ?res.headers(), "the upstream's response framing cannot be passed on");
+                            answer_dropped(&res);
                             Problem::upstream_bad_response().into_response(&shared.problem_base)
                         }
                         (Ok(res), _) => {
