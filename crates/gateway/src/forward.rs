@@ -1740,10 +1740,13 @@ pub(crate) fn method_override<B>(req: &Request<B>) -> Option<String> {
             }
         }
     }
+    // Under any name a server reads as `_method` (see `param_name`).
     let query = req.uri().query()?;
     query.split(['&', ';']).find_map(|pair| {
         let (k, v) = pair.split_once('=')?;
-        (k == "_method").then(|| named(v.as_bytes())).flatten()
+        (crate::identify::param_name(k.as_bytes()) == b"_method")
+            .then(|| named(v.as_bytes()))
+            .flatten()
     })
 }
 
@@ -2767,6 +2770,9 @@ mod tests {
             ),
             ("/s?q=a&_method=GET", &[]),
             ("/s?q=a;_method=GET", &[]),
+            ("/s?%5Fmethod=GET", &[]),
+            ("/s?.method=GET", &[]),
+            ("/s?%20_METHOD=GET", &[]),
         ] {
             let found = method_override(&req("POST", uri, fields));
             assert_eq!(found.as_deref(), Some("GET"), "{uri} {fields:?}");

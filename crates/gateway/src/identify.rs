@@ -235,13 +235,20 @@ fn query_params<'q>(
     })
 }
 
-/// A query parameter's name as the most lenient servers read it: decoded, in lower case, with
-/// `.`, `[`, spaces and `+` as `_`.
-fn param_name(raw: &[u8]) -> Vec<u8> {
+/// A query parameter's name as the most lenient servers read it: decoded (`+` as a space),
+/// leading spaces dropped (PHP), in lower case, with `.`, `[` and spaces as `_`.
+pub(crate) fn param_name(raw: &[u8]) -> Vec<u8> {
     let mut name = percent_decode(raw);
     for b in &mut name {
+        if *b == b'+' {
+            *b = b' ';
+        }
+    }
+    let blanks = name.iter().take_while(|b| **b == b' ').count();
+    name.drain(..blanks);
+    for b in &mut name {
         *b = match b.to_ascii_lowercase() {
-            b'.' | b'[' | b' ' | b'+' => b'_',
+            b'.' | b'[' | b' ' => b'_',
             other => other,
         };
     }
@@ -656,6 +663,9 @@ mod tests {
             "/x?Api.Key=K",
             "/x?a=1;api_key=K",
             "/x?api_key=K;a=1",
+            "/x?+api_key=K",
+            "/x?%20api_key=K",
+            "/x?++api.key=K",
         ] {
             let uri: Uri = query.parse().unwrap();
             assert_eq!(
