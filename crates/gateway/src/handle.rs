@@ -337,6 +337,7 @@ pub(crate) async fn handle(
                         set_upgrade(req.headers_mut(), protocol);
                     }
                     log.upstream_start();
+                    busy.forwarded();
                     let sent = shared.upstreams[*u]
                         .send(req, shared.max_body_size, shared.min_body_rate)
                         .await;
