@@ -1977,7 +1977,7 @@ async fn a_body_in_small_chunks_goes_upstream_in_few_large_ones() {
 
 /// Each piece of a body costs the server library a hand-over between tasks (about a
 /// microsecond): a body in one-byte chunks cost a hundred times nginx's CPU. A body whose
-/// pieces come back to back averaging under 16 bytes is refused after 1,024 of them.
+/// pieces come back to back averaging under 8 bytes is refused after 1,024 of them.
 #[tokio::test]
 async fn a_body_in_a_flood_of_one_byte_chunks_is_refused() {
     let up = MockUpstream::start().await;
@@ -1988,7 +1988,7 @@ async fn a_body_in_a_flood_of_one_byte_chunks_is_refused() {
     upload.extend_from_slice(b"0\r\n\r\n");
     let answer = raw_exchange(gw.main, &upload).await;
     assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
-    assert!(answer.contains("pieces of under 16 bytes"), "{answer}");
+    assert!(answer.contains("pieces of under 8 bytes"), "{answer}");
 }
 
 /// Review (request smuggling past the limits): an upstream that answers before reading a

@@ -518,7 +518,7 @@ struct Merge<E> {
 /// what the bytes cost as ordinary requests. Refused at 1,024, such a body costs about what
 /// its bytes would as requests, and it was charged as a request first.
 const FLOOD_PIECES: u64 = 1024;
-const TINY: u64 = 16;
+const TINY: u64 = 8;
 
 impl<E> Default for Merge<E> {
     fn default() -> Self {
@@ -2788,9 +2788,9 @@ mod tests {
             false
         };
         assert!(flooded(usize::try_from(FLOOD_PIECES).unwrap(), 1));
-        assert!(flooded(5_000, 15));
+        assert!(flooded(5_000, 7));
         assert!(!flooded(usize::try_from(FLOOD_PIECES).unwrap() - 1, 1));
-        assert!(!flooded(5_000, 16));
+        assert!(!flooded(5_000, 8));
     }
 
     #[test]
