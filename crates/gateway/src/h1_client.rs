@@ -352,7 +352,11 @@ fn parse_head(buf: &[u8], head_only: bool) -> Result<Option<(usize, Head)>, Erro
         (false, false, Some(n)) => Framing::Length(n),
         (false, false, None) => Framing::Close,
     };
-    let keep_alive = version == Version::HTTP_11 && !close && framing != Framing::Close;
+    // A 204 that announces a body breaks its framing (RFC 9110 section 15.3.5): such a
+    // server may send the body it announced after all, late, into the next request's answer
+    // (review: a late `0\r\n\r\n` was the next client's 502). Its connection is not kept.
+    let broken = status == StatusCode::NO_CONTENT && (chunked || length.is_some_and(|n| n > 0));
+    let keep_alive = version == Version::HTTP_11 && !close && framing != Framing::Close && !broken;
     Ok(Some((
         len,
         Head {
@@ -939,6 +943,15 @@ mod tests {
             "HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 0\r\n\r\n"
         ));
         assert!(!keep("HTTP/1.1 200 OK\r\n\r\n"));
+        // A 204 announcing a body may send it late.
+        assert!(keep("HTTP/1.1 204 No Content\r\n\r\n"));
+        assert!(keep("HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n"));
+        assert!(!keep(
+            "HTTP/1.1 204 No Content\r\ntransfer-encoding: chunked\r\n\r\n"
+        ));
+        assert!(!keep(
+            "HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n"
+        ));
     }
 
     #[test]
