@@ -78,15 +78,22 @@ pub(crate) fn write(
             v
         }
     };
-    if let Some(v) = policy {
-        headers.insert(RATELIMIT_POLICY.clone(), v);
-    }
-    if let Some(v) = value(state(items)) {
-        headers.insert(RATELIMIT.clone(), v);
-    }
-    if cost != 1 {
-        headers.insert(RATELIMIT_COST.clone(), HeaderValue::from(cost));
-    }
+    // Each field the gateway writes replaces the upstream's; and where it writes a family
+    // (the IETF fields, the legacy trio), the upstream's others of it go too, or a client
+    // would read the gateway's figures beside the upstream's (review: the upstream's
+    // `X-RateLimit-Reset: 3600` beside the gateway's `X-RateLimit-Remaining: 0`).
+    match policy {
+        Some(v) => headers.insert(RATELIMIT_POLICY.clone(), v),
+        None => headers.remove(&RATELIMIT_POLICY),
+    };
+    match value(state(items)) {
+        Some(v) => headers.insert(RATELIMIT.clone(), v),
+        None => headers.remove(&RATELIMIT),
+    };
+    match cost {
+        1 => headers.remove(&RATELIMIT_COST),
+        _ => headers.insert(RATELIMIT_COST.clone(), HeaderValue::from(cost)),
+    };
     if let Legacy::On { refusing } = legacy {
         // The limit that refused, on a 429; else the one closest to refusing: least
         // remaining, then the longest wait. A concurrency limit only once its slots are all
@@ -100,15 +107,19 @@ pub(crate) fn write(
                 .min_by_key(|(_, r)| (r.remaining, std::cmp::Reverse(r.reset)))
         };
         let Some((_, r)) = refusing.and_then(|i| items.get(i)).or_else(closest) else {
+            for name in [&X_LIMIT, &X_REMAINING, &X_RESET] {
+                headers.remove(name);
+            }
             return;
         };
         headers.insert(X_LIMIT.clone(), HeaderValue::from(r.quota));
         headers.insert(X_REMAINING.clone(), HeaderValue::from(r.remaining));
         // A limit with no reset time (concurrency: a slot frees when a request ends) says
         // none, rather than 0, "now", beside a Retry-After that says otherwise.
-        if let Some(reset) = r.window.and(r.reset) {
-            headers.insert(X_RESET.clone(), HeaderValue::from(ceil_secs(reset)));
-        }
+        match r.window.and(r.reset) {
+            Some(reset) => headers.insert(X_RESET.clone(), HeaderValue::from(ceil_secs(reset))),
+            None => headers.remove(&X_RESET),
+        };
     }
 }
 
@@ -223,6 +234,43 @@ mod tests {
         );
         assert!(!h.contains_key("ratelimit-cost"));
         assert!(!h.contains_key("x-ratelimit-limit"));
+    }
+
+    /// Review: where the gateway writes a family of fields, the upstream's others of it went
+    /// through beside them (its `X-RateLimit-Reset: 3600` with the gateway's
+    /// `X-RateLimit-Remaining: 0`, its `RateLimit-Cost: 9` on a route of cost 1).
+    #[test]
+    fn the_upstreams_fields_of_a_family_the_gateway_writes_are_not_left_beside_its_own() {
+        let upstreams = || {
+            let mut h = HeaderMap::new();
+            for (name, value) in [
+                ("x-ratelimit-limit", "5000"),
+                ("x-ratelimit-remaining", "4999"),
+                ("x-ratelimit-reset", "3600"),
+                ("ratelimit-cost", "9"),
+                ("ratelimit", "\"up\";r=1"),
+            ] {
+                h.insert(name, HeaderValue::from_static(value));
+            }
+            h
+        };
+        let name = sf_string("conc");
+        // A full concurrency limit: the trio without a reset.
+        let items = [(&*name, report(1, None, 0, None))];
+        let mut h = upstreams();
+        let legacy = Legacy::On { refusing: None };
+        write(&mut h, &items, 1, legacy, &PolicyCache::default());
+        assert_eq!(h["x-ratelimit-limit"], "1");
+        assert_eq!(h["x-ratelimit-remaining"], "0");
+        assert!(!h.contains_key("x-ratelimit-reset"), "{h:?}");
+        assert!(!h.contains_key("ratelimit-cost"), "{h:?}");
+        assert_eq!(h["ratelimit"], "\"conc\";r=0");
+        // A concurrency limit with free slots: no trio at all.
+        let items = [(&*name, report(2, None, 1, None))];
+        let mut h = upstreams();
+        write(&mut h, &items, 1, legacy, &PolicyCache::default());
+        assert!(!h.contains_key("x-ratelimit-limit"), "{h:?}");
+        assert!(!h.contains_key("x-ratelimit-reset"), "{h:?}");
     }
 
     #[test]
