@@ -1525,6 +1525,34 @@ async fn upstream_framing_the_gateway_cannot_pass_on_is_a_502() {
     }
 }
 
+/// Review: a malformed answer head (a folded line, a space before a field's colon, not HTTP
+/// at all) was a 502 saying the upstream "refused, reset or closed" the connection, which
+/// sent an operator looking at the network: it is the bad-response problem, for requests
+/// with and without a body.
+#[tokio::test]
+async fn a_malformed_answer_head_is_a_bad_response_not_an_unreachable_upstream() {
+    for response in [
+        &b"HTTP/1.1 200 OK\r\nx-a: 1\r\n folded\r\ncontent-length: 0\r\n\r\n"[..],
+        b"HTTP/1.1 200 OK\r\nx-a : 1\r\ncontent-length: 0\r\n\r\n",
+        b"SSH-2.0-OpenSSH_9.2\r\n\r\n",
+    ] {
+        let up = raw_upstream(response).await;
+        let gw = Sluice::start(&config(&format!("http://{up}"), "5s"));
+        for request in [
+            &b"GET /api/x HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n"[..],
+            b"POST /api/x HTTP/1.1\r\nhost: a\r\ncontent-length: 2\r\nconnection: close\r\n\r\nhi",
+        ] {
+            let reply = raw_exchange(gw.main, request).await;
+            let shown = String::from_utf8_lossy(response);
+            assert!(reply.starts_with("HTTP/1.1 502 "), "{shown}\n->\n{reply}");
+            assert!(
+                reply.contains("upstream-bad-response"),
+                "{shown}\n->\n{reply}"
+            );
+        }
+    }
+}
+
 /// An upstream's chunked answer reaches the client whole, and its trailer fields (gRPC's
 /// `grpc-status`, say) reach an HTTP/2 client as trailers; an HTTP/1.1 client gets the body
 /// without them (RFC 9110 section 6.5.1 lets an intermediary drop them).

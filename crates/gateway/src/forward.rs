@@ -208,6 +208,11 @@ impl UpstreamClient {
                     "The request body was malformed or ended before its declared length.",
                 )))
             }
+            // A head that is not HTTP/1.x, or an invalid field: the upstream answered, badly.
+            Err(Failure::Http(e)) if e.is_parse() || e.is_parse_status() || e.is_parse_too_large() => {
+                tracing::debug!(error = %display_chain(&e), "the upstream's response head is malformed");
+                Err(Problem::upstream_bad_response())
+            }
             Err(Failure::Http(e)) => {
                 tracing::debug!(error = %display_chain(&e), "upstream request failed");
                 Err(Problem::upstream_unavailable())
@@ -257,8 +262,8 @@ impl UpstreamClient {
                     (may_retry, use_pool) = (false, false);
                 }
                 Err(h1_client::Error::Timeout) => return Err(Problem::upstream_timeout()),
-                Err(e @ h1_client::Error::Framing(_)) => {
-                    tracing::debug!(upstream = %self.authority, error = %e, "the upstream's response framing cannot be passed on");
+                Err(e @ (h1_client::Error::Framing(_) | h1_client::Error::Malformed(_))) => {
+                    tracing::debug!(upstream = %self.authority, error = %e, "the upstream's response cannot be passed on");
                     return Err(Problem::upstream_bad_response());
                 }
                 Err(e) => {

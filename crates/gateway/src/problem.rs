@@ -152,7 +152,7 @@ impl Problem {
             StatusCode::BAD_GATEWAY,
             "upstream-bad-response",
             "The upstream service sent a response the gateway cannot pass on",
-            "The response's length was ambiguous or malformed (Content-Length and Transfer-Encoding together, differing or invalid Content-Length values, a malformed chunk), or its transfer coding was other than chunked.",
+            "The response's head was malformed (not HTTP/1.x, an invalid field, a folded line, too large), its length ambiguous or malformed (Content-Length and Transfer-Encoding together, differing or invalid Content-Length values, a malformed chunk), or its transfer coding other than chunked.",
         )
     }
 
