@@ -943,38 +943,28 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn an_http2_connection_whose_requests_are_mostly_reset_early_is_dropped() {
-        let young = Duration::from_millis(1);
-        // A young connection: dropped at its 250th early reset, whatever came between.
-        let t = head(NEVER);
-        let mut expired = pin!(t.expired(true));
-        for _ in 0..100 {
-            http2_request(&t, true, young).await;
-        }
-        for _ in 0..(EARLY_RESETS / 2 - 1) {
+        // After `answered` answered streams, dropped at the `early`th early reset, not before.
+        async fn dropped_at(answered: u64, early: u64) {
+            let young = Duration::from_millis(1);
+            let t = head(NEVER);
+            let mut expired = pin!(t.expired(true));
+            for _ in 0..answered {
+                http2_request(&t, true, young).await;
+            }
+            for _ in 1..early {
+                http2_request(&t, false, young).await;
+            }
+            assert!(!expired_after(&mut expired, Duration::ZERO).await);
             http2_request(&t, false, young).await;
+            assert_eq!(
+                expiry_within(&mut expired, Duration::ZERO).await,
+                Some(Expiry::ResetFlood)
+            );
         }
-        assert!(!expired_after(&mut expired, Duration::ZERO).await);
-        http2_request(&t, false, young).await;
-        assert_eq!(
-            expiry_within(&mut expired, Duration::ZERO).await,
-            Some(Expiry::ResetFlood)
-        );
-
-        // Past `EARLY_RESETS` streams: dropped once half of them were reset early.
-        let t = head(NEVER);
-        let mut expired = pin!(t.expired(true));
-        for _ in 0..1_000 {
-            http2_request(&t, true, young).await;
-        }
-        for _ in 0..999 {
-            http2_request(&t, false, young).await;
-        }
-        assert!(!expired_after(&mut expired, Duration::ZERO).await);
-        http2_request(&t, false, young).await;
-        assert_eq!(
-            expiry_within(&mut expired, Duration::ZERO).await,
-            Some(Expiry::ResetFlood)
-        );
+        // A young connection: at its 250th early reset, whatever came between.
+        dropped_at(100, EARLY_RESETS / 2).await;
+        // Past `EARLY_RESETS` streams: once half of them were reset early.
+        dropped_at(1_000, 1_000).await;
     }
 
     #[tokio::test(start_paused = true)]

@@ -543,16 +543,6 @@ mod tests {
         }
         let h = headers(&[("authorization", "Bearer tok en")]);
         assert_eq!(id.api_key(&h, &root), Err(KeyError::Unreadable));
-        // A `+` at either end is a space to a form-decoding server, which trimming takes off.
-        for query in ["/x?api_key=k+", "/x?api_key=+k", "/x?api_key=k++"] {
-            let uri: Uri = query.parse().unwrap();
-            let none = HeaderMap::new();
-            assert_eq!(
-                id.api_key(&none, &uri),
-                Err(KeyError::Unreadable),
-                "{query}"
-            );
-        }
         // A base64 key pasted unescaped keeps its `+`.
         let uri: Uri = "/x?api_key=abc+def=".parse().unwrap();
         let none = HeaderMap::new();
@@ -560,7 +550,16 @@ mod tests {
             id.api_key(&none, &uri).unwrap().as_deref(),
             Some(&b"abc+def="[..])
         );
-        for query in ["/x?api_key=k%20", "/x?api_key=k%A0", "/x?api_key=%00k"] {
+        // But a `+` at either end is a space to a form-decoding server, which trimming takes
+        // off, as it takes off an escaped one.
+        for query in [
+            "/x?api_key=k+",
+            "/x?api_key=+k",
+            "/x?api_key=k++",
+            "/x?api_key=k%20",
+            "/x?api_key=k%A0",
+            "/x?api_key=%00k",
+        ] {
             let uri: Uri = query.parse().unwrap();
             let none = HeaderMap::new();
             assert_eq!(
