@@ -315,8 +315,9 @@ impl UpstreamClient {
             match sent {
                 Ok(res) => {
                     // A connection that switched protocols is the tunnel's now; one whose
-                    // request's body is still going is not reused: if the response ends
-                    // first, the body is cut short ([`UploadTail::cut`]).
+                    // request's body is still going is not reused: the body goes no further
+                    // ([`Moved::cut`]), and once the answer is over the connection is closed
+                    // ([`UploadTail::response_over`]).
                     let going = moved
                         .as_ref()
                         .filter(|m| m.state.load(Ordering::Acquire) != ENDED);
@@ -495,18 +496,18 @@ const MERGE: usize = 16 * 1024;
 type PollPiece<'a, E> =
     dyn FnMut(&mut Context<'_>, bool) -> (Poll<Option<Result<Frame<Bytes>, E>>>, bool) + 'a;
 
-/// Gathers a body's small pieces. hyper hands an HTTP/1.1 body on a chunk at a time, the next
-/// one decoded only once the last is taken (on the client connection's task), so the pieces
-/// behind a small one are never ready at once: a piece waits while yields to the scheduler
-/// bring more, and goes when [`YIELDS`] in a row bring none, when it reaches [`MERGE`], or
-/// when something that cannot join it comes (a large piece, trailers, the end, an error: held
-/// for the next poll). A client that sends slowly has each piece wait that many yields.
 /// How many yields in a row that bring no piece end a gathering. One is not enough: the next
 /// chunk comes about two scheduler turns after the last was taken (measured: with one yield,
 /// none of 20,000 one-byte chunks were gathered; with up to four, they went as two pieces,
 /// each yield-run ending after two).
 const YIELDS: u8 = 4;
 
+/// Gathers a body's small pieces. hyper hands an HTTP/1.1 body on a chunk at a time, the next
+/// one decoded only once the last is taken (on the client connection's task), so the pieces
+/// behind a small one are never ready at once: a piece waits while yields to the scheduler
+/// bring more, and goes when [`YIELDS`] in a row bring none, when it reaches [`MERGE`], or
+/// when something that cannot join it comes (a large piece, trailers, the end, an error: held
+/// for the next poll). A client that sends slowly has each piece wait that many yields.
 #[derive(Debug)]
 struct Merge<E> {
     buf: Option<BytesMut>,
