@@ -204,7 +204,7 @@ pub(crate) async fn handle(
             }
             // And by its method, which the upstream must not read otherwise.
             if let Some(method) = method_override(&req) {
-                let detail = format!("The request asks to be served as {method} (a method override): send a {method} request instead. The gateway routes and counts requests by their own method.");
+                let detail = format!("The request asks to be served as {method} (a method override): send that request with its own method instead. The gateway routes and counts requests by their own method.");
                 break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
             }
             // A request no route matches is still counted (and refused) by the limits that
