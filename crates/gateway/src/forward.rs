@@ -537,9 +537,9 @@ struct Pieces {
 }
 
 impl Pieces {
-    fn add(&mut self, len: usize) {
+    fn add(&mut self, len: u64) {
         self.count += 1;
-        self.bytes += len as u64;
+        self.bytes += len;
     }
 
     fn flooded(&self) -> bool {
@@ -574,7 +574,7 @@ impl<E> Merge<E> {
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                     Ok(data) if data.len() < MERGE && !ended => {
                         if self.buf.is_some() {
-                            self.joined.add(data.len());
+                            self.joined.add(data.len() as u64);
                         }
                         let buf = self.buf.get_or_insert_with(|| {
                             // Under `MERGE` before each piece, and each piece under it.
@@ -1042,10 +1042,7 @@ impl http_body::Body for Upload {
             let moved = Arc::clone(moved);
             hand_off(&mut this);
             // The upstream connection waits for the rest of the body while its answer comes;
-            // once the answer is over, it is closed.
-            if moved.answered.load(Ordering::Acquire) {
-                return Poll::Ready(Some(Err(Box::new(AnsweredFirst))));
-            }
+            // once the answer is over, it is closed. (Looked at once woken: registered first.)
             moved.wake_on_cut(cx);
             if moved.answered.load(Ordering::Acquire) {
                 return Poll::Ready(Some(Err(Box::new(AnsweredFirst))));
@@ -1139,7 +1136,7 @@ async fn drain(
         }
         // A flood of tiny pieces, which go nowhere: the body is left unread, so its connection
         // closes (HTTP/1.1) or its stream is reset (review: the flood guard did not apply here).
-        pieces.add(usize::try_from(len).unwrap_or(usize::MAX));
+        pieces.add(len);
         if pieces.flooded() {
             tracing::debug!("a dropped request body came in a flood of tiny pieces: left unread");
             return;

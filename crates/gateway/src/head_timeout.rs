@@ -63,12 +63,12 @@ pub(crate) enum Expiry {
 /// forwarded: one the client resets before its answer, within [`EARLY`] of its start, is an
 /// early reset; a connection is dropped once its early resets reach half of its forwarded
 /// streams that ended, counted over at least this many (so from 250 early resets on a young
-/// connection). Streams the gateway answers itself are not counted: they cost nothing, and
-/// counted, a client could pad its resets with them (review: two `/health` requests per reset
-/// kept 2,000 resets under the ratio). h2 already counts streams reset before
-/// hyper takes them; these are the ones reset after: each had started its upstream request
-/// (review: 120,900 streams in 20 s on one connection, up to 55,000 upstream requests, past the
-/// concurrency limits, as a reset request gives its places back at once).
+/// connection). h2 already counts streams reset before hyper takes them; these are the ones
+/// reset after, each with its upstream request started (review: 120,900 streams in 20 s on one
+/// connection, up to 55,000 upstream requests, past the concurrency limits, as a reset request
+/// gives its places back at once). Streams the gateway answers itself are not counted: they
+/// cost nothing, and a client could pad its resets with them (review: two `/health` requests
+/// per reset kept 2,000 resets under the ratio).
 pub(crate) const EARLY_RESETS: u64 = 500;
 
 /// How young a stream must be for its reset to count as early: a client that gives up on a

@@ -22,7 +22,16 @@ pub(crate) struct Identify {
     trusted: Vec<Cidr>,
     client_ip_header: ClientIpHeader,
     ipv6_prefix: u8,
-    key_sources: Vec<(KeySource, Option<HeaderName>)>,
+    key_sources: Vec<Source>,
+}
+
+/// A key source as a request is read by it: a header by its name, a query parameter by the
+/// name folded as servers read it ([`param_name`]).
+#[derive(Debug)]
+enum Source {
+    Header(Option<HeaderName>),
+    Bearer,
+    Query(Vec<u8>),
 }
 
 impl Identify {
@@ -30,12 +39,10 @@ impl Identify {
         let key_sources = identity
             .api_key
             .iter()
-            .map(|s| {
-                let header = match s {
-                    KeySource::Header(h) => HeaderName::from_bytes(h.as_bytes()).ok(),
-                    _ => None,
-                };
-                (s.clone(), header)
+            .map(|s| match s {
+                KeySource::Header(h) => Source::Header(HeaderName::from_bytes(h.as_bytes()).ok()),
+                KeySource::Bearer => Source::Bearer,
+                KeySource::Query(name) => Source::Query(param_name(name.as_bytes())),
             })
             .collect();
         Self {
@@ -50,11 +57,11 @@ impl Identify {
     /// when bearer keys are read, and the client-IP header when some proxy is trusted.
     pub(crate) fn header_names(&self) -> Vec<HeaderName> {
         let mut names: Vec<HeaderName> = Vec::new();
-        for (source, header) in &self.key_sources {
+        for source in &self.key_sources {
             let name = match source {
-                KeySource::Header(_) => header.clone(),
-                KeySource::Bearer => Some(AUTHORIZATION),
-                KeySource::Query(_) => None,
+                Source::Header(header) => header.clone(),
+                Source::Bearer => Some(AUTHORIZATION),
+                Source::Query(_) => None,
             };
             names.extend(name);
         }
@@ -136,20 +143,20 @@ impl Identify {
         headers: &'r HeaderMap,
         uri: &'r Uri,
     ) -> Result<Option<Cow<'r, [u8]>>, KeyError> {
-        for (source, header) in &self.key_sources {
+        for source in &self.key_sources {
             let found = match source {
-                KeySource::Header(_) => match header {
+                Source::Header(header) => match header {
                     Some(h) => only(headers.get_all(h).iter().map(|v| trim(v.as_bytes()).into()))?,
                     None => None,
                 },
-                KeySource::Bearer => only(
+                Source::Bearer => only(
                     headers
                         .get_all(AUTHORIZATION)
                         .iter()
                         .filter_map(|v| bearer(v.as_bytes()))
                         .map(Into::into),
                 )?,
-                KeySource::Query(name) => match uri.query() {
+                Source::Query(name) => match uri.query() {
                     Some(q) => {
                         let values = query_params(q, name).collect::<Result<Vec<_>, _>>()?;
                         only(values.into_iter().map(Into::into))?
@@ -215,17 +222,16 @@ fn bearer(v: &[u8]) -> Option<&[u8]> {
         .then(|| trim(rest))
 }
 
-/// Every value of `name` in a query string, percent-decoded, under any name servers read as
-/// `name`: parameters are split at `;` as well as `&` (Rack 2, Python before 3.9.2 and Go
+/// Every value of the parameter named `name` (folded: [`param_name`]) in a query string,
+/// percent-decoded, under any name servers read as `name`: parameters are split at `;` as well as `&` (Rack 2, Python before 3.9.2 and Go
 /// before 1.17 did), and names are compared in any case (ASP.NET Core) with `.`, `[`, spaces
 /// and `+` taken for `_` (PHP). A value that begins or ends with `+` is refused: form-decoding
 /// servers read a space there, which a server that trims takes off, so `K+` would be counted
 /// apart from `K` and served as it (review).
 fn query_params<'q>(
     query: &'q str,
-    name: &'q str,
+    name: &'q [u8],
 ) -> impl Iterator<Item = Result<Vec<u8>, KeyError>> + 'q {
-    let name = param_name(name.as_bytes());
     query.split(['&', ';']).filter_map(move |pair| {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         (param_name(k.as_bytes()) == name).then(|| match v.starts_with('+') || v.ends_with('+') {
@@ -238,21 +244,14 @@ fn query_params<'q>(
 /// A query parameter's name as the most lenient servers read it: decoded (`+` as a space),
 /// leading spaces dropped (PHP), in lower case, with `.`, `[` and spaces as `_`.
 pub(crate) fn param_name(raw: &[u8]) -> Vec<u8> {
-    let mut name = percent_decode(raw);
-    for b in &mut name {
-        if *b == b'+' {
-            *b = b' ';
-        }
-    }
-    let blanks = name.iter().take_while(|b| **b == b' ').count();
-    name.drain(..blanks);
-    for b in &mut name {
-        *b = match b.to_ascii_lowercase() {
-            b'.' | b'[' | b' ' => b'_',
+    percent_decode(raw)
+        .iter()
+        .skip_while(|b| matches!(b, b' ' | b'+'))
+        .map(|b| match b.to_ascii_lowercase() {
+            b'.' | b'[' | b' ' | b'+' => b'_',
             other => other,
-        };
-    }
-    name
+        })
+        .collect()
 }
 
 /// `%XX` escapes decoded; `+` stays `+`. Servers that form-decode read it as a space, others

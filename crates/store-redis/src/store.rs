@@ -414,24 +414,27 @@ impl RedisStore {
             None => self.clock.deadline(sent, self.options.timeout),
             Some(_) => None,
         };
-        let lease = leases.then(|| {
+        // The lease in every concurrency layer, for releasing it whatever the call took: if
+        // the call fails, or its caller is gone by the time it is answered ([`answer`]).
+        let every = leases.then(|| {
             let keys = layers
                 .iter()
                 .filter(|l| l.limit.is_concurrency())
                 .map(|l| l.limit.key_name(l.key))
                 .collect();
-            let slots = LeaseSlots {
+            Arc::new(LeaseSlots {
                 id: lease_id.clone(),
                 keys,
-            };
-            (self.clone(), Arc::new(slots))
+            })
         });
-        let reply = self
-            .call(
-                Part::new(layers, code, cost, &lease_id, (now, deadline), None),
-                lease,
-            )
-            .await;
+        let release = || {
+            if let Some(every) = &every {
+                crate::decision::release_later(self.clone(), Arc::clone(every));
+            }
+        };
+        let part = Part::new(layers, code, cost, &lease_id, (now, deadline), None);
+        let lease = every.as_ref().map(|e| (self.clone(), Arc::clone(e)));
+        let reply = self.call(part, lease).await;
         let reply = match reply {
             Ok((reply, resent)) => {
                 if now.is_none() {
@@ -440,8 +443,8 @@ impl RedisStore {
                 // A call sent twice (its connection broke) may have taken a lease in its first
                 // run that the second run counted against it: unless it admitted, that lease
                 // is released.
-                if resent && leases && reply.first() != Some(&1) {
-                    self.release_leases(layers, &lease_id);
+                if resent && reply.first() != Some(&1) {
+                    release();
                 }
                 reply
             }
@@ -450,8 +453,8 @@ impl RedisStore {
             // expires. The release goes out after the call on the same connection, so it
             // finds the lease if the call ran, and removes nothing if it did not.
             Err(e) => {
-                if leases && e.is_store_failure() {
-                    self.release_leases(layers, &lease_id);
+                if e.is_store_failure() {
+                    release();
                 }
                 return Err(e);
             }
@@ -475,20 +478,6 @@ impl RedisStore {
             }
         }
         Ok(decision)
-    }
-
-    /// Releases lease `id` from every concurrency layer of `layers`, in the background.
-    fn release_leases(&self, layers: &[Layer<'_>], id: &str) {
-        let keys = layers
-            .iter()
-            .filter(|l| l.limit.is_concurrency())
-            .map(|l| l.limit.key_name(l.key))
-            .collect();
-        let slots = Arc::new(LeaseSlots {
-            id: id.to_owned(),
-            keys,
-        });
-        crate::decision::release_later(self.clone(), slots);
     }
 
     /// Takes back every charge of `admission` (decided over `layers`) and its leases, in one
