@@ -750,6 +750,82 @@ async fn a_kept_upload_that_stalls_ends_its_connection() {
     }
 }
 
+/// An upstream that answers a request without reading its body, and then keeps the
+/// connection open taking nothing: the rest of the upload is still taken from the client (and
+/// dropped), and once the answer is over the gateway closes its side of the upstream
+/// connection (review: stuck writing what the upstream never took, it read no more of the
+/// upload, so the client's connection was cut at the upstream's `timeout`, and it stayed open
+/// for as long as the upstream kept it, a socket for every such request).
+#[tokio::test]
+async fn a_connection_to_an_upstream_that_answered_without_reading_closes_after_the_answer() {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    let (kept_tx, kept_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        read_head(&mut s).await;
+        // The answer once the body has filled every buffer on the way, then nothing read.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nok\n";
+        s.write_all(answer).await.unwrap();
+        let _ = kept_tx.send(s);
+    });
+    let cfg = config(&format!("http://{upstream}"), "5s").replace(
+        "max_in_flight = 64",
+        "max_in_flight = 64\nmax_body_size = \"1GiB\"",
+    );
+    let gw = Sluice::start(&cfg);
+    let pid = gw.pid();
+    // The process's TCP sockets (not its other sockets: the signal driver's pair).
+    let sockets = move || {
+        let tcp = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap();
+        let inodes: std::collections::HashSet<String> = tcp
+            .lines()
+            .skip(1)
+            .filter_map(|line| Some(format!("socket:[{}]", line.split_whitespace().nth(9)?)))
+            .collect();
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+            .filter(|target| inodes.contains(&*target.to_string_lossy()))
+            .count()
+    };
+    let before = sockets();
+    let mut client = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    client
+        .write_all(b"POST /api/x HTTP/1.1\r\nhost: x\r\ncontent-length: 67108864\r\n\r\n")
+        .await
+        .unwrap();
+    let (mut reading, mut writing) = client.into_split();
+    let upload = tokio::spawn(async move {
+        let piece = vec![b'u'; 1 << 20];
+        for _ in 0..64 {
+            writing.write_all(&piece).await.unwrap();
+        }
+        writing
+    });
+    let done = |a: &[u8]| a.ends_with(b"ok\n");
+    read_until(&mut reading, done, Duration::from_secs(10), "the answer").await;
+    let kept = kept_rx.await.unwrap();
+    let writing = tokio::time::timeout(Duration::from_secs(20), upload)
+        .await
+        .expect("the rest of the body taken (and dropped) in time")
+        .unwrap();
+    drop((reading, writing));
+    // Both connections closed, though the upstream's stays open on its side.
+    let started = tokio::time::Instant::now();
+    while sockets() > before {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{} TCP sockets open, {before} before the request",
+            sockets()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(kept);
+}
+
 /// A malformed request body is the caller's error: 400 with a problem body, not a 502 that
 /// would blame the upstream.
 #[tokio::test]

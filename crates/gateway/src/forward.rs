@@ -86,6 +86,8 @@ pub(crate) struct UpstreamClient {
 struct Kept {
     sender: SendRequest<Upload>,
     timer: Pin<Box<Sleep>>,
+    /// Cuts off what the connection still writes ([`WriteCut`]).
+    writes: Arc<WriteCut>,
 }
 
 /// Why an exchange failed, before it becomes a problem response.
@@ -325,7 +327,10 @@ impl UpstreamClient {
                         match going {
                             // The answer's head has come: nothing more of the body goes
                             // upstream, however slowly the client takes the answer.
-                            Some(moved) => moved.cut(),
+                            Some(moved) => {
+                                moved.cut();
+                                conn.writes.cut();
+                            }
                             None => self.checkin(conn),
                         }
                     }
@@ -391,6 +396,11 @@ impl UpstreamClient {
     /// A new connection for hyper's client, within `connect_timeout` and before `deadline`.
     async fn connect(&self, deadline: Instant) -> Result<Kept, Failure> {
         let stream = self.open(deadline).await?;
+        let writes = Arc::new(WriteCut::default());
+        let stream = Cuttable {
+            stream,
+            writes: Arc::clone(&writes),
+        };
         let handshake = http1::Builder::new().handshake(TokioIo::new(stream));
         let (sender, conn) = match tokio::time::timeout_at(deadline, handshake).await {
             Err(_elapsed) => return Err(Failure::Timeout),
@@ -402,7 +412,122 @@ impl UpstreamClient {
             }
         });
         let timer = Box::pin(tokio::time::sleep_until(deadline));
-        Ok(Kept { sender, timer })
+        Ok(Kept {
+            sender,
+            timer,
+            writes,
+        })
+    }
+}
+
+/// The switch that ends what an upstream connection writes once the answer's head has come
+/// while its request's body was still going ([`Moved::cut`]): from then on the connection
+/// only reads its answer. What hyper still holds of the body is taken as written and dropped,
+/// so that it goes on to the body, which hands the rest of it off ([`hand_off`]), and to the
+/// body's end, which closes the connection ([`AnsweredFirst`]). Without it, an upstream that
+/// answered and took no more of the body kept hyper writing to it (its socket full), the
+/// client's upload unread and the connection open for as long as the upstream kept it (review).
+#[derive(Debug, Default)]
+struct WriteCut {
+    cut: std::sync::atomic::AtomicBool,
+    /// The connection's task, waiting for its socket to take more.
+    waiting: Mutex<Option<std::task::Waker>>,
+}
+
+impl WriteCut {
+    fn cut(&self) {
+        self.cut.store(true, Ordering::Release);
+        let waiting = self
+            .waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(waker) = waiting {
+            waker.wake();
+        }
+    }
+
+    fn is_cut(&self) -> bool {
+        self.cut.load(Ordering::Acquire)
+    }
+
+    /// A write is waiting for the socket: the cut wakes it too. Whether the cut came first.
+    fn wait(&self, cx: &Context<'_>) -> bool {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        if !waiting.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            *waiting = Some(cx.waker().clone());
+        }
+        drop(waiting);
+        self.is_cut()
+    }
+}
+
+/// An upstream connection's socket whose writes a [`WriteCut`] can end.
+#[derive(Debug)]
+struct Cuttable {
+    stream: TcpStream,
+    writes: Arc<WriteCut>,
+}
+
+impl Cuttable {
+    /// A write, or the dropping of what was to be written once the writes are cut.
+    fn poll_writing<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        cut: T,
+        write: impl Fn(Pin<&mut TcpStream>, &mut Context<'_>) -> Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if self.writes.is_cut() {
+            return Poll::Ready(Ok(cut));
+        }
+        match write(Pin::new(&mut self.stream), cx) {
+            Poll::Pending if self.writes.wait(cx) => Poll::Ready(Ok(cut)),
+            polled => polled,
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for Cuttable {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Cuttable {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.get_mut()
+            .poll_writing(cx, buf.len(), |s, cx| s.poll_write(cx, buf))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let all = bufs.iter().map(|b| b.len()).sum();
+        self.get_mut()
+            .poll_writing(cx, all, |s, cx| s.poll_write_vectored(cx, bufs))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.get_mut()
+            .poll_writing(cx, (), |s, cx| s.poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
     }
 }
 
