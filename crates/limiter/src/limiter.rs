@@ -391,8 +391,8 @@ impl Limiter {
 
     /// Takes back an admission whose request will not be served after all, typically one held
     /// by a `max_delay` limit whose client left before it passed. Like [`Limiter::refund`],
-    /// except that a token bucket is given its charge back only if nobody was charged after
-    /// it. A request held behind this one keeps the moment it was given; taking a charge back
+    /// except that a token bucket with a `max_delay` is given its charge back only if nobody
+    /// was charged after it. A request held behind this one keeps the moment it was given; taking a charge back
     /// from the middle of the queue would hand that moment again to the next request (two
     /// requests at once where the bucket allows one). Windows count requests, not moments, and
     /// always get theirs back. The admission is left charging nothing.
@@ -414,7 +414,8 @@ impl Limiter {
     }
 
     /// Takes back the quota charges of `admission` (its slots are released by its drop); with
-    /// `spare_queues`, a token bucket's only if its state is still the one the charge left.
+    /// `spare_queues`, a token bucket's with a `max_delay` only if its state is still the one
+    /// the charge left.
     /// `now` is when: no earlier than the admission.
     fn take_back(&self, admission: &Admission, spare_queues: bool, now: u64) {
         for layer in admission.layers.iter().rev() {
@@ -422,8 +423,11 @@ impl Limiter {
             if c.rule.counts_requests() {
                 continue; // the slot guard releases it when the admission drops
             }
-            let only_from =
-                (spare_queues && matches!(c.rule, Rule::Gcra(_))).then(|| layer.state());
+            // Only a limit that holds requests queues them behind a charge: the others get
+            // it back whoever was charged since (review: a 503 at the end of a hold kept the
+            // charge of every token bucket another request of the caller's had touched).
+            let only_from = (spare_queues && c.ahead > 0 && matches!(c.rule, Rule::Gcra(_)))
+                .then(|| layer.state());
             let charge = Charge {
                 cost: admission.cost,
                 tag: layer.tag(),

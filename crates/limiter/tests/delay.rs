@@ -207,3 +207,36 @@ fn a_withdrawn_window_charge_comes_back_while_its_window_is_counted() {
     limiter.withdraw(&mut passes, now);
     assert_eq!(would_wait(&limiter, "f", now), Some(secs(15.0)));
 }
+
+#[test]
+fn a_withdrawn_charge_comes_back_from_the_limits_that_hold_nothing_whoever_came_since() {
+    let d = bucket("d", 1, Duration::from_secs(1), 1)
+        .with_max_delay(secs(3.0))
+        .unwrap();
+    let e = bucket("e", 3, Duration::from_secs(100), 3);
+    let limiter = Limiter::new([d, e]).unwrap();
+    let both = all_layers(&limiter, &["d", "e"]);
+    let Decision::Admitted(_passes) = limiter.decide(&both, 1, T0) else {
+        panic!("the first passes");
+    };
+    let Decision::Admitted(mut held) = limiter.decide(&both, 1, T0) else {
+        panic!("the second is held");
+    };
+    assert_eq!(held.wait(), secs(1.0));
+    // Another request of the caller's, on a route `d` does not cover, spends `e`'s last.
+    let e_only = all_layers(&limiter, &["e"]);
+    assert!(matches!(
+        limiter.decide(&e_only, 1, T0),
+        Decision::Admitted(_)
+    ));
+    // The held request's client leaves: `e` holds nobody's moment, so its charge comes back
+    // (review: it was kept, as if the other request had queued behind it; a 503 at the end
+    // of a hold cost the caller quota).
+    limiter.withdraw(&mut held, T0);
+    assert!(matches!(
+        limiter.check(&e_only, 1, T0),
+        Decision::Admitted(_)
+    ));
+    // And `d`, with nobody behind it, gives back its moment too.
+    assert_eq!(would_wait(&limiter, "d", T0), Some(secs(1.0)));
+}

@@ -336,13 +336,15 @@ local function decide(k, p)
 
   if refund then
     -- Takes back `cost` from each charged layer, in the window it was charged in. A withdrawal
-    -- leaves a bucket alone unless its TAT is still the one the charge left (its tag, in whole
-    -- us): a request charged since queued behind it and keeps its moment. Only a bucket whose
-    -- charge moves the TAT by 1 us or more can tell; one that moves it by less keeps the charge.
+    -- leaves a bucket with a max_delay alone unless its TAT is still the one the charge left
+    -- (its tag, in whole us): a request charged since queued behind it and keeps its moment.
+    -- Only a bucket whose charge moves the TAT by 1 us or more can tell; one that moves it by
+    -- less keeps the charge. A bucket that holds nobody gets it back whoever came since.
     for i = 1, n do
       local L = layers[i]
       local tag = tonumber(ARGV[tags + i])
-      if tag >= 0 and mode == 'w' and L[2] == 'g' and (L[7] ~= tag or L[12] < L[11]) then
+      if tag >= 0 and mode == 'w' and L[2] == 'g' and (L[7] ~= tag or L[12] < L[11])
+        and select(8, unpack('<c1c1dddddd', ARGV[specs + i])) > 0 then
         tag = -1
       end
       if tag >= 0 then

@@ -353,6 +353,39 @@ async fn withdraw_gives_a_bucket_charge_back_only_from_the_end_of_the_queue() {
     assert!(about(next, Duration::from_secs(2)), "{next:?}");
 }
 
+/// As in memory: only a bucket that holds requests keeps a withdrawn charge for those queued
+/// behind it; one without a `max_delay` gets it back whoever came since (review: a 503 at the
+/// end of a hold kept the charge of every bucket another request of the caller's had touched).
+#[tokio::test]
+async fn withdraw_gives_a_charge_back_to_a_bucket_that_holds_nobody_whoever_came_since() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let held = bucket("d", 1, Duration::from_secs(1), 1).with_max_delay(Duration::from_secs(3));
+    let (d, e) = (remote(&held.unwrap()), remote(&bucket("e", 3, HOUR, 3)));
+    let k = key("caller");
+    let both = [Layer::enforced(&d, k), Layer::enforced(&e, k)];
+    let mut charged = Vec::new();
+    for _ in 0..2 {
+        let RemoteDecision::Admitted(a) = store.decide(&both, 1, Mode::Charge).await.unwrap()
+        else {
+            panic!("within max_delay")
+        };
+        charged.push(a);
+    }
+    let held = charged.pop().unwrap();
+    assert!(
+        about(Some(held.hold), Duration::from_secs(1)),
+        "{:?}",
+        held.hold
+    );
+    // Another request of the caller's, on a route `d` does not cover, spends `e`'s last.
+    let e_only = [Layer::enforced(&e, k)];
+    assert!(admitted(&store, &e_only).await);
+    assert_eq!(remaining(&store, &e_only).await, vec![0]);
+    store.withdraw(&both, held).await.unwrap();
+    assert_eq!(remaining(&store, &e_only).await, vec![1]);
+}
+
 #[tokio::test]
 async fn withdraw_gives_a_window_charge_back_whoever_came_since() {
     let server = RedisServer::start();
