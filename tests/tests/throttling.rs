@@ -1264,6 +1264,39 @@ async fn at_max_held_a_delay_limit_refuses_what_it_would_hold(store: TestStore) 
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
+both_stores!(at_max_held_the_refusing_limits_reset_is_the_retry_after_whatever_the_cost);
+/// The 429 at `max_held` tells the same wait in `Retry-After`, the refusing limit's `t` and
+/// `X-RateLimit-Reset`, on a route whose `cost` is above 1 too (review: `t` said when one unit
+/// of quota came back, 3 s against a `Retry-After` of 5).
+async fn at_max_held_the_refusing_limits_reset_is_the_retry_after_whatever_the_cost(
+    store: TestStore,
+) {
+    let up = MockUpstream::start().await;
+    let limits = "[[limits]]\nname = \"paced\"\nby = \"api_key\"\nquota = 1\nwindow = \"1s\"\nburst = 4\nmode = \"delay\"\nmax_delay = \"10s\"\n";
+    let text = config(&up.url(), 64, limits)
+        .replace("max_in_flight = 64", "max_in_flight = 64\nmax_held = 1")
+        .replace(
+            "path = \"/v1/search\"\n",
+            "path = \"/v1/search\"\ncost = 3\n",
+        );
+    let gw = InProcess::start(&store.apply(&text), Duration::ZERO).await;
+    assert_eq!(call(gw.main, "/v1/search", "k").await.status, 200);
+    // The next waits about 2 s for its 3 units, in the one place there is.
+    let held = Pending::send(gw.main, "/v1/search", "k").await;
+    let refused = call(gw.main, "/v1/search", "k").await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    let wait = refused.header("retry-after");
+    assert!(["4", "5"].contains(&wait), "Retry-After {wait}");
+    let fields = refused.header("ratelimit");
+    assert!(
+        fields.contains(&format!("\"paced\";r=0;t={wait}")),
+        "{fields}"
+    );
+    assert_eq!(refused.header("x-ratelimit-reset"), wait);
+    let answer = held.answer().await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
 both_stores!(requests_no_route_matches_are_counted_by_the_per_caller_limits_of_every_route);
 async fn requests_no_route_matches_are_counted_by_the_per_caller_limits_of_every_route(
     store: TestStore,

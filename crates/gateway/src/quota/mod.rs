@@ -415,8 +415,10 @@ impl Quota {
 
     /// The 429 of a request a `delay` limit would hold for `wait` when `max_held` requests are
     /// held already, with the caller's `figures`: named after the `delay` limit whose quota
-    /// comes back last (the one that holds it longest).
-    pub(super) fn no_room_to_hold(&self, figures: Reports, wait: Duration) -> Stop {
+    /// comes back last (the one that holds it longest), whose `t` is then the wait, as a
+    /// refusing limit's is (review: with a route's `cost` above 1, `t` said when one unit came
+    /// back, sooner than `Retry-After`; with Redis, as of the admission then withdrawn, later).
+    pub(super) fn no_room_to_hold(&self, mut figures: Reports, wait: Duration) -> Stop {
         let delay = |id: &LimitId| matches!(self.info(*id).config.mode, Mode::Delay { .. });
         let limit = figures
             .iter()
@@ -427,6 +429,9 @@ impl Quota {
         let Some(limit) = limit else {
             return Stop::Overloaded; // no figures at all: cannot happen for a held request
         };
+        for (_, report) in figures.iter_mut().filter(|(id, _)| *id == limit) {
+            report.reset = report.reset.map(|_| wait);
+        }
         Stop::Quota(Box::new(Refused {
             limit,
             wait: Some(wait),
