@@ -184,6 +184,12 @@ impl Limiter {
         Some(LimitId(i as u32))
     }
 
+    /// Every limit's id, in the order of the list given to [`Limiter::new`] (no search by
+    /// name: [`Limiter::id`] looks through the limits).
+    pub fn ids(&self) -> impl ExactSizeIterator<Item = LimitId> + use<> {
+        (0..self.limits.len() as u32).map(LimitId)
+    }
+
     /// The definition of limit `id`.
     ///
     /// # Panics

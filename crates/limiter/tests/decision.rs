@@ -276,3 +276,16 @@ fn duplicate_limit_names_are_rejected() {
     let err = Limiter::new([fixed("x", 1, Duration::from_secs(1)), concurrency("x", 1)]);
     assert!(err.is_err());
 }
+
+#[test]
+fn ids_are_the_limits_in_the_order_given() {
+    let names = ["c", "a", "b"];
+    let limiter = Limiter::new(names.map(|n| fixed(n, 1, Duration::from_secs(1)))).unwrap();
+    let ids: Vec<_> = limiter.ids().collect();
+    let by_name: Vec<_> = names.iter().map(|n| limiter.id(n).unwrap()).collect();
+    assert_eq!(ids, by_name);
+    assert_eq!(
+        ids.iter().map(|id| id.index()).collect::<Vec<_>>(),
+        [0, 1, 2]
+    );
+}
