@@ -277,3 +277,35 @@ fn a_log_filter_that_does_not_parse_stops_the_start() {
         "{err}"
     );
 }
+
+/// `sluice check | head -1`: the reader goes away before the description is written; the
+/// output ends there, without a panic (review: exit 101, "failed printing to stdout").
+#[test]
+fn check_piped_into_a_reader_that_stops_early_does_not_panic() {
+    use std::io::Read as _;
+    use std::process::{Command, Stdio};
+    let mut text = String::from(
+        "[gateway]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n[upstreams.app]\nurl = \"http://127.0.0.1:1\"\n",
+    );
+    // A description larger than a pipe holds (64 KiB).
+    for i in 0..2000 {
+        text.push_str(&format!(
+            "[[routes]]\nname = \"route-{i}\"\npath = \"/path/{i}\"\nupstream = \"app\"\n"
+        ));
+    }
+    let file = TempFile::new("toml", &text);
+    let mut child = Command::new(sluice_tests::process::binary())
+        .args(["check", "--config"])
+        .arg(&file.0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 16];
+    child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+    // (The pipe's read end is closed here, the rest unread.)
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
+}

@@ -72,10 +72,7 @@ fn main() -> ExitCode {
                 .map_err(anyhow::Error::from)
                 .and_then(|rt| rt.block_on(demo::run()));
             match result {
-                Ok(text) => {
-                    print!("{text}");
-                    ExitCode::SUCCESS
-                }
+                Ok(text) => print_out(&text),
                 Err(e) => {
                     eprintln!("sluice demo: {e:#}");
                     ExitCode::from(1)
@@ -89,8 +86,7 @@ fn main() -> ExitCode {
                     eprintln!("sluice: {e}");
                     return ExitCode::from(2);
                 }
-                print!("{}", check::describe(&config, &c));
-                ExitCode::SUCCESS
+                print_out(&check::describe(&config, &c))
             }
             Err(errors) => invalid(&errors),
         },
@@ -127,11 +123,28 @@ fn main() -> ExitCode {
     }
 }
 
+/// Writes `text` to stdout: a reader that stops early (`sluice check | head`) ends the
+/// output, not the process with a panic.
+fn print_out(text: &str) -> ExitCode {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "sluice: writing to stdout: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn invalid(errors: &ConfigErrors) -> ExitCode {
-    eprintln!("{errors}");
+    use std::io::Write as _;
     let n = errors.0.len();
-    eprintln!(
-        "sluice: the configuration is invalid ({n} problem{})",
+    // Not eprintln!, which panics on a closed stderr: the exit code says it all the same.
+    let _ = write!(
+        std::io::stderr().lock(),
+        "{errors}\nsluice: the configuration is invalid ({n} problem{})\n",
         if n == 1 { "" } else { "s" }
     );
     ExitCode::from(2)
