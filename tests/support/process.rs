@@ -31,18 +31,22 @@ impl Sluice {
 
     /// Like [`start`](Sluice::start) with extra command-line arguments.
     pub fn start_with_args(config: &str, args: &[&str]) -> Self {
-        Self::start_with(config, args, &[])
+        Self::start_with(config, args, &[] as &[(&str, &str)])
     }
 
     /// Like [`start`](Sluice::start) with extra arguments and environment variables.
-    pub fn start_with(config: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
+    pub fn start_with<K, V>(config: &str, args: &[&str], env: &[(K, V)]) -> Self
+    where
+        K: AsRef<std::ffi::OsStr>,
+        V: AsRef<std::ffi::OsStr>,
+    {
         let file = TempFile::new("toml", config);
         let mut child = Command::new(binary())
             .args(["--log-format", "json", "run", "--config"])
             .arg(&file.0)
             .args(args)
             .env("SLUICE_LOG", "info")
-            .envs(env.iter().copied())
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

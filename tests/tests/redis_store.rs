@@ -111,6 +111,29 @@ async fn two_instances_on_one_redis_admit_exactly_the_quota_together() {
     );
 }
 
+/// A hash secret is bytes: one that is not UTF-8 starts the gateway (as `sluice check` takes
+/// it), and instances with the same one share their counts (review: `run` refused it, saying
+/// the variable was empty or not set).
+#[tokio::test]
+async fn a_hash_secret_that_is_not_utf8_is_used_as_its_bytes() {
+    use std::os::unix::ffi::OsStrExt as _;
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let shared = config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "2s"),
+        256,
+        KEY_QUOTA_30,
+    );
+    let env = [(
+        std::ffi::OsStr::new("SLUICE_HASH_SECRET"),
+        std::ffi::OsStr::from_bytes(b"\xff\xfe a secret of bytes"),
+    )];
+    let a = Sluice::start_with(&shared, &[], &env);
+    let b = Sluice::start_with(&shared, &[], &env);
+    assert_eq!(admitted_by_two(&a, &b, 90).await, 30);
+}
+
 /// A limit by route counts a route by its name: two instances whose route lists differ (a
 /// rolling change of the configuration that adds a route) still share each route's count, and
 /// never count one route in another's.

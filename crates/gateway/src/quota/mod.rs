@@ -184,11 +184,14 @@ impl Quota {
         let (hasher, divide_by) = match &config.store {
             Store::Memory => (KeyHasher::new_random(), 1),
             Store::Redis(r) => {
-                let secret = std::env::var(&r.hash_secret_env).unwrap_or_default();
+                // Bytes as they are: a secret need not be UTF-8 (`sluice check` takes it so).
+                let secret = std::env::var_os(&r.hash_secret_env)
+                    .map(std::ffi::OsString::into_encoded_bytes)
+                    .unwrap_or_default();
                 if secret.is_empty() {
                     return Err(format!("store: the environment variable {} is empty or not set; every instance sharing the Redis store needs the same secret there (it keys the hashes that name callers in Redis)", r.hash_secret_env));
                 }
-                (KeyHasher::with_secret(secret.as_bytes()), r.instances.get())
+                (KeyHasher::with_secret(&secret), r.instances.get())
             }
         };
         let compiled: Vec<Limit> = config.limits.iter().map(|l| compile(l, 1, 1)).collect();
