@@ -225,6 +225,9 @@ fn redis_url_problem(rest: &str) -> Option<&'static str> {
     };
     if host.is_empty() {
         Some("has no host")
+    } else if host_port.starts_with('[') && port.is_none() && !host_port.ends_with(']') {
+        // Review: `redis://[::1]x` passed `check`, and `run` refused it.
+        Some("has something after its bracketed IPv6 address that is not ':' and a port")
     } else if !host_ok(&written) {
         Some("has a host that is neither a name (letters, digits, '-' and '.'), a dotted IPv4 address nor a bracketed IPv6 one")
     } else if port.is_some_and(|p| !port_ok(p)) {
@@ -314,5 +317,19 @@ mod tests {
         assert_eq!(split_port("[::1]:6379"), ("::1", Some("6379")));
         assert_eq!(split_port("[::1]"), ("::1", None));
         assert_eq!(split_port("h"), ("h", None));
+    }
+
+    #[test]
+    fn only_a_port_may_follow_a_bracketed_ipv6_address() {
+        assert_eq!(redis_url_problem("[::1]:6379"), None);
+        assert_eq!(redis_url_problem("[::1]"), None);
+        assert_eq!(redis_url_problem("[::1]/2"), None);
+        for url in ["[::1]x", "[::1]junk:6379", "u:p@[::1]x/0"] {
+            let problem = redis_url_problem(url);
+            assert!(
+                problem.is_some_and(|p| p.contains("bracketed IPv6")),
+                "{url}: {problem:?}"
+            );
+        }
     }
 }
