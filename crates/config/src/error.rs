@@ -182,6 +182,48 @@ fn without_passwords(text: String) -> String {
     out
 }
 
+/// `message`, about a line holding a URL with a user (`://` and, after it, `@`), with what
+/// stands before the `@` of each word of it shown as `***`: a quote or space in the password
+/// breaks the TOML string, and what an error quotes from the rest of the line is then the
+/// password's tail (`4dor@host:6379`), which [`without_passwords`] cannot tell from an
+/// address. Words run between spaces and double quotes; a scheme is kept.
+pub(crate) fn hide_broken_userinfo(line: &str, message: &str) -> String {
+    let has_user = line
+        .find("://")
+        .is_some_and(|scheme| line[scheme..].contains('@'));
+    if !has_user || !message.contains('@') {
+        return message.to_owned();
+    }
+    let mut out = String::with_capacity(message.len());
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        match word.rfind('@') {
+            Some(at) => {
+                let keep = word[..at].find("://").map_or(0, |s| s + 3);
+                if word[keep..at].is_empty() || word[..at].ends_with("***") {
+                    out.push_str(word);
+                } else {
+                    out.push_str(&word[..keep]);
+                    out.push_str("***");
+                    out.push_str(&word[at..]);
+                }
+            }
+            None => out.push_str(word),
+        }
+        word.clear();
+    };
+    for c in message.chars() {
+        if c.is_whitespace() || c == '"' {
+            flush(&mut word, &mut out);
+            out.push(c);
+        } else {
+            word.push(c);
+        }
+    }
+    flush(&mut word, &mut out);
+    out
+}
+
 fn floor_char_boundary(s: &str, mut i: usize) -> usize {
     while i > 0 && !s.is_char_boundary(i) {
         i -= 1;

@@ -132,6 +132,13 @@ fn serde_error(
     if let Some(hint) = hint(&error.key, &error.message) {
         error.message = format!("{} ({hint})", error.message);
     }
+    let line = error
+        .location
+        .as_ref()
+        .and_then(|l| text.lines().nth(l.line - 1));
+    if let Some(line) = line {
+        error.message = error::hide_broken_userinfo(line, &error.message);
+    }
     error
 }
 

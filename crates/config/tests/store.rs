@@ -217,6 +217,16 @@ fn a_password_is_not_repeated_in_an_error() {
             "{e:?}"
         );
     }
+    // A quote in the password ends the string there: what follows, up to the `@`, is shown
+    // as `***` too (review: `4dor@10.0.0.5:6379"` was printed, the password's tail).
+    for url in [
+        "redis://admin:Tr0ub\"4dor@10.0.0.5:6379",
+        "redis://admin:Tr0ub\" 4dor@h",
+    ] {
+        let e = errors(&format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n"));
+        assert!(!e[0].contains("4dor") && !e[0].contains("Tr0ub"), "{e:?}");
+        assert!(e[0].starts_with("c.toml:3:"), "{e:?}");
+    }
     let e = errors("[store]\nkind = \"redis\"\nurl = \"redis://u:pa/ss@h\"\n");
     assert!(
         e[0].ends_with(
