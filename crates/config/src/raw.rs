@@ -74,7 +74,7 @@ pub(crate) struct RawGateway {
     pub send_timeout: Option<S<String>>,
     pub max_body_size: Option<S<String>>,
     pub shutdown_grace: Option<S<String>>,
-    pub overload_retry_after: Option<S<Table<RawRange>>>,
+    pub overload_retry_after: Option<Table<RawRange>>,
     pub merge_slashes: Option<bool>,
     pub count_unrouted: Option<bool>,
     pub min_body_rate: Option<S<String>>,
@@ -129,7 +129,7 @@ pub(crate) struct RawRoute {
     pub methods: Option<S<Vec<S<String>>>>,
     pub host: Option<S<String>>,
     pub upstream: Option<S<String>>,
-    pub respond: Option<S<Table<RawRespond>>>,
+    pub respond: Option<Table<RawRespond>>,
     pub cost: Option<S<i64>>,
 }
 

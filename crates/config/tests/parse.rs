@@ -1096,3 +1096,29 @@ fn a_date_time_is_called_one() {
     let e = errors("[gateway]\nlisten = { a = 1 }\n");
     assert!(e[0].contains("invalid type: table"), "{e:?}");
 }
+
+/// A table may be written with dotted keys, as TOML allows, also where a route's `respond`
+/// or the gateway's `overload_retry_after` goes (review: both were refused as "invalid type:
+/// table, expected one value", while other dotted keys were read).
+#[test]
+fn tables_written_with_dotted_keys_are_read() {
+    let text = "[gateway]\noverload_retry_after.min = \"3s\"\noverload_retry_after.max = \"7s\"\n\n[[routes]]\nname = \"a\"\npath = \"/a\"\nrespond.status = 201\nrespond.body = \"made\\n\"\n";
+    let c = parse(text, Path::new("c.toml")).unwrap();
+    assert_eq!(c.gateway.overload_retry_after.min, Duration::from_secs(3));
+    assert_eq!(c.gateway.overload_retry_after.max, Duration::from_secs(7));
+    let RouteAction::Respond(r) = &c.routes[0].action else {
+        panic!("{:?}", c.routes[0].action);
+    };
+    assert_eq!((r.status.as_u16(), &*r.body), (201, "made\n"));
+    // Their errors are still placed at the value.
+    let text = "[[routes]]\nname = \"a\"\npath = \"/a\"\nrespond.status = 99\n";
+    assert_eq!(
+        errors(text),
+        ["c.toml:4:18: routes[0].respond.status: 99 is not a status code between 200 and 599"]
+    );
+    let text = "[gateway]\noverload_retry_after.min = \"9s\"\noverload_retry_after.max = \"7s\"\n";
+    assert_eq!(
+        errors(text),
+        ["c.toml:2:28: gateway.overload_retry_after: min \"9s\" is longer than max \"7s\""]
+    );
+}

@@ -208,8 +208,7 @@ impl Validator<'_> {
         found.map(RouteAction::Upstream)
     }
 
-    fn respond(&mut self, r: &S<Table<RawRespond>>, key: &str) -> Option<RouteAction> {
-        let raw = r.get_ref();
+    fn respond(&mut self, raw: &Table<RawRespond>, key: &str) -> Option<RouteAction> {
         let status = u16::try_from(*raw.status.get_ref())
             .ok()
             .filter(|s| (200..=599).contains(s))
