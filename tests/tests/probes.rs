@@ -377,6 +377,15 @@ async fn held_requests_that_would_outlast_the_grace_get_503_when_draining_starts
     // Both are held: a fourth would wait about 12 s, past max_delay.
     assert_eq!(get(gw.main, "/a", &[]).await.status, 429);
     gw.terminate();
+    // The draining line counts them (held requests take no place in flight).
+    let draining = gw
+        .wait_log("the draining line", |v| {
+            v["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("draining"))
+        })
+        .await;
+    assert_eq!(draining["held"], 2, "{draining}");
     let mut answers = Vec::new();
     for pending in held {
         answers.push(pending.answer().await);

@@ -223,6 +223,7 @@ impl Gateway {
                     .start_draining(tokio::time::Instant::now() + shutdown_grace);
                 tracing::info!(
                     in_flight = shared.capacity.in_flight(),
+                    held = shared.capacity.held(),
                     grace_ms = shutdown_grace.as_millis() as u64,
                     "draining: readiness fails, no new connections"
                 );
