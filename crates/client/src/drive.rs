@@ -26,6 +26,10 @@ pub struct Outcome<B> {
 /// measured with `tokio::time::Instant` and waits use `tokio::time::sleep`, so tests can pause
 /// and advance time. `Retry-After` dates are read against `SystemTime::now()`.
 ///
+/// `method` must be the method of the request `send` sends: the policy sends a request again
+/// only if its method is idempotent (unless [`RetryPolicy::retry_non_idempotent`] opts in).
+/// Nothing ties the two together, so build the request's method from the same value.
+///
 /// `rng` draws the backoff when a refusal has no usable `Retry-After`: pass a seeded
 /// `rand::rngs::StdRng` in tests, and `StdRng::from_entropy()` (which is `Send`) in services.
 pub async fn send_with_retry<F, Fut, B, E, R>(

@@ -159,15 +159,20 @@ impl Default for RetryPolicy {
 /// the draft asks that its fields be ignored there (section 7.3), their `t` counting from
 /// when the response was made, not from now.
 fn spent_until(headers: &HeaderMap) -> Option<Duration> {
-    // RFC 9111 section 5.1: the first member of the first field; an invalid one is ignored.
-    let age = headers.get(http::header::AGE).and_then(|age| {
-        let first = age.as_bytes().split(|&b| b == b',').next()?;
-        std::str::from_utf8(first.trim_ascii())
-            .ok()?
-            .parse::<u64>()
-            .ok()
+    // RFC 9111 section 5.1: the first member of the first field, digits only (`+5` is
+    // invalid), and an invalid one is ignored; one too large for a number is the largest
+    // (section 1.2.2), still above 0 (review: `+5` was read as 5, and 20 digits as no Age).
+    let cached = headers.get(http::header::AGE).is_some_and(|age| {
+        let first = age
+            .as_bytes()
+            .split(|&b| b == b',')
+            .next()
+            .unwrap_or_default();
+        let digits = first.trim_ascii();
+        !digits.is_empty()
+            && digits.iter().all(u8::is_ascii_digit)
+            && digits.iter().any(|&d| d != b'0')
     });
-    let cached = age.is_some_and(|a| a > 0);
     if cached {
         return None;
     }
@@ -479,7 +484,7 @@ mod tests {
             decide(&p, 2, Method::GET, 429, &h),
             Decision::Retry(secs(20))
         );
-        for age in ["3600", "1", "7, 0"] {
+        for age in ["3600", "1", "7, 0", "99999999999999999999", "007"] {
             let mut cached = HeaderMap::new();
             cached.insert("ratelimit", HeaderValue::from_static(r#""key";r=0;t=50"#));
             cached.insert("age", HeaderValue::from_static(age));
@@ -490,7 +495,7 @@ mod tests {
             );
         }
         // Age 0, or an invalid Age (which RFC 9111 section 5.1 says to ignore): not cached.
-        for age in ["0", "x", "-5"] {
+        for age in ["0", "x", "-5", "+5", "000", ""] {
             let mut fresh = HeaderMap::new();
             fresh.insert("ratelimit", HeaderValue::from_static(r#""key";r=0;t=50"#));
             fresh.insert("age", HeaderValue::from_static(age));
