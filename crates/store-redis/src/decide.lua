@@ -279,6 +279,15 @@ local function decide(k, p)
       if algo == 'g' then
         local u = 0
         if a >= now then u = (a - now) * scale + b end
+        -- A debt past a full bucket and the longest hold is no charge's: Redis's clock stepped
+        -- back (a failover to a replica whose clock lags, a VM restored). It is taken as a full
+        -- bucket and the longest hold, not kept as quota spent for as long as the step (review:
+        -- an hour's step, an hour's refusals). Read only past a full bucket: rare.
+        if u > quota * interval then
+          local most = quota * interval
+            + select(8, unpack('<c1c1dddddd', ARGV[specs + i])) * scale
+          if u > most then u = most end
+        end
         L = { key, algo, dry, quota, u, blk, a, b, 0, 0, scale, interval, false, exp, at, changed }
         fits = u + cost * interval <= quota * interval
         if not fits and not refund and not dry then
@@ -293,6 +302,13 @@ local function decide(k, p)
       else
         local index = (now - now % w) / w
         local p, u = 0, 0
+        if a > index then
+          -- A later window than any this limit charges ahead (its max_delay reaches) is no
+          -- charge's: Redis's clock stepped back, as above. Its counts are taken as the
+          -- current window's, not as windows spent for as long as the step.
+          local t = now + select(8, unpack('<c1c1dddddd', ARGV[specs + i]))
+          if a > (t - t % w) / w then a = index end
+        end
         if a == index then
           if algo == 'f' then u = b else p, u = b, c end
         elseif algo == 's' and a + 1 == index then
