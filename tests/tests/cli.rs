@@ -309,3 +309,24 @@ fn check_piped_into_a_reader_that_stops_early_does_not_panic() {
     assert!(!err.contains("panicked"), "{err}");
     assert_eq!(out.status.code(), Some(0), "{err}");
 }
+
+/// Two `delay` limits on one route: each charges as of its own hold and the request waits for
+/// the longest, so `check` says the shorter one does not hold at the upstream (review: two
+/// requests 0.43 s apart reached the upstream under a one-a-second bucket).
+#[test]
+fn check_warns_of_a_route_with_two_delay_limits() {
+    let base = "[upstreams.app]\nurl = \"http://127.0.0.1:1\"\n[[routes]]\nname = \"paced\"\npath = \"/p\"\nupstream = \"app\"\n[[routes]]\nname = \"other\"\npath = \"/o\"\nupstream = \"app\"\n[[limits]]\nname = \"smooth\"\nby = \"ip\"\nquota = 1\nwindow = \"1s\"\nmode = \"delay\"\nmax_delay = \"5s\"\n";
+    let second = "[[limits]]\nname = \"window\"\nby = \"ip\"\nalgorithm = \"fixed_window\"\nquota = 3\nwindow = \"4s\"\nroutes = [\"paced\"]\nmode = \"delay\"\nmax_delay = \"5s\"\n";
+    let file = TempFile::new("toml", &format!("{base}{second}"));
+    let (code, out, err) = run_cli(&["check", "--config", file.0.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("warning: route paced has several delay limits (smooth, window)"),
+        "{out}"
+    );
+    assert!(!out.contains("route other has"), "{out}");
+    let file = TempFile::new("toml", base);
+    let (code, out, err) = run_cli(&["check", "--config", file.0.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("warning"), "{out}");
+}

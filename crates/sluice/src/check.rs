@@ -136,7 +136,30 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
             by.join("+")
         );
     }
+    for (route, limits) in several_delay_limits(config) {
+        let _ = writeln!(
+            out,
+            "  warning: route {route} has several delay limits ({}): a request waits for the longest hold, and the others hold at its arrival, not at the upstream (give a route one delay limit; docs/configuration.md, `mode`)",
+            limits.join(", ")
+        );
+    }
     out
+}
+
+/// Routes with more than one enforced `delay` limit, and those limits' names: each charges a
+/// request as of its own hold, and the request waits for the longest (docs/configuration.md).
+pub(crate) fn several_delay_limits(config: &Config) -> Vec<(&str, Vec<&str>)> {
+    (0..config.routes.len())
+        .filter_map(|r| {
+            let delay: Vec<&str> = config
+                .limits
+                .iter()
+                .filter(|l| matches!(l.mode, Mode::Delay { .. }) && l.applies_to(r))
+                .map(|l| l.name.as_str())
+                .collect();
+            (delay.len() > 1).then(|| (config.routes[r].name.as_str(), delay))
+        })
+        .collect()
 }
 
 fn key_part(p: &KeyPart) -> String {

@@ -179,6 +179,13 @@ fn run(config: Config, threads: Option<u16>) -> anyhow::Result<()> {
         if config.routes.is_empty() {
             tracing::warn!("the configuration has no routes: every request will be answered 404");
         }
+        for (route, limits) in check::several_delay_limits(&config) {
+            tracing::warn!(
+                route,
+                limits = limits.join(", "),
+                "a route has several delay limits: a request waits for the longest hold, and the others hold at its arrival, not at the upstream (give a route one delay limit)"
+            );
+        }
         let (first, second) = tokio::sync::oneshot::channel::<()>();
         let (again, hurry) = tokio::sync::oneshot::channel::<()>();
         // Signals are read by a task of their own, so that one arriving while the gateway
