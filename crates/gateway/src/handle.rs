@@ -150,6 +150,8 @@ pub(crate) async fn handle(
     let http2 = req.version() == http::Version::HTTP_2;
     if http2 {
         busy.http2();
+    } else {
+        busy.http1();
     }
     // Counted before the gateway adds its own (HTTP/1.1 past it never gets here), with
     // HTTP/2's cookie crumbs as the one field they are over HTTP/1.1.

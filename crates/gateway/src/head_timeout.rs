@@ -342,11 +342,23 @@ pub(crate) struct Busy {
     stream: Option<usize>,
 }
 
+/// HTTP/2's connection preface (RFC 9113 section 3.4).
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
 impl Busy {
     /// The request came over HTTP/2: its connection's progress is pieces of response bodies.
     pub(crate) fn http2(&mut self) {
         self.http2 = Some(Instant::now());
         self.head.http2.store(true, Ordering::Relaxed);
+    }
+
+    /// The request came over HTTP/1.x: so does the connection, whatever its first bytes
+    /// looked like (review: one starting `PRI * HTTP/1.1`, taken for HTTP/2 by them, had its
+    /// stalled responses looked for among HTTP/2 streams, found none, and was never dropped).
+    pub(crate) fn http1(&mut self) {
+        if self.head.http2.load(Ordering::Relaxed) {
+            self.head.http2.store(false, Ordering::Relaxed);
+        }
     }
 
     pub(crate) fn is_http2(&self) -> bool {
@@ -621,11 +633,13 @@ impl<T: AsyncRead> AsyncRead for Counted<T> {
         let before = buf.filled().len();
         let polled = this.io.poll_read(cx, buf);
         if buf.filled().len() > before {
-            // The connection's first bytes say whether it speaks HTTP/2 (its preface), before
-            // any request does: a connection closed for its header timeout is told so.
-            if this.head.moved.load(Ordering::Relaxed) == 0
-                && buf.filled()[before..].starts_with(b"PRI ")
-            {
+            // The connection's first bytes say whether it speaks HTTP/2 (its preface, whole,
+            // as hyper reads it; or as much of it as came), before any request does: a
+            // connection closed for its header timeout is told so. Its first HTTP/1.x request
+            // says otherwise ([`Busy::http1`]).
+            let first = &buf.filled()[before..];
+            let n = first.len().min(PREFACE.len());
+            if this.head.moved.load(Ordering::Relaxed) == 0 && first[..n] == PREFACE[..n] {
                 this.head.http2.store(true, Ordering::Relaxed);
             }
             this.head.note_moved();
