@@ -1429,6 +1429,38 @@ async fn heads_refused_before_routing_still_get_problem_bodies() {
     }
 }
 
+/// Only a path or an http URI is routed (RFC 9112 section 3.2): `*` but for `OPTIONS`, the
+/// authority form but for `CONNECT`, and other schemes are answered 400 with a problem body
+/// (review: 404, or forwarded as the path alone).
+#[tokio::test]
+async fn request_targets_other_than_paths_and_http_uris_are_400() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    for head in [
+        "GET * HTTP/1.1\r\nhost: x\r\n",
+        "GET x:80 HTTP/1.1\r\nhost: x:80\r\n",
+        "GET ftp://x/api/echo HTTP/1.1\r\nhost: x\r\n",
+    ] {
+        let reply = raw_exchange(
+            gw.main,
+            format!("{head}connection: close\r\n\r\n").as_bytes(),
+        )
+        .await;
+        assert!(reply.starts_with("HTTP/1.1 400 "), "{head}: {reply}");
+        assert!(
+            reply.contains("application/problem+json"),
+            "{head}: {reply}"
+        );
+    }
+    let reply = raw_exchange(
+        gw.main,
+        b"GET http://x/api/echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
+    assert_eq!(up.requests(), 1, "only the http URI went upstream");
+}
+
 /// A head that begins as HTTP/2's preface but is not one is an HTTP/1.1 head hyper refuses:
 /// its 400 carries the problem body as any other (review: the connection was taken for
 /// HTTP/2 by its first bytes, and hyper's bare 400 went out unreplaced).

@@ -1896,6 +1896,28 @@ pub(crate) fn bad_host<B>(req: &Request<B>) -> Option<&'static str> {
     }
 }
 
+/// Why a request target is none the gateway routes, if it is not: a path (origin form), or
+/// an `http` or `https` URI (absolute form); `*` for `OPTIONS` only (RFC 9112 section 3.2).
+/// Review: `GET *`, `GET host:80` (authority form, for `CONNECT` only) and `GET ftp://a/b`
+/// were routed, answered 404 or forwarded as `/b`.
+pub(crate) fn bad_target<B>(req: &Request<B>) -> Option<&'static str> {
+    let uri = req.uri();
+    if uri
+        .scheme_str()
+        .is_some_and(|s| !s.eq_ignore_ascii_case("http") && !s.eq_ignore_ascii_case("https"))
+    {
+        return Some("The request target's scheme is neither http nor https.");
+    }
+    match uri.path() {
+        "*" if req.method() == Method::OPTIONS => None,
+        "*" => Some("The request target * is for OPTIONS only."),
+        path if !path.starts_with('/') => {
+            Some("The request target is not a path (nor an http URI).")
+        }
+        _ => None,
+    }
+}
+
 /// The method a `POST` asks servers to dispatch it as instead (`X-HTTP-Method-Override`,
 /// `X-HTTP-Method`, `X-Method-Override`, in either spelling, or a `_method` query parameter),
 /// if it names another method. Symfony and Laravel, Rails (`Rack::MethodOverride`),
@@ -2145,6 +2167,40 @@ impl<C> Pool<C> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn request_targets_are_paths_or_http_uris_and_star_for_options_only() {
+        use super::bad_target;
+        let req = |method: &str, target: &str| {
+            http::Request::builder()
+                .method(method)
+                .uri(target)
+                .body(())
+                .unwrap()
+        };
+        for (method, target) in [
+            ("GET", "/a"),
+            ("GET", "http://a/b"),
+            ("GET", "HTTPS://a:8443/b?c"),
+            ("GET", "http://a"),
+            ("OPTIONS", "*"),
+            ("OPTIONS", "/"),
+        ] {
+            assert_eq!(bad_target(&req(method, target)), None, "{method} {target}");
+        }
+        for (method, target) in [
+            ("GET", "*"),
+            ("POST", "*"),
+            ("GET", "a:80"),
+            ("GET", "ftp://a/b"),
+            ("GET", "ws://a/b"),
+        ] {
+            assert!(
+                bad_target(&req(method, target)).is_some(),
+                "{method} {target}"
+            );
+        }
+    }
+
     use super::*;
 
     /// What an upload keeps in these tests: a channel that closes when it is dropped.

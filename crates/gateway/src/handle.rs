@@ -19,7 +19,7 @@ use crate::advertise;
 use crate::body::Body;
 use crate::capacity::Capacity;
 use crate::forward::{
-    answer_dropped, bad_host, max_forwards_spent, method_override, one_content_length,
+    answer_dropped, bad_host, bad_target, max_forwards_spent, method_override, one_content_length,
     prepare_request, set_upgrade, strip_hop_by_hop, unsupported_coding, upgrade_protocol,
     IdentityHeaders, Peer, UploadTail, UpstreamClient,
 };
@@ -192,6 +192,10 @@ pub(crate) async fn handle(
                 let mut res = Problem::connect_not_allowed().into_response(&shared.problem_base);
                 res.headers_mut().insert(http::header::ALLOW, allowed(None));
                 break 'walk res;
+            }
+            // A path, or an http URI: nothing else is routed (`*` only for `OPTIONS`).
+            if let Some(detail) = bad_target(&req) {
+                break 'walk Problem::bad_request(detail).into_response(&shared.problem_base);
             }
             // Matched and forwarded in normal form: no spelling of a path escapes its route.
             if let Err(why) = normalize_path(&mut req, shared.merge_slashes) {
