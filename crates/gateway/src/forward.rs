@@ -384,10 +384,30 @@ impl UpstreamClient {
             self.authority.port_u16().unwrap_or(80),
         );
         let connect_by = deadline.min(Instant::now() + self.connect_timeout);
-        let stream = match tokio::time::timeout_at(connect_by, TcpStream::connect(addr)).await {
-            Err(_elapsed) => return Err(Failure::Timeout),
-            Ok(Err(e)) => return Err(Failure::Connect(e)),
-            Ok(Ok(stream)) => stream,
+        let mut tried = false;
+        let stream = loop {
+            match tokio::time::timeout_at(connect_by, TcpStream::connect(addr)).await {
+                Err(_elapsed) => return Err(Failure::Timeout),
+                // Out of file descriptors: the kept connections to this upstream are closed
+                // (their tasks end at once, on their threads) and the connection tried once
+                // more; the operator is told, at most once a second, and not only at debug
+                // level (review: healthy upstreams answered 502 for want of descriptors,
+                // `Too many open files` in the debug log alone).
+                Ok(Err(e)) if out_of_files(&e) => {
+                    static SHORT: std::sync::LazyLock<crate::once_a_second::OnceASecond> =
+                        std::sync::LazyLock::new(crate::once_a_second::OnceASecond::new);
+                    if SHORT.now() {
+                        tracing::warn!(upstream = %self.authority, error = %e, "out of file descriptors for upstream connections: raise the open-files limit (ulimit -n, LimitNOFILE) or lower max_connections or max_in_flight");
+                    }
+                    if tried || self.close_idle(Instant::now() + IDLE_TIMEOUT) == 0 {
+                        return Err(Failure::Connect(e));
+                    }
+                    tried = true;
+                    tokio::task::yield_now().await;
+                }
+                Ok(Err(e)) => return Err(Failure::Connect(e)),
+                Ok(Ok(stream)) => break stream,
+            }
         };
         let _ = stream.set_nodelay(true);
         Ok(stream)
@@ -529,6 +549,13 @@ impl tokio::io::AsyncWrite for Cuttable {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
     }
+}
+
+/// Whether a connection failed for want of file descriptors (the process's, or the system's).
+fn out_of_files(e: &io::Error) -> bool {
+    const EMFILE: i32 = 24;
+    const ENFILE: i32 = 23;
+    matches!(e.raw_os_error(), Some(EMFILE | ENFILE))
 }
 
 /// An upstream's response body: hyper's, or the gateway's own client's (whole, or still to

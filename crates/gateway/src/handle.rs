@@ -101,10 +101,10 @@ impl Shared {
             connections: ConnectionCap::new(
                 match config.gateway.max_connections {
                     Some(n) => {
-                        check_max_connections(n.get());
+                        check_max_connections(n.get(), config.gateway.max_in_flight.get());
                         n.get()
                     }
-                    None => default_max_connections(),
+                    None => default_max_connections(config.gateway.max_in_flight.get()),
                 },
                 config.gateway.max_connections_per_ip.map(|n| n.get()),
                 config.identity.ipv6_prefix,

@@ -226,22 +226,57 @@ pub(crate) struct Room {
     _open: Option<Open>,
 }
 
-/// The default `max_connections`: half the process's open-files limit (the rest is for
-/// upstream and Redis connections and the listeners), 10,000 if the limit cannot be read, and
-/// no more than one per [`MEMORY_PER_CONNECTION`] of the memory the process may use (its
-/// cgroup's limit, or the machine's); at least 64. Logged at start.
-pub(crate) fn default_max_connections() -> usize {
+/// The default `max_connections`: half the process's open-files limit, and no more than
+/// leaves room for an upstream connection per request in flight (`in_flight`) and
+/// [`RESERVED_FILES`] more (the rest is for upstream and Redis connections and the
+/// listeners); 10,000 if the limit cannot be read, and no more than one per
+/// [`MEMORY_PER_CONNECTION`] of the memory the process may use (its cgroup's limit, or the
+/// machine's); at least 64. Logged at start, with a warning if the open-files limit is too
+/// small for `in_flight` requests beside as many connections.
+pub(crate) fn default_max_connections(in_flight: usize) -> usize {
     let read = |path: &str| std::fs::read_to_string(path).ok();
     let files = open_files_limit(&own_limits());
     let memory = memory_limit(read);
-    let max = max_connections_for(files, memory);
+    let max = max_connections_for(files, memory, in_flight);
     tracing::info!(
         max_connections = max,
         open_files_limit = files,
         memory_limit = memory,
-        "max_connections not set: the smaller of half the open-files limit and one per 256 KiB of memory"
+        "max_connections not set: the smallest of half the open-files limit, what it leaves beside an upstream connection per request in flight, and one per 256 KiB of memory"
     );
+    warn_if_files_are_short(max, in_flight, files);
     max
+}
+
+/// File descriptors kept beside client and upstream connections: the listeners, the
+/// runtimes' own, Redis connections, idle kept upstream connections closing.
+const RESERVED_FILES: usize = 64;
+
+/// Warns when `connections` client connections, each with a request in flight up to
+/// `in_flight`, and their upstream connections do not fit in the open-files limit `files`:
+/// upstream connections would then fail (review: a gateway at half the limit answered 502s,
+/// "upstream could not be reached", for a healthy upstream, with `Too many open files` only
+/// in the debug log).
+fn warn_if_files_are_short(connections: usize, in_flight: usize, files: Option<usize>) {
+    let Some(files) = files else { return };
+    let needed = files_needed(connections, in_flight);
+    if needed > files {
+        tracing::warn!(
+            open_files_limit = files,
+            needed,
+            max_connections = connections,
+            max_in_flight = in_flight,
+            "the open-files limit cannot hold max_connections client connections beside an upstream connection per request in flight: upstream connections may fail (502); raise the limit (ulimit -n, LimitNOFILE) or lower max_connections or max_in_flight"
+        );
+    }
+}
+
+/// File descriptors that `connections` client connections and up to `in_flight` upstream
+/// connections (at most one per request in flight) need, with [`RESERVED_FILES`].
+fn files_needed(connections: usize, in_flight: usize) -> usize {
+    connections
+        .saturating_add(in_flight)
+        .saturating_add(RESERVED_FILES)
 }
 
 /// Memory allowed per client connection by the default `max_connections`, for the gateway's
@@ -253,8 +288,10 @@ pub(crate) fn default_max_connections() -> usize {
 /// socket buffers are not counted (see `max_connections` in docs/configuration.md).
 pub(crate) const MEMORY_PER_CONNECTION: u64 = 256 * 1024;
 
-fn max_connections_for(open_files: Option<usize>, memory: Option<u64>) -> usize {
-    let by_files = open_files.map_or(10_000, |n| n / 2);
+fn max_connections_for(open_files: Option<usize>, memory: Option<u64>, in_flight: usize) -> usize {
+    let by_files = open_files.map_or(10_000, |n| {
+        (n / 2).min(n.saturating_sub(in_flight.saturating_add(RESERVED_FILES)))
+    });
     let by_memory = memory.map_or(usize::MAX, |bytes| {
         usize::try_from(bytes / MEMORY_PER_CONNECTION).unwrap_or(usize::MAX)
     });
@@ -331,13 +368,16 @@ fn mem_total(meminfo: &str) -> Option<u64> {
 /// Warns when a configured `max_connections` is more than the open-files limit allows: past
 /// that, accepting fails (`EMFILE`) before the cap is reached, and upstream and Redis
 /// connections fail with it.
-pub(crate) fn check_max_connections(max: usize) {
-    if let Some(limit) = beyond_open_files(max, &own_limits()) {
+pub(crate) fn check_max_connections(max: usize, in_flight: usize) {
+    let limits = own_limits();
+    if let Some(limit) = beyond_open_files(max, &limits) {
         tracing::warn!(
             max_connections = max,
             open_files_limit = limit,
             "max_connections is above the open-files limit: accepting will fail before it is reached; raise the limit (ulimit -n, LimitNOFILE) or lower max_connections"
         );
+    } else {
+        warn_if_files_are_short(max, in_flight, open_files_limit(&limits));
     }
 }
 
@@ -1137,16 +1177,38 @@ mod tests {
     #[test]
     fn the_default_cap_is_bounded_by_memory_as_well_as_open_files() {
         const GIB: u64 = 1 << 30;
-        assert_eq!(max_connections_for(Some(1 << 20), Some(GIB)), 4096);
-        assert_eq!(max_connections_for(Some(1 << 20), Some(24 * GIB)), 98_304);
-        assert_eq!(max_connections_for(Some(1024), Some(24 * GIB)), 512);
-        assert_eq!(max_connections_for(None, None), 10_000);
-        assert_eq!(max_connections_for(Some(1 << 20), None), 1 << 19);
+        assert_eq!(max_connections_for(Some(1 << 20), Some(GIB), 256), 4096);
         assert_eq!(
-            max_connections_for(Some(100), Some(1 << 20)),
+            max_connections_for(Some(1 << 20), Some(24 * GIB), 256),
+            98_304
+        );
+        assert_eq!(max_connections_for(Some(1024), Some(24 * GIB), 256), 512);
+        assert_eq!(max_connections_for(None, None, 256), 10_000);
+        assert_eq!(max_connections_for(Some(1 << 20), None, 256), 1 << 19);
+        assert_eq!(
+            max_connections_for(Some(100), Some(1 << 20), 256),
             64,
             "at least 64"
         );
+    }
+
+    /// Half the open-files limit for client connections left too few for an upstream
+    /// connection per request in flight (review: 400 files, 200 connections, 256 in flight:
+    /// healthy upstreams answered 502 for want of file descriptors).
+    #[test]
+    fn the_default_cap_leaves_files_for_an_upstream_connection_per_request_in_flight() {
+        assert_eq!(max_connections_for(Some(400), None, 256), 80);
+        assert_eq!(max_connections_for(Some(1024), None, 700), 260);
+        assert!(
+            files_needed(max_connections_for(Some(4096), None, 1000), 1000) <= 4096,
+            "the default fits"
+        );
+        assert_eq!(
+            max_connections_for(Some(1024), None, 1000),
+            64,
+            "at least 64"
+        );
+        assert!(files_needed(64, 1000) > 1024, "then warned about");
     }
 
     #[test]
@@ -1258,7 +1320,7 @@ mod tests {
             Some(usize::MAX / 2)
         );
         assert_eq!(open_files_limit("nothing here"), None);
-        assert!(default_max_connections() >= 64);
+        assert!(default_max_connections(256) >= 64);
         // A configured cap the limit cannot hold is found (and warned about at start).
         assert_eq!(beyond_open_files(1023, limits), None);
         assert_eq!(beyond_open_files(1024, limits), Some(1024));
