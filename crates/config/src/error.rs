@@ -164,21 +164,21 @@ fn without_passwords(text: String) -> String {
     if !text.contains('@') {
         return text;
     }
+    each_word(&text, |word| crate::host::redact_userinfo(word))
+}
+
+/// `text` with each word (a run between spaces and double quotes) replaced by `f`'s.
+fn each_word<'w>(text: &'w str, f: impl Fn(&'w str) -> std::borrow::Cow<'w, str>) -> String {
     let mut out = String::with_capacity(text.len());
-    let mut word = String::new();
-    let flush = |word: &mut String, out: &mut String| {
-        out.push_str(&crate::host::redact_userinfo(word));
-        word.clear();
-    };
-    for c in text.chars() {
+    let mut start = 0;
+    for (i, c) in text.char_indices() {
         if c.is_whitespace() || c == '"' {
-            flush(&mut word, &mut out);
+            out.push_str(&f(&text[start..i]));
             out.push(c);
-        } else {
-            word.push(c);
+            start = i + c.len_utf8();
         }
     }
-    flush(&mut word, &mut out);
+    out.push_str(&f(&text[start..]));
     out
 }
 
@@ -194,34 +194,17 @@ pub(crate) fn hide_broken_userinfo(line: &str, message: &str) -> String {
     if !has_user || !message.contains('@') {
         return message.to_owned();
     }
-    let mut out = String::with_capacity(message.len());
-    let mut word = String::new();
-    let flush = |word: &mut String, out: &mut String| {
-        match word.rfind('@') {
-            Some(at) => {
-                let keep = word[..at].find("://").map_or(0, |s| s + 3);
-                if word[keep..at].is_empty() || word[..at].ends_with("***") {
-                    out.push_str(word);
-                } else {
-                    out.push_str(&word[..keep]);
-                    out.push_str("***");
-                    out.push_str(&word[at..]);
-                }
+    each_word(message, |word| match word.rfind('@') {
+        Some(at) => {
+            let keep = word[..at].find("://").map_or(0, |s| s + 3);
+            if word[keep..at].is_empty() || word[..at].ends_with("***") {
+                word.into()
+            } else {
+                format!("{}***{}", &word[..keep], &word[at..]).into()
             }
-            None => out.push_str(word),
         }
-        word.clear();
-    };
-    for c in message.chars() {
-        if c.is_whitespace() || c == '"' {
-            flush(&mut word, &mut out);
-            out.push(c);
-        } else {
-            word.push(c);
-        }
-    }
-    flush(&mut word, &mut out);
-    out
+        None => word.into(),
+    })
 }
 
 fn floor_char_boundary(s: &str, mut i: usize) -> usize {

@@ -448,15 +448,43 @@ impl UpstreamClient {
 /// answered and took no more of the body kept hyper writing to it (its socket full), the
 /// client's upload unread and the connection open for as long as the upstream kept it (review).
 #[derive(Debug, Default)]
-struct WriteCut {
-    cut: std::sync::atomic::AtomicBool,
-    /// The connection's task, waiting for its socket to take more.
-    waiting: Mutex<Option<std::task::Waker>>,
-}
+struct WriteCut(Cut);
 
 impl WriteCut {
     fn cut(&self) {
+        self.0.cut();
+    }
+
+    fn is_cut(&self) -> bool {
+        self.0.is_cut()
+    }
+
+    /// A write is waiting for the socket: the cut wakes it too. Whether the cut came first.
+    fn wait(&self, cx: &Context<'_>) -> bool {
+        self.0.wake_on_cut(cx);
+        self.0.is_cut()
+    }
+}
+
+/// A flag set once, and the task to wake when it is (the one that registered last).
+#[derive(Debug, Default)]
+struct Cut {
+    cut: std::sync::atomic::AtomicBool,
+    waiting: Mutex<Option<std::task::Waker>>,
+}
+
+impl Cut {
+    fn cut(&self) {
         self.cut.store(true, Ordering::Release);
+        self.wake();
+    }
+
+    fn is_cut(&self) -> bool {
+        self.cut.load(Ordering::Acquire)
+    }
+
+    /// Wakes the task registered, if any (it looks again at what woke it).
+    fn wake(&self) {
         let waiting = self
             .waiting
             .lock()
@@ -467,18 +495,12 @@ impl WriteCut {
         }
     }
 
-    fn is_cut(&self) -> bool {
-        self.cut.load(Ordering::Acquire)
-    }
-
-    /// A write is waiting for the socket: the cut wakes it too. Whether the cut came first.
-    fn wait(&self, cx: &Context<'_>) -> bool {
+    /// The task polling `cx` is woken by the cut.
+    fn wake_on_cut(&self, cx: &Context<'_>) {
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         if !waiting.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
             *waiting = Some(cx.waker().clone());
         }
-        drop(waiting);
-        self.is_cut()
     }
 }
 
@@ -833,9 +855,8 @@ impl UploadTail {
     /// last piece of the body since the answer's head came ([`Moved::cut`]), is closed, its
     /// request's body cut short (never taken for whole), not reused.
     pub(crate) fn response_over(&self) {
-        self.moved.cut.store(true, Ordering::Release);
         self.moved.answered.store(true, Ordering::Release);
-        self.moved.wake();
+        self.moved.cut();
     }
 
     /// Keeps `slots` until the upload is over or stalls, or `capacity` is cut at the end of
@@ -947,13 +968,12 @@ struct Moved {
     /// Wakes the watcher of what is kept when the upload is over.
     over_now: tokio::sync::Notify,
     /// Set when the answer's head came first: the rest of the body is read and dropped, not
-    /// forwarded ([`Moved::cut`]).
-    cut: std::sync::atomic::AtomicBool,
+    /// forwarded ([`Moved::cut`]); it wakes the task polling the body while it waits on the
+    /// client.
+    cut: Cut,
     /// Set when, after that, the answer is over too: the upstream connection is then closed
     /// ([`UploadTail::response_over`]).
     answered: std::sync::atomic::AtomicBool,
-    /// The task polling the body while it waits on the client, woken by the cut.
-    waiting: Mutex<Option<std::task::Waker>>,
 }
 
 /// The slots a response that ended before its upload left to it.
@@ -1005,22 +1025,18 @@ impl Moved {
             min_rate,
             tail: Mutex::default(),
             over_now: tokio::sync::Notify::new(),
-            cut: std::sync::atomic::AtomicBool::new(false),
+            cut: Cut::default(),
             answered: std::sync::atomic::AtomicBool::new(false),
-            waiting: Mutex::new(None),
         }
     }
 
     /// The task polling the body waits on the client: the cut wakes it.
     fn wake_on_cut(&self, cx: &Context<'_>) {
-        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        if !waiting.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-            *waiting = Some(cx.waker().clone());
-        }
+        self.cut.wake_on_cut(cx);
     }
 
     fn is_cut(&self) -> bool {
-        self.cut.load(Ordering::Acquire)
+        self.cut.is_cut()
     }
 
     /// The answer's head has come while the body is still coming: nothing more of the body
@@ -1030,19 +1046,7 @@ impl Moved {
     /// also with the answer read slowly; RFC 9112 section 11.2). The task polling the body is
     /// woken to hand it off ([`hand_off`]).
     fn cut(&self) {
-        self.cut.store(true, Ordering::Release);
-        self.wake();
-    }
-
-    fn wake(&self) {
-        let waiting = self
-            .waiting
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(waker) = waiting {
-            waker.wake();
-        }
+        self.cut.cut();
     }
 
     /// The upload has ended, failed or been dropped: what its response left is freed.
