@@ -2198,9 +2198,10 @@ impl<C> Pool<C> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn request_targets_are_paths_or_http_uris_and_star_for_options_only() {
-        use super::bad_target;
         let req = |method: &str, target: &str| {
             http::Request::builder()
                 .method(method)
@@ -2231,8 +2232,6 @@ mod tests {
             );
         }
     }
-
-    use super::*;
 
     /// What an upload keeps in these tests: a channel that closes when it is dropped.
     struct Probe(#[allow(dead_code)] tokio::sync::oneshot::Sender<()>);
