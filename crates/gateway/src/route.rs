@@ -15,7 +15,11 @@ use crate::problem::Problem;
 /// (a malformed `%` escape), or whose resource servers disagree about, is the caller's error:
 /// see [`bad_path`].
 pub(crate) fn normalize_path<B>(req: &mut Request<B>, merge_slashes: bool) -> Result<(), BadPath> {
+    // A query with no path before it (`http://h?q`, HTTP/2's `:path` `?q`) goes with `/`
+    // (RFC 9112 section 3.2.1; review: the upstream got `GET ?q HTTP/1.1`).
+    let no_path = (req.uri().path_and_query()).is_some_and(|pq| pq.as_str().starts_with('?'));
     let path = match normalize_request(req.uri().path(), merge_slashes)? {
+        Cow::Borrowed(path) if no_path => path.to_owned(),
         Cow::Borrowed(_) => return Ok(()),
         Cow::Owned(path) => path,
     };
@@ -250,6 +254,16 @@ mod tests {
         // Segment parameters are forwarded: only routing looks past them.
         assert_eq!(normalized("/v1/login;x=1", true).unwrap(), "/v1/login;x=1");
         assert_eq!(normalized("*", true).unwrap(), "*");
+        assert_eq!(normalized("http://h?q=1", true).unwrap(), "http://h/?q=1");
+        // As HTTP/2 hands it over: a `:path` of `?q=1`.
+        let mut parts = http::uri::Parts::default();
+        parts.path_and_query = Some(http::uri::PathAndQuery::from_static("?q=1"));
+        let mut req = Request::builder()
+            .uri(Uri::from_parts(parts).unwrap())
+            .body(())
+            .unwrap();
+        normalize_path(&mut req, true).unwrap();
+        assert_eq!(req.uri().to_string(), "/?q=1");
         assert_eq!(normalized("/v1/%zz?q=1", true), Err(BadPath::Malformed));
         assert_eq!(
             bad_path(BadPath::Malformed).status,
