@@ -1471,6 +1471,32 @@ async fn a_broken_http2_preface_is_answered_400_with_a_problem_body() {
     let reply = raw_exchange(gw.main, b"PRI * HTTP/2.0\r\n\r\nXX\r\n\r\n").await;
     assert!(reply.starts_with("HTTP/1.1 400 "), "{reply}");
     assert!(reply.contains("application/problem+json"), "{reply}");
+    // Also when the head comes in pieces, the first of them a piece of the preface (review:
+    // a first read of `P` was taken for HTTP/2).
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    for (first, rest) in [
+        (
+            "P",
+            "OST /api/echo HTTP/1.1\r\nhost: x\r\nBad Header: y\r\n\r\n",
+        ),
+        ("PRI * HTTP/2.0\r\n", "\r\nXX\r\n\r\n"),
+    ] {
+        let mut s = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+        s.set_nodelay(true).unwrap();
+        s.write_all(first.as_bytes()).await.unwrap();
+        // Apart, so that the gateway reads the first piece on its own.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        s.write_all(rest.as_bytes()).await.unwrap();
+        let mut reply = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut reply));
+        let _ = read.await.expect("answered in time");
+        let reply = String::from_utf8_lossy(&reply);
+        assert!(reply.starts_with("HTTP/1.1 400 "), "{first:?}: {reply}");
+        assert!(
+            reply.contains("application/problem+json"),
+            "{first:?}: {reply}"
+        );
+    }
 }
 
 /// Only heads hyper answered get a line of their own: an HTTP/2 preface after an HTTP/1.1

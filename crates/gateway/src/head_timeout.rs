@@ -521,6 +521,9 @@ pin_project! {
         // A replacement being written in place of hyper's buffer of this length, and how
         // much of it has gone.
         swap: Option<Swap>,
+        // How many of the connection's first bytes are HTTP/2's preface so far, over one
+        // read or several; `u8::MAX` once one is not.
+        preface: u8,
     }
 }
 
@@ -531,6 +534,7 @@ impl<T> Counted<T> {
             head,
             errors,
             swap: None,
+            preface: 0,
         }
     }
 }
@@ -633,14 +637,23 @@ impl<T: AsyncRead> AsyncRead for Counted<T> {
         let before = buf.filled().len();
         let polled = this.io.poll_read(cx, buf);
         if buf.filled().len() > before {
-            // The connection's first bytes say whether it speaks HTTP/2 (its preface, whole,
-            // as hyper reads it; or as much of it as came), before any request does: a
-            // connection closed for its header timeout is told so. Its first HTTP/1.x request
-            // says otherwise ([`Busy::http1`]).
-            let first = &buf.filled()[before..];
-            let n = first.len().min(PREFACE.len());
-            if this.head.moved.load(Ordering::Relaxed) == 0 && first[..n] == PREFACE[..n] {
-                this.head.http2.store(true, Ordering::Relaxed);
+            // The connection's first bytes say whether it speaks HTTP/2, before any request
+            // does (a connection closed for its header timeout is told so): its whole
+            // preface, as hyper reads it, in one read or several (review: `PRI ` alone, or a
+            // first read of `P`, was taken for it). Its first HTTP/1.x request says otherwise
+            // too ([`Busy::http1`]).
+            let matched = usize::from(*this.preface);
+            if matched < PREFACE.len() {
+                let came = &buf.filled()[before..];
+                let n = came.len().min(PREFACE.len() - matched);
+                *this.preface = if came[..n] == PREFACE[matched..matched + n] {
+                    (matched + n) as u8
+                } else {
+                    u8::MAX
+                };
+                if usize::from(*this.preface) == PREFACE.len() {
+                    this.head.http2.store(true, Ordering::Relaxed);
+                }
             }
             this.head.note_moved();
         }
