@@ -245,8 +245,13 @@ fn serde_error_plain(
             let before = text.get(..span.start).unwrap_or(text);
             let line_start = before.rfind('\n').map_or(0, |i| i + 1);
             let value = value_line(text, if closed { open.max(line_start) } else { open });
-            // A Redis URL's password is not repeated, wherever its string breaks.
-            let value = &redact_url(value);
+            // A Redis URL's password is not repeated, wherever its string breaks; on a line
+            // holding a URL with a user, nothing of the line is (review: a quote or `,` in
+            // the password broke the string, and the error quoted the password's tail).
+            let value = &match value.contains("://") || !holds_userinfo(text, span.start) {
+                true => redact_url(value),
+                false => String::new(),
+            };
             if !value.is_empty() && !message.contains(value) {
                 message = format!("{value}: {message}");
             }
@@ -269,7 +274,12 @@ fn serde_error_plain(
         if !found.is_empty() && (key.is_empty() || map_key_lost || fuller) {
             key = found;
         }
-        let value = value_at(text, span.start);
+        let value = match value_at(text, span.start) {
+            // Quoted whole, a URL has its password hidden as `***`; a piece of one is not
+            // quoted at all.
+            v if v.contains("://") || !holds_userinfo(text, span.start) => v,
+            _ => "",
+        };
         // toml hands a date-time to serde as a map, which is called a table above.
         if value.starts_with(|c: char| c.is_ascii_digit()) {
             message = message.replace("invalid type: table", "invalid type: date-time");
@@ -368,6 +378,16 @@ fn string_around(text: &str, offset: usize) -> Option<(usize, bool)> {
 }
 
 /// The rest of the line from `offset`, trimmed, at most 80 bytes.
+/// Whether the line at `offset` holds a URL with a user (`://`, then `@`): what an error
+/// quotes from it could be part of a password (its string broken by a quote in it).
+fn holds_userinfo(text: &str, offset: usize) -> bool {
+    let offset = offset.min(text.len());
+    let start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let end = text[offset..].find('\n').map_or(text.len(), |i| offset + i);
+    let line = &text[start..end];
+    line.find("://").is_some_and(|s| line[s..].contains('@'))
+}
+
 fn value_line(text: &str, offset: usize) -> &str {
     let Some(rest) = text.get(offset..) else {
         return "";

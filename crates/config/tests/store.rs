@@ -218,10 +218,16 @@ fn a_password_is_not_repeated_in_an_error() {
         );
     }
     // A quote in the password ends the string there: what follows, up to the `@`, is shown
-    // as `***` too (review: `4dor@10.0.0.5:6379"` was printed, the password's tail).
+    // as `***` too, or not quoted at all (review: `4dor@10.0.0.5:6379"` was printed, the
+    // password's tail, and `4dor` alone when a `,`, `}`, space or `#` followed it).
     for url in [
         "redis://admin:Tr0ub\"4dor@10.0.0.5:6379",
         "redis://admin:Tr0ub\" 4dor@h",
+        "redis://admin:Tr0ub\"4dor,x@h",
+        "redis://admin:Tr0ub\"4dor}x@h",
+        "redis://admin:Tr0ub\"4dor x@h",
+        "redis://admin:Tr0ub\"4dor#x@h",
+        "redis://admin:Tr0ub\"4dor:x@h",
     ] {
         let e = errors(&format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n"));
         assert!(!e[0].contains("4dor") && !e[0].contains("Tr0ub"), "{e:?}");

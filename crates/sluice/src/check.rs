@@ -18,7 +18,7 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
         .max_body_size
         .map_or_else(|| "no limit".to_owned(), format_size);
     let mut connections = g.max_connections.map_or_else(
-        || "the smaller of half the open-files limit and one per 256 KiB of memory".to_owned(),
+        || "the smallest of half the open-files limit, what it leaves beside an upstream connection per request in flight, and one per 256 KiB of memory".to_owned(),
         |n| n.to_string(),
     );
     if let Some(n) = g.max_connections_per_ip {

@@ -74,7 +74,7 @@ fn main() -> ExitCode {
             match result {
                 Ok(text) => print_out(&text),
                 Err(e) => {
-                    eprintln!("sluice demo: {e:#}");
+                    say_err(&format!("sluice demo: {e:#}"));
                     ExitCode::from(1)
                 }
             }
@@ -83,7 +83,7 @@ fn main() -> ExitCode {
             Ok(c) => {
                 // `run` would stop on a bad SLUICE_LOG: so does `check`.
                 if let Err(e) = logging::filter() {
-                    eprintln!("sluice: {e}");
+                    say_err(&format!("sluice: {e}"));
                     return ExitCode::from(2);
                 }
                 print_out(&check::describe(&config, &c))
@@ -96,7 +96,7 @@ fn main() -> ExitCode {
             threads,
         } => {
             if let Err(e) = logging::init(cli.log_format) {
-                eprintln!("sluice: {e}");
+                say_err(&format!("sluice: {e}"));
                 return ExitCode::from(2);
             }
             let loaded = match check::load(&config, &upstream) {
@@ -115,7 +115,7 @@ fn main() -> ExitCode {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");
-                    eprintln!("sluice: {e:#}");
+                    say_err(&format!("sluice: {e:#}"));
                     ExitCode::from(1)
                 }
             }
@@ -136,6 +136,13 @@ fn print_out(text: &str) -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// Writes `line` to stderr: not eprintln!, which panics on a closed stderr (the exit code
+/// says it all the same).
+fn say_err(line: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
 }
 
 fn invalid(errors: &ConfigErrors) -> ExitCode {

@@ -225,7 +225,11 @@ fn redis_url_problem(rest: &str) -> Option<&'static str> {
     };
     if host.is_empty() {
         Some("has no host")
-    } else if host_port.starts_with('[') && port.is_none() && !host_port.ends_with(']') {
+    } else if host_port.starts_with('[')
+        && host_port
+            .split_once(']')
+            .is_some_and(|(_, after)| !after.is_empty() && !after.starts_with(':'))
+    {
         // Review: `redis://[::1]x` passed `check`, and `run` refused it.
         Some("has something after its bracketed IPv6 address that is not ':' and a port")
     } else if !host_ok(&written) {
@@ -324,7 +328,13 @@ mod tests {
         assert_eq!(redis_url_problem("[::1]:6379"), None);
         assert_eq!(redis_url_problem("[::1]"), None);
         assert_eq!(redis_url_problem("[::1]/2"), None);
-        for url in ["[::1]x", "[::1]junk:6379", "u:p@[::1]x/0"] {
+        for url in [
+            "[::1]x",
+            "[::1]junk:6379",
+            "u:p@[::1]x/0",
+            "[::1]x]",
+            "[::1]]",
+        ] {
             let problem = redis_url_problem(url);
             assert!(
                 problem.is_some_and(|p| p.contains("bracketed IPv6")),
