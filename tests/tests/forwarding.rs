@@ -1952,8 +1952,11 @@ async fn an_http2_client_that_stops_reading_holds_places_not_memory() {
         .map(|s| u32::from_be_bytes([s[2], s[3], s[4], s[5]]));
     assert_eq!(streams, Some(100), "SETTINGS_MAX_CONCURRENT_STREAMS");
     let mut asks = h2_frame(4, 1, 0, &[]);
-    // 300 KB each: under hyper's former 400 KiB stream buffer, so each was handed over whole.
-    let path = b"/api/download?bytes=300000";
+    // 4.5 MB each: more than the gateway's socket send buffer grows to (4 MiB by default),
+    // so that no response can end into it while the client reads nothing (with 300 KB ones,
+    // a run saw some end that way, and the rest never filled max_in_flight); hyper's former
+    // 400 KiB stream buffers would hold 25 MB of them, past the bound below.
+    let path = b"/api/download?bytes=4500000";
     for i in 0..STREAMS {
         // HPACK: GET, http, :path and :authority as literals of indexed names.
         let mut block = vec![0x82, 0x86, 0x04, path.len() as u8];
@@ -1972,7 +1975,7 @@ async fn an_http2_client_that_stops_reading_holds_places_not_memory() {
     };
     let why = "the responses were taken as sent: readiness stayed up";
     health_becomes(503, 14, why).await;
-    // ...holding little of them (64 x 300 KB would be 19 MB)...
+    // ...holding little of them (64 x 400 KiB would be 25 MB)...
     let grown = gw.peak_rss().saturating_sub(before);
     assert!(grown < 10 << 20, "grew {} KiB", grown >> 10);
     // ...until send_timeout lets their places go.
