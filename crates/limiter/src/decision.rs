@@ -131,7 +131,7 @@ pub enum Decision {
 
 /// An admitted request. Dropping it releases its concurrency slots (quota charges stay);
 /// [`Limiter::refund`] takes every charge back. (A field that needs dropping, other than
-/// `layers` and `slots`, must be known to [`Decision::holds_nothing`].)
+/// `layers`, `slots` and `before`, must be known to [`Decision::holds_nothing`].)
 #[derive(Debug)]
 pub struct Admission {
     pub(crate) limiter: u64,
@@ -144,6 +144,10 @@ pub struct Admission {
     pub(crate) charged: bool,
     pub(crate) layers: Layers,
     pub(crate) slots: SmallVec<[SlotGuard; 1]>,
+    /// For each window charged ahead of time (a held request), its position in `layers` and
+    /// the state the charge replaced, to put back if nobody was charged since. Empty, and not
+    /// allocated, unless a window holds the request.
+    pub(crate) before: Vec<(usize, u128)>,
 }
 
 impl Admission {
@@ -167,6 +171,7 @@ impl Admission {
             charged,
             layers: std::mem::take(&mut self.layers),
             slots: std::mem::take(&mut self.slots),
+            before: std::mem::take(&mut self.before),
         }
     }
 
@@ -263,7 +268,10 @@ impl Decision {
         match self {
             // A refund clears the slots but keeps a spilled buffer: spilled counts too.
             Decision::Admitted(a) => {
-                a.slots.is_empty() && !a.slots.spilled() && !a.layers.spilled()
+                a.slots.is_empty()
+                    && !a.slots.spilled()
+                    && !a.layers.spilled()
+                    && a.before.capacity() == 0
             }
             Decision::Refused(r) => !r.layers.spilled(),
             Decision::CostTooLarge(c) => !c.layers.spilled(),

@@ -41,11 +41,20 @@ enum Stop {
 /// request must be held before it conforms (0 unless the limit lets requests be held).
 type Charged = (u128, u64, u64);
 
+/// What [`charge`] tells its caller beside the charge: how long to hold the request (the
+/// longest of the limits'), and the state before a window's charge made ahead of time.
+struct Held<'a> {
+    wait: &'a mut u64,
+    before: Option<u128>,
+}
+
 /// Charges `cost` to one key's `state` by compare-and-swap: the new state and the charge's tag,
 /// or the state that refused it and its wait. A limit that may hold requests up to `ahead`
 /// nanoseconds admits one that would pass within that time, charged as of the moment it will
-/// pass, and raises `wait` to its hold (an out-parameter, so that the common path, which holds
-/// nothing, carries no wait).
+/// pass, and raises `held.wait` to its hold (an out-parameter, so that the common path, which
+/// holds nothing, carries no wait). A window charged ahead also leaves in `held.before` the
+/// state it replaced: its window may be a later one, and taking the count back from there
+/// would leave the current window read as spent.
 ///
 /// A token bucket in a 64-bit table (nearly every one) is charged by a loop of its own: the
 /// general loop sets up every algorithm's 128-bit constants before its first step, which
@@ -57,7 +66,8 @@ fn charge(
     state: State<'_>,
     cost: u32,
     now: u64,
-    (ahead, wait): (u64, &mut u64),
+    ahead: u64,
+    held: &mut Held<'_>,
 ) -> Result<(u128, u64), Seen> {
     if let (Rule::Gcra(gcra), State::Narrow(word)) = (rule, state) {
         let mut tat = word.load(Ordering::Acquire);
@@ -68,14 +78,17 @@ fn charge(
             }
         }
     }
-    let (next, tag, held) = charge_any(rule, state, cost, now, ahead)?;
-    *wait = (*wait).max(held);
+    let ((next, tag, wait), before) = charge_any(rule, state, cost, now, ahead)?;
+    *held.wait = (*held.wait).max(wait);
+    if wait > 0 && !matches!(rule, Rule::Gcra(_)) {
+        held.before = Some(before);
+    }
     Ok((next, tag))
 }
 
-/// [`charge`] for any rule and word. A request held for `wait` is decided as it will be when
-/// it passes, at `now + wait`, and charged so now: whoever comes later finds that charge and
-/// queues behind it.
+/// [`charge`] for any rule and word, with the state the charge replaced. A request held for
+/// `wait` is decided as it will be when it passes, at `now + wait`, and charged so now:
+/// whoever comes later finds that charge and queues behind it.
 #[inline(never)]
 fn charge_any(
     rule: &Rule,
@@ -83,12 +96,12 @@ fn charge_any(
     cost: u32,
     now: u64,
     ahead: u64,
-) -> Result<Charged, Seen> {
+) -> Result<(Charged, u128), Seen> {
     let mut current = state.load();
     loop {
-        let (next, tag, wait) = eval_ahead(rule, current, cost, now, ahead)?;
-        match state.compare_exchange_weak(current, next) {
-            Ok(()) => return Ok((next, tag, wait)),
+        let charged = eval_ahead(rule, current, cost, now, ahead)?;
+        match state.compare_exchange_weak(current, charged.0) {
+            Ok(()) => return Ok((charged, current)),
             Err(actual) => current = actual,
         }
     }
@@ -282,10 +295,18 @@ impl Limiter {
             if c.blocks.is_some() && c.blocked_until(key, now).is_some() {
                 return Err(Stop::Refused(position, None));
             }
-            match c.table.update(key, |s| {
-                charge(&c.rule, s, cost, now, (c.ahead, &mut admission.wait))
-            }) {
+            let mut held = Held {
+                wait: &mut admission.wait,
+                before: None,
+            };
+            match c
+                .table
+                .update(key, |s| charge(&c.rule, s, cost, now, c.ahead, &mut held))
+            {
                 Ok((state, tag)) => {
+                    if let Some(before) = held.before {
+                        admission.before.push((position, before));
+                    }
                     admission
                         .layers
                         .push(Layer::admitted(limit, key, state, tag));
@@ -421,10 +442,12 @@ impl Limiter {
 
     /// Takes back the quota charges of `admission` (its slots are released by its drop); with
     /// `spare_queues`, a token bucket's with a `max_delay` only if its state is still the one
-    /// the charge left.
+    /// the charge left. A window charged ahead of time whose state is still the one the charge
+    /// left gets back the state before it (only its count comes out otherwise: the state
+    /// stays in the later window, where another request was charged since).
     /// `now` is when: no earlier than the admission.
     fn take_back(&self, admission: &Admission, spare_queues: bool, now: u64) {
-        for layer in admission.layers.iter().rev() {
+        for (position, layer) in admission.layers.iter().enumerate().rev() {
             let c = &self.limits[layer.limit.index()];
             if c.rule.counts_requests() {
                 continue; // the slot guard releases it when the admission drops
@@ -440,9 +463,13 @@ impl Limiter {
                 left: layer.state(),
                 now,
             };
+            let before = (admission.before.iter())
+                .find(|&&(p, _)| p == position)
+                .map(|&(_, before)| before);
             c.table.existing(layer.key, |state| {
-                state.update(|s| match only_from {
-                    Some(expected) if s != expected => None,
+                state.update(|s| match (only_from, before) {
+                    (_, Some(before)) if s == layer.state() => Some(before),
+                    (Some(expected), _) if s != expected => None,
                     _ => Some(c.rule.undo(s, charge)),
                 });
             });
@@ -481,6 +508,7 @@ impl Limiter {
             charged,
             layers: Layers::new(),
             slots: SmallVec::new(),
+            before: Vec::new(),
         };
         if layers > INLINE_LAYERS {
             out.layers.reserve(layers);

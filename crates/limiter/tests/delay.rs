@@ -240,3 +240,98 @@ fn a_withdrawn_charge_comes_back_from_the_limits_that_hold_nothing_whoever_came_
     // And `d`, with nobody behind it, gives back its moment too.
     assert_eq!(would_wait(&limiter, "d", T0), Some(secs(1.0)));
 }
+
+/// The wait of a request of `cost` on `layers` at `now`, or `None` if it is not admitted.
+fn wait_at(
+    limiter: &Limiter,
+    layers: &[(sluice_limiter::LimitId, sluice_limiter::Key)],
+    cost: u32,
+    now: Nanos,
+) -> Option<Duration> {
+    match limiter.decide(layers, cost, now) {
+        Decision::Admitted(a) => Some(a.wait()),
+        _ => None,
+    }
+}
+
+#[test]
+fn a_window_charge_held_into_a_later_window_and_taken_back_leaves_the_current_one_as_it_was() {
+    // Review (limit math): the charge was taken back from the later window, but the state
+    // stayed there, so the current window read as spent and the next request was held till
+    // the later one, though its window had room.
+    let limiter = held(fixed("f", 3, Duration::from_secs(10)), secs(25.0));
+    let layers = all_layers(&limiter, &["f"]);
+    let now = at(5 * SEC);
+    assert_eq!(wait_at(&limiter, &layers, 2, now), Some(secs(0.0)));
+    let Decision::Admitted(mut next_window) = limiter.decide(&layers, 2, now) else {
+        panic!("2 more fit in the next window");
+    };
+    assert_eq!(next_window.wait(), secs(5.0));
+    limiter.refund(&mut next_window, now);
+    assert_eq!(
+        wait_at(&limiter, &layers, 1, now),
+        Some(secs(0.0)),
+        "the current window has 1 left"
+    );
+    assert_eq!(
+        wait_at(&limiter, &layers, 1, now),
+        Some(secs(5.0)),
+        "and then none"
+    );
+}
+
+#[test]
+fn a_window_charge_held_into_a_later_window_comes_back_whole_when_another_layer_refuses() {
+    // The same when another layer refuses the request (429): nothing of it stays charged.
+    let now = at(5 * SEC);
+    let limiter = Limiter::new([
+        fixed("f", 3, Duration::from_secs(10))
+            .with_max_delay(secs(25.0))
+            .unwrap(),
+        fixed("daily", 2, Duration::from_secs(86_400)),
+    ])
+    .unwrap();
+    let both = all_layers(&limiter, &["f", "daily"]);
+    let f_only = all_layers(&limiter, &["f"]);
+    assert_eq!(wait_at(&limiter, &both, 2, now), Some(secs(0.0)));
+    assert!(matches!(
+        limiter.decide(&both, 2, now),
+        Decision::Refused(r) if r.limit() == limiter.id("daily").unwrap()
+    ));
+    assert_eq!(wait_at(&limiter, &f_only, 1, now), Some(secs(0.0)));
+}
+
+#[test]
+fn a_sliding_window_charge_held_into_a_later_window_and_taken_back_leaves_its_estimate() {
+    // A sliding window's estimate falls through the current window, so a state moved to a
+    // later one would also hold requests that a smaller estimate lets through.
+    let limiter = held(sliding("s", 2, Duration::from_secs(10)), secs(15.0));
+    let layers = all_layers(&limiter, &["s"]);
+    assert_eq!(wait_at(&limiter, &layers, 2, T0), Some(secs(0.0)));
+    let Decision::Admitted(mut ahead) = limiter.decide(&layers, 2, at(12 * SEC)) else {
+        panic!("2 fit once the first window no longer weighs, at 20 s");
+    };
+    assert_eq!(ahead.wait(), secs(8.0));
+    limiter.refund(&mut ahead, at(12 * SEC));
+    // At 16 s the first window's 2 weigh 0.8: one more fits.
+    assert_eq!(wait_at(&limiter, &layers, 1, at(16 * SEC)), Some(secs(0.0)));
+}
+
+#[test]
+fn a_withdrawn_window_charge_leaves_a_later_window_to_whoever_was_charged_there_since() {
+    let limiter = held(fixed("f", 2, Duration::from_secs(10)), secs(25.0));
+    let layers = all_layers(&limiter, &["f"]);
+    let now = at(5 * SEC);
+    assert_eq!(wait_at(&limiter, &layers, 2, now), Some(secs(0.0)));
+    let Decision::Admitted(mut first_held) = limiter.decide(&layers, 1, now) else {
+        panic!("held into the next window");
+    };
+    let Decision::Admitted(_second_held) = limiter.decide(&layers, 1, now) else {
+        panic!("held into the next window too");
+    };
+    // The first held request's client leaves: the state is not put back as it was before
+    // it (that would drop the second's charge); its count comes out of the next window.
+    limiter.withdraw(&mut first_held, now);
+    assert_eq!(wait_at(&limiter, &layers, 1, now), Some(secs(5.0)));
+    assert_eq!(wait_at(&limiter, &layers, 1, now), Some(secs(15.0)));
+}
