@@ -330,3 +330,25 @@ fn check_warns_of_a_route_with_two_delay_limits() {
     assert_eq!(code, 0, "{err}");
     assert!(!out.contains("warning"), "{out}");
 }
+
+/// A route's cost above a dry-run limit's burst is no error (the limit refuses nothing), but
+/// `check` says that every request of the route is logged as one it would refuse.
+#[test]
+fn check_warns_of_a_cost_a_dry_run_limit_can_never_hold() {
+    let config = |mode: &str| {
+        format!("[upstreams.app]\nurl = \"http://127.0.0.1:1\"\n[[routes]]\nname = \"bulk\"\npath = \"/b\"\nupstream = \"app\"\ncost = 6\n[[limits]]\nname = \"trial\"\nby = \"ip\"\nquota = 5\nwindow = \"1m\"\nmode = \"{mode}\"\n")
+    };
+    let file = TempFile::new("toml", &config("dry_run"));
+    let (code, out, err) = run_cli(&["check", "--config", file.0.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(
+            "warning: route bulk's cost (6) is larger than the burst of dry-run limit trial (5)"
+        ),
+        "{out}"
+    );
+    let file = TempFile::new("toml", &config("enforce"));
+    let (code, _, err) = run_cli(&["check", "--config", file.0.to_str().unwrap()]);
+    assert_ne!(code, 0);
+    assert!(err.contains("could ever pass"), "{err}");
+}

@@ -215,6 +215,17 @@ pub struct Limit {
 }
 
 impl Limit {
+    /// The largest cost a request can ever have under this limit, and what it is called (a
+    /// token bucket's burst, a window's quota); `None` for concurrency, which takes one slot
+    /// per request whatever the cost.
+    pub fn capacity(&self) -> Option<(NonZeroU32, &'static str)> {
+        match self.algorithm {
+            Algorithm::TokenBucket { burst } => Some((burst, "burst")),
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => Some((self.quota, "quota")),
+            Algorithm::Concurrency => None,
+        }
+    }
+
     /// Whether the limit applies to the route at `route` (an index into `Config::routes`).
     pub fn applies_to(&self, route: usize) -> bool {
         self.routes.as_ref().is_none_or(|rs| rs.contains(&route))

@@ -328,9 +328,20 @@ max_keys = 0
 #[test]
 fn cost_larger_than_burst_is_refused() {
     let text = shipped_with("cost = 5", "cost = 6");
+    let text = text.replacen("mode = \"dry_run\"", "mode = \"enforce\"", 1);
     let e = errors(&text);
     assert_eq!(e.len(), 1, "{e:?}");
     assert!(e[0].ends_with("routes[1].cost: 6 is larger than the burst of limit \"search-per-ip\" (5): no request on route \"search\" could ever pass"), "{}", e[0]);
+}
+
+/// A dry-run limit refuses nothing, so a cost it can never hold is not an error (`check` and
+/// `run` warn of it instead). Review: the shipped file's dry-run limit was refused so.
+#[test]
+fn cost_larger_than_a_dry_run_limits_burst_is_accepted() {
+    let text = shipped_with("cost = 5", "cost = 6");
+    assert!(text.contains("name = \"search-per-ip\"\nby = \"ip\"\nroutes = [\"search\"]\nquota = 5\nwindow = \"1m\"\nmode = \"dry_run\""));
+    let c = parse(&text, Path::new("c.toml")).expect("a dry-run limit refuses nothing");
+    assert_eq!(c.routes[1].cost.get(), 6);
 }
 
 #[test]

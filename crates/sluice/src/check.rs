@@ -143,6 +143,30 @@ pub(crate) fn describe(file: &Path, config: &Config) -> String {
             limits.join(", ")
         );
     }
+    for warning in dry_run_costs_too_large(config) {
+        let _ = writeln!(out, "  warning: {warning}");
+    }
+    out
+}
+
+/// A warning for each route whose cost is larger than what a dry-run limit on it can ever
+/// hold: the limit refuses nothing, but logs every request of the route as one it would
+/// refuse forever (an enforced one is an error of the configuration).
+pub(crate) fn dry_run_costs_too_large(config: &Config) -> Vec<String> {
+    let mut out = Vec::new();
+    for (r, route) in config.routes.iter().enumerate() {
+        for limit in config.limits.iter().filter(|l| l.mode == Mode::DryRun) {
+            match limit.capacity() {
+                Some((capacity, what)) if limit.applies_to(r) && route.cost > capacity => {
+                    out.push(format!(
+                        "route {}'s cost ({}) is larger than the {what} of dry-run limit {} ({capacity}): every request of the route is logged as one it would refuse forever, and enforcing the limit would refuse them all",
+                        route.name, route.cost, limit.name
+                    ));
+                }
+                _ => {}
+            }
+        }
+    }
     out
 }
 

@@ -193,6 +193,9 @@ fn run(config: Config, threads: Option<u16>) -> anyhow::Result<()> {
                 "a route has several delay limits: a request waits for the longest hold, and the others hold at its arrival, not at the upstream (give a route one delay limit)"
             );
         }
+        for warning in check::dry_run_costs_too_large(&config) {
+            tracing::warn!("{warning}");
+        }
         let (first, second) = tokio::sync::oneshot::channel::<()>();
         let (again, hurry) = tokio::sync::oneshot::channel::<()>();
         // Signals are read by a task of their own, so that one arriving while the gateway

@@ -288,22 +288,16 @@ impl Validator<'_> {
         }
     }
 
-    /// A route whose cost exceeds the most a limit can ever hold would be refused forever.
+    /// A route whose cost exceeds the most a limit can ever hold would be refused forever. A
+    /// dry-run limit refuses nothing, so it only says it would (`sluice check` and `run` warn).
     fn costs_fit(&mut self, limits: &[Limit], routes: &[Route], raw_routes: &[Table<RawRoute>]) {
         for (ri, route) in routes.iter().enumerate() {
             for limit in limits {
-                let applies = limit.applies_to(ri);
-                let capacity = match limit.algorithm {
-                    Algorithm::TokenBucket { burst } => burst,
-                    Algorithm::FixedWindow | Algorithm::SlidingWindow => limit.quota,
-                    Algorithm::Concurrency => continue,
+                let applies = limit.applies_to(ri) && limit.mode != Mode::DryRun;
+                let Some((capacity, what)) = limit.capacity() else {
+                    continue;
                 };
                 if applies && route.cost > capacity {
-                    let what = if matches!(limit.algorithm, Algorithm::TokenBucket { .. }) {
-                        "burst"
-                    } else {
-                        "quota"
-                    };
                     let span = raw_routes[ri].cost.as_ref().map(|c| c.span());
                     self.err(span, &format!("routes[{ri}].cost"), format!("{} is larger than the {what} of limit \"{}\" ({capacity}): no request on route \"{}\" could ever pass", route.cost, limit.name, route.name));
                 }
