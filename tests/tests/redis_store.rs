@@ -961,3 +961,39 @@ async fn with_redis_down_and_deny_a_request_only_dry_run_limits_count_passes() {
     }
     assert_eq!(get(gw.main, "/v1/search", &[]).await.status, 503);
 }
+
+/// As in memory: a route's cost above a dry-run limit's quota passes, and the limit is logged
+/// as refusing it (the configuration was refused before, so the script's path for it had never
+/// run).
+#[tokio::test]
+async fn a_cost_a_dry_run_limit_can_never_hold_passes_and_is_logged() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let limits = "[[limits]]\nname = \"trial\"\nby = \"api_key\"\nroutes = [\"search\"]\nalgorithm = \"fixed_window\"\nquota = 2\nwindow = \"1h\"\nmode = \"dry_run\"\n";
+    let text = config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "2s"),
+        64,
+        limits,
+    )
+    .replacen(
+        "path = \"/v1/search\"\n",
+        "path = \"/v1/search\"\ncost = 3\n",
+        1,
+    );
+    assert!(text.contains("cost = 3"));
+    let gw = start(&text);
+    for _ in 0..2 {
+        assert_eq!(call(gw.main, "/v1/search", "k").await.status, 200);
+    }
+    assert_eq!(up.requests(), 2);
+    gw.wait_log("two access lines", |_| gw.access_logs().len() >= 2)
+        .await;
+    for line in gw.access_logs() {
+        assert_eq!(
+            (line["decision"].as_str(), line["policy"].as_str()),
+            (Some("REJECTED_DRY_RUN"), Some("trial")),
+            "{line}"
+        );
+    }
+}

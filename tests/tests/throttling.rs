@@ -767,6 +767,47 @@ mode = "dry_run"
     );
 }
 
+/// A route's cost above a dry-run limit's quota: the limit could never admit it, so it is
+/// logged as refusing every request, and every request passes (`check` used to refuse the
+/// configuration, so this path had never run).
+#[tokio::test]
+async fn a_cost_a_dry_run_limit_can_never_hold_passes_and_is_logged() {
+    let up = MockUpstream::start().await;
+    let limit = r#"
+[[limits]]
+name = "trial"
+by = "api_key"
+routes = ["search"]
+algorithm = "fixed_window"
+quota = 2
+window = "1h"
+mode = "dry_run"
+"#;
+    let text = config(&up.url(), 64, limit).replacen(
+        "path = \"/v1/search\"\n",
+        "path = \"/v1/search\"\ncost = 3\n",
+        1,
+    );
+    assert!(text.contains("cost = 3"));
+    let gw = Sluice::start(&text);
+    let replies = [
+        call(gw.main, "/v1/search", "k").await,
+        call(gw.main, "/v1/search", "k").await,
+    ];
+    assert_eq!(statuses(&replies), [200, 200]);
+    assert_eq!(up.requests(), 2);
+    gw.wait_log("two access lines", |_| gw.access_logs().len() >= 2)
+        .await;
+    let decisions: Vec<(String, String)> = (gw.access_logs().iter())
+        .map(|v| {
+            let field = |f: &str| v[f].as_str().unwrap_or("").to_owned();
+            (field("decision"), field("policy"))
+        })
+        .collect();
+    let refused = ("REJECTED_DRY_RUN".to_owned(), "trial".to_owned());
+    assert_eq!(decisions, [refused.clone(), refused]);
+}
+
 #[tokio::test]
 async fn refusals_and_overloads_are_logged_with_their_policy() {
     let up = MockUpstream::start().await;
