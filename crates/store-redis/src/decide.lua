@@ -113,6 +113,19 @@ local function figures(L, n)
   return left, nil
 end
 
+-- A window's counts in window `index` (previous, current) from its state (a, b, c): those of
+-- that window if the state is of it; for a sliding window, the state's current count as the
+-- previous one if the state is of the window before; else none.
+local function counts_in(algo, a, b, c, index)
+  if a == index then
+    if algo == 'f' then return 0, b end
+    return b, c
+  elseif algo == 's' and a + 1 == index then
+    return c, 0
+  end
+  return 0, 0
+end
+
 -- A layer is one array, built at once: a table's named fields cost Redis several times as
 -- much to make. Its fields, by position (the code indexes them with these literals: a local
 -- per name would cost every closure made on each call an upvalue):
@@ -176,7 +189,8 @@ end
 -- Decides the request whose arguments start at ARGV[p] and whose keys follow KEYS[k]:
 -- ARGV[p .. p + 5] = mode, cost, lease id, pinned clock (or empty), deadline (or empty),
 -- layers n; then each
--- layer's parameters; in refund mode, then each layer's refund tag. Returns its reply (the
+-- layer's parameters; in refund mode, then each layer's refund tag, then three figures per
+-- layer: the state a window charged ahead replaced (-1 -1 -1: none). Returns its reply (the
 -- figures packed as doubles), n, the position of the next request's arguments, and its layers.
 -- A key Redis cannot read as its algorithm's type (an error from GET or ZCOUNT: something else
 -- wrote it) fails this request alone, before it has written anything: reply [4, layer]. Reads
@@ -187,6 +201,7 @@ local function decide(k, p)
     ARGV[p + 3], ARGV[p + 4], tonumber(ARGV[p + 5])
   local specs = p + 5 -- ARGV[specs + i]: layer i's parameters
   local tags = specs + n -- ARGV[tags + i]: in refund mode, layer i's refund tag
+  local befores = tags + n -- ARGV[befores + 3 * i - 2 ..]: in refund mode, its earlier state
   local now
   if pinned ~= '' then
     now = tonumber(pinned) -- tests only: a pinned clock
@@ -202,7 +217,7 @@ local function decide(k, p)
   -- estimate of Redis's clock.
   if deadline ~= '' and now > tonumber(deadline) then
     -- (A refund carries no deadline; its tags would follow if it did.)
-    local next = (mode == 'r' or mode == 'w') and specs + 2 * n + 1 or specs + n + 1
+    local next = (mode == 'r' or mode == 'w') and befores + 3 * n + 1 or specs + n + 1
     return pack('<ddd', 5, 0, now), n, next, {}
   end
   local write = mode == 'd'
@@ -235,7 +250,7 @@ local function decide(k, p)
         -- algorithm's (the limit was changed) or none: it starts fresh.
         local v = pcall_('GET', key)
         if type(v) == 'table' then
-          if refund then return pack('<dd', 4, i), n, tags + n + 1, {} end
+          if refund then return pack('<dd', 4, i), n, befores + 3 * n + 1, {} end
           return pack('<dd', 4, i), n, tags + 1, {}
         end
         if v and byte(v) == 0 then
@@ -371,9 +386,12 @@ local function decide(k, p)
           if algo == 'g' then
             -- What is still owed of the charge: its TAT (the tag, whole us) less now. Once the
             -- bucket has refilled past it, later charges started from now, not from it, and
-            -- taking it back would take theirs.
+            -- taking it back would take theirs. While the TAT is still in the tag's
+            -- microsecond (nobody charged since), its fraction is the charge's too: without it
+            -- a refund gave back up to 1 us less than memory does.
             local scale, give = L[11], cost * L[12]
             local owed = (tag - now) * scale
+            if a == tag then owed = owed + b end
             if owed < give then give = math.max(owed, 0) end
             local d = L[5] - give
             if d <= 0 then
@@ -382,18 +400,35 @@ local function decide(k, p)
               b = d % scale
               a = now + (d - b) / scale
             end
-          elseif algo == 'f' then
-            if a == tag then b = math.max(0, b - cost) end
-          elseif a == tag then
-            c = math.max(0, c - cost)
-          elseif tag + 1 == a then
-            b = math.max(0, b - cost)
+          else
+            -- A window charged ahead gets back the state it replaced if nobody was charged
+            -- since (its state is still the one the charge left), as in memory; otherwise its
+            -- count comes out of the window it was charged in.
+            local o = befores + 3 * i
+            local ba = tonumber(ARGV[o - 2])
+            local back = false
+            if ba >= 0 then
+              local bb, bc = tonumber(ARGV[o - 1]), tonumber(ARGV[o])
+              local p, u = counts_in(algo, ba, bb, bc, tag)
+              u = u + cost
+              if a == tag and (algo == 'f' and b == u or algo == 's' and b == p and c == u) then
+                a, b, c, back = ba, bb, bc, true
+              end
+            end
+            if back then
+            elseif algo == 'f' then
+              if a == tag then b = math.max(0, b - cost) end
+            elseif a == tag then
+              c = math.max(0, c - cost)
+            elseif tag + 1 == a then
+              b = math.max(0, b - cost)
+            end
           end
           L[7], L[8], L[9], L[15], L[16] = a, b, c, now, true -- its new state
         end
       end
     end
-    return pack('<d', 3), n, tags + n + 1, layers
+    return pack('<d', 3), n, befores + 3 * n + 1, layers
   end
 
   -- The reply: the header, then 5 per layer, sent as little-endian doubles (one struct.pack):
@@ -401,6 +436,7 @@ local function decide(k, p)
   -- less to parse. Made with room for four layers, as a table grown one element at a time is
   -- reallocated at every power of two.
   local out = { 1, 0, -1, 0, 0, now, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+  local replaced -- per layer, the state a window charged ahead replaced (held requests only)
 
   -- Decides the enforced layers, all or nothing; then, if they admit and this charges, the
   -- dry-run ones, likewise. Written inline rather than as a function called twice: a function
@@ -452,13 +488,13 @@ local function decide(k, p)
             if hold then
               -- Charged in the window it passes in, from the state as it will be seen then.
               local t = now + hold
-              local index, a, p, u = (t - t % w) / w, L[7], 0, 0
-              if a == index then
-                if algo == 'f' then u = L[8] else p, u = L[8], L[9] end
-              elseif algo == 's' and a + 1 == index then
-                p = L[9]
-              end
+              local index = (t - t % w) / w
+              local p, u = counts_in(algo, L[7], L[8], L[9], index)
               u = u + cost
+              if write then
+                replaced = replaced or {}
+                replaced[i] = { L[7], L[8], L[9] }
+              end
               if index > tag then
                 L[5], L[10], L[18], L[19], L[20] = L[4], 0, index * w - now, p, u
               else
@@ -547,6 +583,18 @@ local function decide(k, p)
         out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = left, w or -1, -1, own, 0
       end
     end
+  end
+  -- A held request's reply ends with three figures per layer: the state a window charged
+  -- ahead replaced, for a refund or a withdrawal to put back (-1 -1 -1: none).
+  if out[1] == 1 and out[3] > 0 then
+    local o = 6 + 5 * n
+    for i = 1, n do
+      local r = replaced and replaced[i]
+      if r then out[o + 1], out[o + 2], out[o + 3] = r[1], r[2], r[3]
+      else out[o + 1], out[o + 2], out[o + 3] = -1, -1, -1 end
+      o = o + 3
+    end
+    return pack('<' .. string.rep('d', o), spread(out, 1, o)), n, tags + 1, layers
   end
   -- The format as a literal (a constant of the chunk, made once) for up to three layers.
   local format

@@ -69,6 +69,9 @@ pub struct RemoteAdmission {
     /// Per layer: the charge's tag for a refund (a window's index; a bucket's TAT in whole us),
     /// or `None` if not charged.
     pub(crate) tags: Vec<Option<u64>>,
+    /// Per layer, for a held request only (else empty): the state a window charged ahead
+    /// replaced (`-1`s: none), to put back when taken back if nobody was charged since.
+    pub(crate) replaced: Vec<[i64; 3]>,
     /// The request's concurrency leases, if it holds any.
     pub lease: Option<Lease>,
 }

@@ -24,13 +24,16 @@
 //! interval (units), `block_for` (0: none) and the limit's `max_delay` (0: none; the script then
 //! admits a request that passes within it, charged now in the window it passes in, and tells how
 //! long to hold it).
-//! [`RemoteLimit`](crate::RemoteLimit) computes both forms once. In refund and withdraw modes only, then one per layer: its refund tag (`-1`: not charged).
+//! [`RemoteLimit`](crate::RemoteLimit) computes both forms once. In refund and withdraw modes only, then one per layer: its refund tag (`-1`: not charged); then three per layer: the state a window charged ahead for a held request replaced (`-1 -1 -1`: none), put back if the state is still the one the charge left.
 //!
 //! Reply: an array with one bulk string per request, in order: its figures as little-endian
 //! doubles (all integers below 2^53, so exact; one string costs Redis less to send than the
 //! integers one by one, and the gateway far less to parse):
 //! `[outcome, layer, wait, blocked_until, dry_refused, now]` then 5 per layer:
-//! `[remaining, reset, tag, own_wait, blocked_until]`.
+//! `[remaining, reset, tag, own_wait, blocked_until]`; an admitted request that is held
+//! (wait above 0) then has 3 more per layer: the state its charge replaced, if the layer is a
+//! window charged ahead (`[window index, count or previous count, current count]`), else
+//! `[-1, -1, -1]`.
 //! - outcome: 1 admitted, 0 refused, 2 cost too large (the header only), 3 refunded (refund
 //!   mode: nothing else), 4 failed: `[4, layer]`, that layer's key holds another type in Redis
 //!   (read with `redis.pcall`, so the request fails alone, before writing anything); 5
@@ -76,6 +79,12 @@ pub(crate) const SOURCE: &str = include_str!("decide.lua");
 
 const HEADER: usize = 6;
 const PER_LAYER: usize = 5;
+/// Figures per layer after the others, in a held admission's reply.
+const REPLACED: usize = 3;
+
+/// What a refund or withdrawal sends of the admission: each layer's tag, and what a held
+/// request's window charges replaced (empty if it was not held).
+pub(crate) type Charges<'a> = (&'a [Option<u64>], &'a [[i64; 3]]);
 
 /// One request's part of an `EVALSHA`: its keys and its arguments (see the module's doc).
 #[derive(Debug, Default)]
@@ -96,7 +105,7 @@ impl Part {
         cost: u32,
         lease: &str,
         (now, deadline): (Option<Nanos>, Option<u64>),
-        tags: Option<&[Option<u64>]>,
+        tags: Option<Charges<'_>>,
     ) -> Self {
         let mut part = Part {
             bytes: Vec::with_capacity(64 + 96 * layers.len()),
@@ -123,8 +132,15 @@ impl Part {
         for layer in layers {
             part.arg(&layer.limit.spec[usize::from(layer.dry_run)]);
         }
-        for tag in tags.unwrap_or_default() {
-            part.arg(figure.format(tag.map_or(-1, |t| t as i64)).as_bytes());
+        if let Some((tags, replaced)) = tags {
+            for tag in tags {
+                part.arg(figure.format(tag.map_or(-1, |t| t as i64)).as_bytes());
+            }
+            for i in 0..tags.len() {
+                for v in replaced.get(i).unwrap_or(&[-1; 3]) {
+                    part.arg(figure.format(*v).as_bytes());
+                }
+            }
         }
         part
     }
@@ -236,9 +252,20 @@ pub(crate) fn decision(
     if reply.first() == Some(&5) {
         return Err(StoreError::Expired);
     }
-    if reply.len() != HEADER + PER_LAYER * layers.len() {
+    // A held admission's reply ends with what its windows' charges replaced.
+    let held = reply.first() == Some(&1) && reply.get(2).is_some_and(|&h| h > 0);
+    let per_layer = if held {
+        PER_LAYER + REPLACED
+    } else {
+        PER_LAYER
+    };
+    if reply.len() != HEADER + per_layer * layers.len() {
         return Err(StoreError::Reply(format!("{} integers", reply.len())));
     }
+    let tail = HEADER + PER_LAYER * layers.len();
+    let replaced = (reply[tail..].chunks_exact(REPLACED))
+        .map(|r| [r[0], r[1], r[2]])
+        .collect();
     let now = Nanos(u64::try_from(reply[5]).unwrap_or(0).saturating_mul(1_000));
     let mut reports = Vec::with_capacity(layers.len());
     let mut tags = Vec::with_capacity(layers.len());
@@ -264,6 +291,7 @@ pub(crate) fn decision(
             now,
             cost,
             tags,
+            replaced,
             lease: None,
         })),
         0 => Ok(RemoteDecision::Refused(RemoteRefusal {
@@ -399,7 +427,13 @@ mod tests {
         let delayed = RemoteLimit::new(&delayed).unwrap();
         let plain = fixed();
         let key = KeyHasher::with_secret(b"s").key(&[b"a"]);
-        let admitted = |hold: i64| [1, 0, hold, 0, 0, 8_000_000, 4, 0, 1, -2, 0];
+        let admitted = |hold: i64| {
+            let mut reply = vec![1, 0, hold, 0, 0, 8_000_000, 4, 0, 1, -2, 0];
+            if hold > 0 {
+                reply.extend([-1, -1, -1]); // a held admission's: nothing replaced
+            }
+            reply
+        };
         let held = |layers: &[Layer<'_>], hold: i64| match decision(&admitted(hold), layers, 1) {
             Ok(RemoteDecision::Admitted(a)) => Ok(a.hold),
             Ok(_) => panic!("not an admission"),

@@ -516,6 +516,17 @@ impl RedisStore {
         self.take_back(layers, admission, "w", None).await
     }
 
+    /// [`RedisStore::withdraw`] at `now` instead of Redis `TIME`, as [`RedisStore::decide_at`]
+    /// is: for tests. Production code calls `withdraw`.
+    pub async fn withdraw_at(
+        &self,
+        layers: &[Layer<'_>],
+        admission: RemoteAdmission,
+        now: Nanos,
+    ) -> Result<(), StoreError> {
+        self.take_back(layers, admission, "w", Some(now)).await
+    }
+
     async fn take_back(
         &self,
         layers: &[Layer<'_>],
@@ -539,7 +550,7 @@ impl RedisStore {
             lease.store = None; // the refund removes it; no release on drop
             lease_id.clone_from(&lease.slots.id);
         }
-        let tags = Some(admission.tags.as_slice());
+        let tags = Some((admission.tags.as_slice(), admission.replaced.as_slice()));
         let part = Part::new(layers, mode, admission.cost, &lease_id, (now, None), tags);
         match self.call(part, None).await?.0.first() {
             Some(3) => Ok(()),

@@ -421,9 +421,9 @@ async fn withdrawing_a_request_held_for_a_later_window_leaves_the_windows_before
         };
         let hold = second.hold;
         assert!(!hold.is_zero(), "{}", held.name());
-        // Its client leaves. The windows before the one it was charged in are still spent:
-        // the next request is held as long, not admitted at once (the state charged ahead was
-        // the only mark of that).
+        // Its client leaves. The window before the one it was charged in is still spent (by
+        // the first request): the next request is held as long, not admitted at once (the
+        // state before the charge ahead is put back, and says so).
         store.withdraw(&layers, second).await.unwrap();
         let next = would_hold(&store, &layers).await;
         assert!(
