@@ -1792,22 +1792,25 @@ const fn lengths_of(names: &[&str]) -> u64 {
     mask
 }
 
-/// Whether `name` holds a `_`, eight bytes at a time (a `memchr` call per name, or a loop
-/// over its bytes, cost several times more on the short names of a request).
+/// Whether `name` holds a `_` or a `.`, which CGI-style servers read as `-` (see
+/// [`drop_lookalikes`]), eight bytes at a time (a `memchr` call per name, or a loop over its
+/// bytes, cost several times more on the short names of a request).
 fn has_underscore(name: &str) -> bool {
     const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
     const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
     const UNDERSCORES: u64 = u64::from_ne_bytes([b'_'; 8]);
+    const DOTS: u64 = u64::from_ne_bytes([b'.'; 8]);
+    // A zero byte in `word` is a match in the name (the classic "has a zero byte" test, exact
+    // here: names are ASCII, so no byte of `word` has its high bit set).
+    let zero_byte = |word: u64| word.wrapping_sub(ONES) & !word & HIGHS != 0;
     let mut chunks = name.as_bytes().chunks_exact(8);
     for chunk in chunks.by_ref() {
-        let word = u64::from_ne_bytes(chunk.try_into().expect("eight bytes")) ^ UNDERSCORES;
-        // A zero byte in `word` is a `_` in the name (the classic "has a zero byte" test,
-        // exact here: names are ASCII, so no byte of `word` has its high bit set).
-        if word.wrapping_sub(ONES) & !word & HIGHS != 0 {
+        let word = u64::from_ne_bytes(chunk.try_into().expect("eight bytes"));
+        if zero_byte(word ^ UNDERSCORES) || zero_byte(word ^ DOTS) {
             return true;
         }
     }
-    chunks.remainder().contains(&b'_')
+    chunks.remainder().iter().any(|&b| b == b'_' || b == b'.')
 }
 
 /// A bit for a name's length (one bit for every length from 63 on), to look only into names
@@ -1816,7 +1819,7 @@ const fn length_bit(len: usize) -> u64 {
     1 << if len < 63 { len } else { 63 }
 }
 
-/// Removes the fields whose names spell, with `_` and `-` taken as one, a name the gateway
+/// Removes the fields whose names spell, with `_`, `.` and `-` taken as one, a name the gateway
 /// identifies callers by (`identity`) or writes for the upstream (`X-Forwarded-*`,
 /// `X-Real-IP`, `X-Request-Id`), without being it: `X_Api_Key`, `X_Forwarded_For`, or
 /// `x-custom` when `header:x_custom` is configured. CGI-style servers (Python's WSGI servers,
@@ -1824,9 +1827,11 @@ const fn length_bit(len: usize) -> u64 {
 /// carry a key the gateway did not count by, or an address or host it did not write; nginx
 /// drops names with underscores for the same reason (`underscores_in_headers`). From a peer
 /// outside `trusted_proxies` ([`CLAIMS`] are dropped then), so are their spellings. The names
-/// themselves, and other names with underscores, go on as they came.
+/// themselves, and other names with underscores, go on as they came. PHP also reads a `.` as
+/// `_` (`X.Api.Key` is `HTTP_X_API_KEY` behind `php -S`, Caddy's `php_fastcgi`, FrankenPHP;
+/// review: such a field carried a key the gateway had not counted).
 fn drop_lookalikes(headers: &mut HeaderMap, identity: &[HeaderName], untrusted: bool) {
-    let fold = |b: u8| if b == b'_' { b'-' } else { b };
+    let fold = |b: u8| if b == b'_' || b == b'.' { b'-' } else { b };
     let spells = |name: &str, other: &str| {
         name != other
             && name.len() == other.len()
@@ -1958,7 +1963,9 @@ pub(crate) fn bad_target<B>(req: &Request<B>) -> Option<&'static str> {
 /// by the named method would let a caller whose upstream ignores the field be counted under
 /// the cheaper route instead.
 pub(crate) fn method_override<B>(req: &Request<B>) -> Option<String> {
-    if req.method() != Method::POST {
+    // In any case: routes match methods so, and Symfony and ASP.NET Core take a `post` for a
+    // `POST` (review: `post` with an override went on to the catch-all route).
+    if !req.method().as_str().eq_ignore_ascii_case("POST") {
         return None;
     }
     // Named as sent, if it is a method of a sane length (the problem body repeats it).
@@ -1998,13 +2005,14 @@ pub(crate) fn method_override<B>(req: &Request<B>) -> Option<String> {
     })
 }
 
-/// Whether a header name (lower case) is `spelled`, with `_` for any `-`.
+/// Whether a header name (lower case) is `spelled`, with `_` or `.` for any `-` (as
+/// CGI-style servers read them: see [`drop_lookalikes`]).
 fn same_name(name: &str, spelled: &str) -> bool {
     name.len() == spelled.len()
         && name
             .bytes()
             .zip(spelled.bytes())
-            .all(|(n, s)| n == s || (n == b'_' && s == b'-'))
+            .all(|(n, s)| n == s || (matches!(n, b'_' | b'.') && s == b'-'))
 }
 
 /// Whether two `host[:port]` values name the same host: case and a trailing dot aside, and
@@ -2720,6 +2728,9 @@ mod tests {
                 .header("X_Forwarded_Host", "evil.example")
                 .header("X_Forwarded_Proto", "https")
                 .header("X_Request_Id", "mine")
+                .header("X.Api.Key", "k3")
+                .header("x.forwarded.for", "9.9.9.9")
+                .header("X.Real_IP", "6.6.6.6")
                 .header("x_api_keys", "not one")
                 .header("my_header", "kept")
                 .body(())
@@ -2787,8 +2798,16 @@ mod tests {
                 assert!(has_underscore(&with), "{with}");
             }
         }
-        // Neighbours of `_` (0x5f) in the ASCII table are not it.
-        assert!(!has_underscore("^`~^`~^`~^`~-."));
+        // Neighbours of `_` (0x5f) and `.` (0x2e) in the ASCII table are not them.
+        assert!(!has_underscore("^`~^`~^`~^`~-/"));
+        for len in 0..40 {
+            let mut dotted = "a".repeat(len).into_bytes();
+            for at in 0..len {
+                dotted[at] = b'.';
+                assert!(has_underscore(std::str::from_utf8(&dotted).unwrap()));
+                dotted[at] = b'a';
+            }
+        }
     }
 
     /// What a proxy in front would say about a request (scheme, client address, the URL
@@ -3102,9 +3121,18 @@ mod tests {
             ("/s?%5Fmethod=GET", &[]),
             ("/s?.method=GET", &[]),
             ("/s?%20_METHOD=GET", &[]),
+            // PHP cuts a parameter's name at a NUL, and reads a `.` in a field's as `_`
+            // (review).
+            ("/s?_method%00=GET", &[]),
+            ("/s", &[("X.HTTP.Method.Override", "GET")]),
         ] {
             let found = method_override(&req("POST", uri, fields));
             assert_eq!(found.as_deref(), Some("GET"), "{uri} {fields:?}");
+        }
+        // Whatever the method's case: routes match it so, and frameworks take `post` for it.
+        for method in ["post", "Post", "pOST"] {
+            let found = method_override(&req(method, "/s?_method=GET", &[]));
+            assert_eq!(found.as_deref(), Some("GET"), "{method}");
         }
         // A value that is no method, or a long one, is not repeated to the client.
         let long = "G".repeat(100);

@@ -242,10 +242,12 @@ fn query_params<'q>(
 }
 
 /// A query parameter's name as the most lenient servers read it: decoded (`+` as a space),
-/// leading spaces dropped (PHP), in lower case, with `.`, `[` and spaces as `_`.
+/// leading spaces dropped and cut at a NUL (PHP), in lower case, with `.`, `[` and spaces as
+/// `_`. (Review: `api_key%00x=K` was no key to the gateway and `api_key=K` to PHP.)
 pub(crate) fn param_name(raw: &[u8]) -> Vec<u8> {
     percent_decode(raw)
         .iter()
+        .take_while(|&&b| b != 0)
         .skip_while(|b| matches!(b, b' ' | b'+'))
         .map(|b| match b.to_ascii_lowercase() {
             b'.' | b'[' | b' ' | b'+' => b'_',
@@ -664,6 +666,9 @@ mod tests {
             "/x?+api_key=K",
             "/x?%20api_key=K",
             "/x?++api.key=K",
+            // PHP cuts a name at a NUL (review).
+            "/x?api_key%00x=K",
+            "/x?api_key%00=K",
         ] {
             let uri: Uri = query.parse().unwrap();
             assert_eq!(
@@ -674,6 +679,8 @@ mod tests {
         }
         // Two spellings with different keys: which one counts is the server's choice.
         let uri: Uri = "/x?api_key=RANDOM&api.key=K".parse().unwrap();
+        assert_eq!(id.api_key(&none, &uri), Err(KeyError::Ambiguous));
+        let uri: Uri = "/x?api_key=fresh&api_key%00=K".parse().unwrap();
         assert_eq!(id.api_key(&none, &uri), Err(KeyError::Ambiguous));
         // Other names are other parameters.
         for query in ["/x?apikey=K", "/x?api_keys=K", "/x?xapi_key=K"] {
