@@ -393,7 +393,9 @@ impl Limiter {
 
     /// Takes back every charge of `admission` at `now` and releases the slots it still holds,
     /// e.g. when the gateway answers 503 at capacity. Windows get the charge back while its
-    /// window still counts; a token bucket gets back what is still owed of it at `now` (once
+    /// window still counts (one charged ahead into a later window for a held request gets its
+    /// earlier state back, if nobody was charged since: else the windows before that later one
+    /// would read as spent); a token bucket gets back what is still owed of it at `now` (once
     /// the bucket has refilled past the charge there is nothing left to give back, and giving
     /// it back anyway would undo a later request's charge). Pass the current time: an `now`
     /// earlier than a charge made since by another request could give part of that one back.
