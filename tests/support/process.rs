@@ -226,7 +226,7 @@ impl Drop for TempFile {
     }
 }
 
-/// The `sluice` binary of this build (target/<profile>/sluice), built once per test run so
+/// The `sluice` binary of this build (`target/<profile>/sluice`), built once per test run so
 /// that a test never runs a stale binary. (Cargo releases its build lock before running tests,
 /// so the nested build does not wait on the outer one.)
 pub fn binary() -> PathBuf {

@@ -131,7 +131,7 @@ pub enum Decision {
 
 /// An admitted request. Dropping it releases its concurrency slots (quota charges stay);
 /// [`Limiter::refund`] takes every charge back. (A field that needs dropping, other than
-/// `layers`, `slots` and `before`, must be known to [`Decision::holds_nothing`].)
+/// `layers`, `slots` and `before`, must be known to `Decision::holds_nothing`.)
 #[derive(Debug)]
 pub struct Admission {
     pub(crate) limiter: u64,
@@ -207,7 +207,7 @@ pub enum RefusalReason {
 }
 
 /// A refused request: nothing was charged. (Plain data but for `layers`: see
-/// [`Decision::holds_nothing`].)
+/// `Decision::holds_nothing`.)
 #[derive(Debug, Clone)]
 pub struct Refusal {
     pub(crate) limit: LimitId,
@@ -237,7 +237,7 @@ impl Refusal {
 }
 
 /// A request whose cost exceeds a limit's capacity (a token bucket's burst, a window's quota).
-/// (Plain data but for `layers`: see [`Decision::holds_nothing`].)
+/// (Plain data but for `layers`: see `Decision::holds_nothing`.)
 #[derive(Debug, Clone)]
 pub struct CostTooLarge {
     pub(crate) limit: LimitId,
