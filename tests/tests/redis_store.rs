@@ -997,3 +997,26 @@ async fn a_cost_a_dry_run_limit_can_never_hold_passes_and_is_logged() {
         );
     }
 }
+
+/// One request at a time under a concurrency limit of 1: each finds the last one's slot
+/// free, as in memory (review: with Redis every other one was refused, the release of the
+/// last one's lease reaching Redis after the next decision).
+#[tokio::test]
+async fn one_request_at_a_time_under_a_concurrency_limit_of_one_always_passes() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let limits = "[[limits]]\nname = \"one-at-a-time\"\nby = \"ip\"\nalgorithm = \"concurrency\"\nquota = 1\n";
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "2s"),
+        64,
+        limits,
+    ));
+    for i in 0..40 {
+        assert_eq!(
+            get(gw.main, "/v1/items", &[]).await.status,
+            200,
+            "request {i}"
+        );
+    }
+}

@@ -155,7 +155,8 @@ impl Lease {
     }
 }
 
-/// When a dropped lease's release is tried: at once, then again after each failure.
+/// When a dropped lease's release is tried again, directly (not through the batcher), after
+/// its first try: at once, then again after each failure.
 const RELEASE_RETRIES: [std::time::Duration; 4] = [
     std::time::Duration::ZERO,
     std::time::Duration::from_millis(250),
@@ -174,15 +175,23 @@ impl Drop for Lease {
     }
 }
 
-/// Releases `slots` in the background. A release that fails (Redis unreachable as the
-/// response ends) is tried again a few times over about six seconds, so that the caller's
-/// slot is not held until the lease expires (the store's lease TTL) because of a short
-/// outage. Removing a lease is idempotent.
+/// Releases `slots` in the background. The first try is handed to the store's batcher at
+/// once, so that it reaches Redis before any decision asked for after this call (the same
+/// caller's next request). A release that fails (Redis unreachable as the response ends) is
+/// tried again a few times over about six seconds, so that the caller's slot is not held
+/// until the lease expires (the store's lease TTL) because of a short outage. Removing a
+/// lease is idempotent.
 pub(crate) fn release_later(store: RedisStore, slots: Arc<LeaseSlots>) {
     if let Ok(handle) = tokio::runtime::Handle::try_current() {
         let running = store.background_write();
+        let first = store.release_first(&slots);
         handle.spawn(async move {
             let _running = running;
+            if let Some(answer) = first {
+                if matches!(answer.await, Ok(Ok((figures, _))) if figures.first() == Some(&3)) {
+                    return;
+                }
+            }
             for wait in RELEASE_RETRIES {
                 // A shutdown waiting for this cuts the waits short: one more try, then no more.
                 let closing = store.closing();

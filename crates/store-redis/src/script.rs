@@ -24,6 +24,8 @@
 //! interval (units), `block_for` (0: none) and the limit's `max_delay` (0: none; the script then
 //! admits a request that passes within it, charged now in the window it passes in, and tells how
 //! long to hold it).
+//! In release mode (`x`: a finished request's concurrency leases) there are no parameters: the
+//! keys are the concurrency keys the lease is in, and the reply is `[3]`.
 //! [`RemoteLimit`](crate::RemoteLimit) computes both forms once. In refund and withdraw modes only, then one per layer: its refund tag (`-1`: not charged); then three per layer: the state a window charged ahead for a held request replaced (`-1 -1 -1`: none), put back if the state is still the one the charge left.
 //!
 //! Reply: an array with one bulk string per request, in order: its figures as little-endian
@@ -142,6 +144,27 @@ impl Part {
                 }
             }
         }
+        part
+    }
+
+    /// A release's part: the lease `lease` taken out of every concurrency key in `keys`
+    /// (mode `x`: no parameters, no clock; the reply is `[3]`). Sent through the batcher, it
+    /// reaches Redis before any decision asked for after it.
+    pub(crate) fn release(keys: &[String], lease: &str) -> Self {
+        let mut part = Part {
+            bytes: Vec::with_capacity(32 + keys.iter().map(String::len).sum::<usize>()),
+            ends: Vec::with_capacity(6 + keys.len()),
+            keys: keys.len(),
+        };
+        for key in keys {
+            part.bytes.extend_from_slice(key.as_bytes());
+            part.ends.push(part.bytes.len());
+        }
+        let mut figure = itoa::Buffer::new();
+        for arg in [&b"x"[..], b"0", lease.as_bytes(), b"", b""] {
+            part.arg(arg);
+        }
+        part.arg(figure.format(keys.len()).as_bytes());
         part
     }
 

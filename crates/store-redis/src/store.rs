@@ -221,13 +221,20 @@ pub struct RedisStore {
     calls: mpsc::UnboundedSender<Call>,
 }
 
+/// A request's figures, and whether its call was sent twice (see [`eval`]).
+pub(crate) type CallResult = Result<(Vec<i64>, bool), StoreError>;
+
+fn batcher_stopped() -> StoreError {
+    StoreError::Reply("the store's batcher has stopped".into())
+}
+
 /// A request waiting for its part of an `EVALSHA`.
 struct Call {
     part: Part,
     /// When the request asked: its call must be answered within the store's timeout of this.
     since: tokio::time::Instant,
     /// The request's figures, and whether the call was sent twice (see [`eval`]).
-    reply: oneshot::Sender<Result<(Vec<i64>, bool), StoreError>>,
+    reply: oneshot::Sender<CallResult>,
     /// The concurrency lease the request asks for, released if its caller is gone by the
     /// time the call is answered (see [`answer`]).
     lease: Option<(RedisStore, Arc<LeaseSlots>)>,
@@ -587,18 +594,40 @@ impl RedisStore {
         part: Part,
         lease: Option<(RedisStore, Arc<LeaseSlots>)>,
     ) -> Result<(Vec<i64>, bool), StoreError> {
+        let answer = self.submit(part, lease)?;
+        answer.await.map_err(|_| batcher_stopped())?
+    }
+
+    /// Hands `part` to the batcher now, ahead of every call asked for after this returns;
+    /// the answer comes on the receiver.
+    fn submit(
+        &self,
+        part: Part,
+        lease: Option<(RedisStore, Arc<LeaseSlots>)>,
+    ) -> Result<oneshot::Receiver<CallResult>, StoreError> {
         let (reply, answer) = oneshot::channel();
-        let stopped = || StoreError::Reply("the store's batcher has stopped".into());
         let since = tokio::time::Instant::now();
-        self.calls
-            .send(Call {
-                part,
-                since,
-                reply,
-                lease,
-            })
-            .map_err(|_| stopped())?;
-        answer.await.map_err(|_| stopped())?
+        let call = Call {
+            part,
+            since,
+            reply,
+            lease,
+        };
+        self.calls.send(call).map_err(|_| batcher_stopped())?;
+        Ok(answer)
+    }
+
+    /// Asks the batcher now to release `slots`, ahead of any decision asked for after this
+    /// (a lease dropped at a response's end, before the caller's next request is decided:
+    /// review, a caller sending one request at a time under a concurrency limit of 1 was
+    /// refused every other request while the release waited for a timer tick). Whether it
+    /// was confirmed comes on the receiver.
+    pub(crate) fn release_first(
+        &self,
+        slots: &LeaseSlots,
+    ) -> Option<oneshot::Receiver<CallResult>> {
+        self.submit(Part::release(&slots.keys, &slots.id), None)
+            .ok()
     }
 }
 

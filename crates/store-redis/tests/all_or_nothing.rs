@@ -622,3 +622,23 @@ async fn a_block_lasts_at_most_the_block_for_in_force() {
         assert!(d.is_admitted(), "case {i}: {d:?}");
     }
 }
+
+/// A lease dropped at a response's end is released before the caller's next request is
+/// decided, however soon that comes (review: one request at a time under a concurrency limit
+/// of 1 was refused every other time, the release waiting for a timer tick in a task while
+/// the next decision went ahead of it).
+#[tokio::test]
+async fn a_dropped_lease_is_released_before_the_next_decision() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limit = remote(&concurrency("c", 1));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    for i in 0..50 {
+        let decision = store.decide(&layers, 1, Mode::Charge).await.unwrap();
+        assert!(
+            decision.is_admitted(),
+            "request {i}: the last one's slot is held"
+        );
+        drop(decision);
+    }
+}
