@@ -1020,3 +1020,35 @@ async fn one_request_at_a_time_under_a_concurrency_limit_of_one_always_passes() 
         );
     }
 }
+
+/// A caller over its quota while the instance is full gets the 429 it would get with room,
+/// and its `block_for` starts: with Redis too, as in memory (review: Redis decided such a
+/// request check-only, which started no block, so `Retry-After` was the window's 2 s, not
+/// the block's 10 s, and the caller passed 2 s later).
+#[tokio::test]
+async fn a_refusal_while_the_instance_is_full_starts_the_block_with_either_store() {
+    let redis = RedisServer::start();
+    let limits = "[[limits]]\nname = \"blocking\"\nby = \"api_key\"\nalgorithm = \"fixed_window\"\nquota = 2\nwindow = \"2s\"\nblock_for = \"10s\"\n";
+    for store in [String::new(), redis_store(&redis.url(), "deny", "2s")] {
+        let up = MockUpstream::start().await;
+        let gw = start(&config(&up.url(), &store, 1, limits));
+        for _ in 0..2 {
+            assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200, "{store}");
+        }
+        let main = gw.main;
+        let filling = tokio::spawn(async move { call(main, "/hold", "other").await });
+        up.wait_holding(1).await;
+        let refused = call(gw.main, "/v1/items", "k").await;
+        assert_eq!(refused.status, 429, "{store}");
+        let retry_after: u64 = refused.header("retry-after").parse().unwrap();
+        assert!(retry_after >= 9, "{store}: Retry-After {retry_after}");
+        up.release(1);
+        assert_eq!(filling.await.unwrap().status, 200);
+        let blocked = call(gw.main, "/v1/items", "k").await;
+        assert_eq!(blocked.status, 429, "{store}");
+        assert!(
+            blocked.header("retry-after").parse::<u64>().unwrap() >= 9,
+            "{store}"
+        );
+    }
+}

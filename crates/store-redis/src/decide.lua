@@ -228,6 +228,9 @@ local function decide(k, p)
     return pack('<ddd', 5, 0, now), n, next, {}
   end
   local write = mode == 'd'
+  -- 'b': check-only at a full instance, but a refusal starts blocks as a charging decision's
+  -- would (the caller was refused by its quota, room or not).
+  local blocks = write or mode == 'b'
   local refund = mode == 'r' or mode == 'w' -- 'w': withdraw, a refund that spares queues
 
   local layers, has_dry = { false, false, false, false }, false -- room for four, as `out` below
@@ -295,7 +298,7 @@ local function decide(k, p)
         end
         if blk > most then
           blk = most
-          if write then at, changed = now, true end
+          if blocks then at, changed = now, true end
         end
       end
       if algo == 'g' then
@@ -548,7 +551,7 @@ local function decide(k, p)
             _, w = figures(L, cost)
             -- Concurrency limits have no `block_for` (theirs is 0), a dry-run check none.
             local block = 0
-            if w ~= 0 and write then
+            if w ~= 0 and blocks then
               block = select(7, unpack('<c1c1ddddd', ARGV[specs + i]))
             end
             if block > 0 then

@@ -10,7 +10,8 @@
 //! - [`RemoteLimit`] is a [`sluice_limiter::Limit`] checked to be exact in the script.
 //! - [`RedisStore::decide`] returns a [`RemoteDecision`] with per-layer [`LayerReport`]s, the
 //!   figures of the `RateLimit` headers, in the order the layers were given.
-//! - [`Mode::CheckOnly`] evaluates without charging, for an instance that is full.
+//! - [`Mode::Full`] evaluates without charging, for an instance that is full (a refusal still
+//!   starts blocks); [`Mode::CheckOnly`] without writing anything.
 //! - Concurrency slots are leases with an expiry; a [`Lease`] releases them when dropped.
 //! - Keys are named `sluice:<limit>:<hex of the keyed hash>`: raw identities never reach Redis.
 

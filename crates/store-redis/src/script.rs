@@ -9,7 +9,7 @@
 //!
 //! | # | value |
 //! |---|-------|
-//! | 1 | mode: `d` decide and charge, `c` check only (nothing written), `r` refund, `w` withdraw (a refund that leaves a token bucket alone unless its TAT is the tag) |
+//! | 1 | mode: `d` decide and charge, `c` check only (nothing written), `b` check at a full instance (nothing charged; a refusal starts blocks), `r` refund, `w` withdraw (a refund that leaves a token bucket alone unless its TAT is the tag), `x` release a lease |
 //! | 2 | cost |
 //! | 3 | lease id (the ZSET member of concurrency layers; empty if none) |
 //! | 4 | `now` pinned by tests, or empty: the script reads Redis `TIME` (once per call) |

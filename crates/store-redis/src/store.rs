@@ -53,9 +53,13 @@ impl Default for StoreOptions {
 pub enum Mode {
     /// Decide and, if admitted, charge every layer (refusals start blocks).
     Charge,
-    /// Decide without writing anything: for an instance that is full, so a caller over quota
-    /// still gets 429 and anyone else 503, with nothing charged and no extra round trip.
+    /// Decide without writing anything, e.g. to read a caller's figures.
     CheckOnly,
+    /// Decide for an instance that is full, so that a caller over quota still gets 429 and
+    /// anyone else 503, with nothing charged and no extra round trip; a refusal starts blocks
+    /// (`block_for`) as with [`Mode::Charge`], as in memory, where such a request is decided
+    /// before the gateway finds itself full.
+    Full,
 }
 
 /// One `(limit, key)` of a request.
@@ -413,7 +417,11 @@ impl RedisStore {
         } else {
             String::new()
         };
-        let code = if mode == Mode::Charge { "d" } else { "c" };
+        let code = match mode {
+            Mode::Charge => "d",
+            Mode::CheckOnly => "c",
+            Mode::Full => "b",
+        };
         let sent = self.clock.local_micros();
         // Past this (Redis's clock), this request is no longer waited for: Redis then
         // charges nothing for it. (Redis's clock is read when the store connects.)
@@ -489,7 +497,7 @@ impl RedisStore {
 
     /// Takes back every charge of `admission` (decided over `layers`) and its leases, in one
     /// round trip; e.g. when the gateway answers 503 after admitting. Deciding with
-    /// [`Mode::CheckOnly`] when the instance is already full avoids it in the common case.
+    /// [`Mode::Full`] when the instance is already full avoids it in the common case.
     pub async fn refund(
         &self,
         layers: &[Layer<'_>],

@@ -142,7 +142,7 @@ impl Remote {
         let mode = if slot.is_some() {
             Mode::Charge
         } else {
-            Mode::CheckOnly
+            Mode::Full
         };
         let decision = match store.decide(&remote, cost, mode).await {
             Ok(d) => {
