@@ -398,7 +398,9 @@ local function decide(k, p)
             -- bucket has refilled past it, later charges started from now, not from it, and
             -- taking it back would take theirs. While the TAT is still in the tag's
             -- microsecond (nobody charged since), its fraction is the charge's too: without it
-            -- a refund gave back up to 1 us less than memory does.
+            -- a refund gave back up to 1 us less than memory does. (A charge of another
+            -- request within the same microsecond, at over a million a second per key, is
+            -- then given back with it, up to 1 us of it.)
             local scale, give = L[11], cost * L[12]
             local owed = (tag - now) * scale
             if a == tag then owed = owed + b end

@@ -642,3 +642,35 @@ async fn a_dropped_lease_is_released_before_the_next_decision() {
         drop(decision);
     }
 }
+
+/// As in memory: a held request withdrawn after another was held into the same later window
+/// gives back its count only; the state is not put back as it was before it, which would
+/// drop the other's charge (by a reviewer: no Redis test took that branch).
+#[tokio::test]
+async fn a_withdrawn_window_charge_leaves_a_later_window_to_whoever_was_charged_there_since() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let ten = Duration::from_secs(10);
+    let limit = fixed("f", 2, ten).with_max_delay(Duration::from_secs(25));
+    let limit = remote(&limit.unwrap());
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    let now = at(5_000_000);
+    let hold = |d: RemoteDecision| match d {
+        RemoteDecision::Admitted(a) => (a.hold, Some(a)),
+        other => panic!("not admitted: {other:?}"),
+    };
+    let charge = || store.decide_at(&layers, 1, Mode::Charge, now);
+    assert!(store
+        .decide_at(&layers, 2, Mode::Charge, now)
+        .await
+        .unwrap()
+        .is_admitted());
+    let (_, first) = hold(charge().await.unwrap());
+    let (_, _second) = hold(charge().await.unwrap());
+    store
+        .withdraw_at(&layers, first.unwrap(), now)
+        .await
+        .unwrap();
+    assert_eq!(hold(charge().await.unwrap()).0, Duration::from_secs(5));
+    assert_eq!(hold(charge().await.unwrap()).0, Duration::from_secs(15));
+}

@@ -302,3 +302,68 @@ async fn a_reply_that_does_not_parse_fails_its_request_alone() {
         }
     }
 }
+
+/// Refunds and withdrawals share an `EVALSHA` with decisions: each request's arguments end
+/// where the next one's begin (a take-back carries its tags and the states a held request's
+/// charges replaced), and each is decided in order (by a reviewer: no test put a take-back
+/// in a call with other requests, so a wrong position went unseen).
+#[tokio::test]
+async fn refunds_and_withdrawals_batched_with_decisions_are_read_in_place() {
+    type Boxed<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = String> + 'a>>;
+    let show = |d: Result<RemoteDecision, StoreError>| match d {
+        Ok(RemoteDecision::Admitted(a)) => format!("admitted, held {:?}", a.hold),
+        other => format!("{other:?}"),
+    };
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let held = fixed("f", 2, SECOND).with_max_delay(Duration::from_millis(1500));
+    let held = remote(&held.unwrap());
+    let b = remote(&bucket("b", 10, SECOND, 10));
+    let (k1, k2) = (key("one"), key("two"));
+    let l1 = [Layer::enforced(&held, k1), Layer::enforced(&b, k1)];
+    let l2 = [Layer::enforced(&held, k2), Layer::enforced(&b, k2)];
+    for round in 0..3 {
+        let now = at(200_000 + round * 3_000_000);
+        let first = store.decide_at(&l1, 2, Mode::Charge, now).await.unwrap();
+        assert!(first.is_admitted());
+        let RemoteDecision::Admitted(second) =
+            store.decide_at(&l1, 2, Mode::Charge, now).await.unwrap()
+        else {
+            panic!("held into the next window")
+        };
+        let hold = second.hold;
+        assert!(!hold.is_zero());
+        let RemoteDecision::Admitted(third) =
+            store.decide_at(&l2, 1, Mode::Charge, now).await.unwrap()
+        else {
+            panic!("another caller's first")
+        };
+        let calls_before = server.calls("evalsha");
+        let (store, l1, l2) = (&store, &l1, &l2);
+        let requests: Vec<Boxed<'_>> = vec![
+            Box::pin(async move { show(store.decide_at(l2, 1, Mode::Charge, now).await) }),
+            Box::pin(async move {
+                let taken = match round % 2 {
+                    0 => store.withdraw_at(l1, second, now).await,
+                    _ => store.refund_at(l1, second, now).await,
+                };
+                format!("{taken:?}")
+            }),
+            Box::pin(async move { show(store.decide_at(l1, 2, Mode::Charge, now).await) }),
+            Box::pin(async move { format!("{:?}", store.refund_at(l2, third, now).await) }),
+            Box::pin(async move { show(store.decide_at(l2, 1, Mode::Charge, now).await) }),
+        ];
+        let got = futures_join_all(requests).await;
+        assert_eq!(
+            server.calls("evalsha") - calls_before,
+            1,
+            "one call: {got:?}"
+        );
+        assert_eq!(got[1], "Ok(())");
+        assert_eq!(got[3], "Ok(())");
+        // The withdrawn request's place in the next window is the next one's.
+        assert_eq!(got[2], format!("admitted, held {hold:?}"));
+        assert_eq!(got[0], "admitted, held 0ns");
+        assert_eq!(got[4], "admitted, held 0ns");
+    }
+}

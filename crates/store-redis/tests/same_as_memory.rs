@@ -35,19 +35,22 @@ async fn same_sequence(
     max_gap_us: u64,
     max_cost: u32,
 ) {
-    same_sequence_taking_back(limits, seed, steps, max_gap_us, max_cost, 0).await;
+    same_sequence_taking_back(limits, seed, steps, max_gap_us, max_cost, (0, false)).await;
 }
 
-/// [`same_sequence`], taking back one admission in `take_back_one_in` (0: none) and one held
-/// admission in two, at once, by a refund (a 503 on arrival) or a withdrawal (a held client
-/// that left), alternately.
+/// [`same_sequence`], taking back admissions by a refund (a 503 on arrival) or a withdrawal
+/// (a held client that left), alternately: at once, one in `take_back_one_in` (0: none) and
+/// one held admission in two; or, with `late`, after each request, while a one in
+/// `take_back_one_in` chance says so, any one of the last six admissions not yet taken back
+/// (review: at once, the state was always still the one the charge left, so the branch for a
+/// state charged since never ran).
 async fn same_sequence_taking_back(
     limits: Vec<Limit>,
     seed: u64,
     steps: usize,
     max_gap_us: u64,
     max_cost: u32,
-    take_back_one_in: u64,
+    (take_back_one_in, late): (u64, bool),
 ) {
     let server = RedisServer::start();
     let store = server.store().await;
@@ -62,6 +65,7 @@ async fn same_sequence_taking_back(
     let mut rng = Rng(seed);
     let mut t = 0;
     let (mut admitted, mut held, mut taken_back) = (0, 0, 0);
+    let mut pending = Vec::new();
     for step in 0..steps {
         t += if rng.below(3) == 0 {
             0
@@ -109,14 +113,23 @@ async fn same_sequence_taking_back(
             }
             (m, s) => panic!("{ctx}: memory {m:?}, store {s:?}"),
         }
-        if let (Decision::Admitted(mut m), RemoteDecision::Admitted(s)) = (memory, remote) {
-            // Held requests are taken back more often: half of them.
-            let odds = if m.wait().is_zero() {
-                take_back_one_in
-            } else {
+        if let (Decision::Admitted(m), RemoteDecision::Admitted(s)) = (memory, remote) {
+            pending.push((m, s));
+        }
+        if take_back_one_in > 0 && !pending.is_empty() {
+            // At once, held requests are taken back more often: half of them.
+            let held_now = pending.last().is_some_and(|(m, _)| !m.wait().is_zero());
+            let odds = if held_now && !late {
                 2
+            } else {
+                take_back_one_in
             };
-            if take_back_one_in > 0 && rng.below(odds) == 0 {
+            while !pending.is_empty() && rng.below(odds) == 0 {
+                let i = match late {
+                    true => rng.below(pending.len() as u64) as usize,
+                    false => pending.len() - 1,
+                };
+                let (mut m, s) = pending.swap_remove(i);
                 taken_back += 1;
                 if taken_back % 2 == 0 {
                     limiter.refund(&mut m, now);
@@ -126,6 +139,13 @@ async fn same_sequence_taking_back(
                     store.withdraw_at(&layers, s, now).await.unwrap();
                 }
             }
+        }
+        // Only the last few admissions may be taken back later (the gateway's are, within
+        // a hold at most).
+        if !late {
+            pending.clear();
+        } else if pending.len() > 6 {
+            pending.remove(0);
         }
     }
     if take_back_one_in > 0 {
@@ -202,11 +222,11 @@ async fn held_requests_taken_back_leave_the_same_state_as_in_memory() {
     let fixed_held = fixed("fixed", 3, second)
         .with_max_delay(Duration::from_millis(1_500))
         .unwrap();
-    same_sequence_taking_back(vec![fixed_held], 60, 300, 700_000, 3, 3).await;
+    same_sequence_taking_back(vec![fixed_held], 60, 300, 700_000, 3, (3, false)).await;
     let sliding_held = sliding("sliding", 6, 2 * second)
         .with_max_delay(Duration::from_millis(1_200))
         .unwrap();
-    same_sequence_taking_back(vec![sliding_held], 61, 300, 900_000, 4, 3).await;
+    same_sequence_taking_back(vec![sliding_held], 61, 300, 900_000, 4, (3, false)).await;
     let layers = vec![
         fixed("held-fixed", 4, second)
             .with_max_delay(Duration::from_millis(900))
@@ -216,7 +236,30 @@ async fn held_requests_taken_back_leave_the_same_state_as_in_memory() {
             .unwrap(),
         sliding("cap", 12, 3 * second),
     ];
-    same_sequence_taking_back(layers, 62, 300, 120_000, 2, 4).await;
+    same_sequence_taking_back(layers, 62, 300, 120_000, 2, (4, false)).await;
+}
+
+/// As above, with admissions taken back later, after others were charged (by a reviewer).
+#[tokio::test]
+async fn held_requests_taken_back_later_leave_the_same_state_as_in_memory() {
+    let second = Duration::from_secs(1);
+    for seed in 0..6 {
+        let fixed_held = fixed("fixed", 3, second)
+            .with_max_delay(Duration::from_millis(2_500))
+            .unwrap();
+        same_sequence_taking_back(vec![fixed_held], 100 + seed, 300, 300_000, 3, (3, true)).await;
+        let sliding_held = sliding("sliding", 6, 2 * second)
+            .with_max_delay(Duration::from_millis(2_200))
+            .unwrap();
+        same_sequence_taking_back(vec![sliding_held], 200 + seed, 300, 400_000, 4, (3, true)).await;
+        let layers = vec![
+            fixed("held-fixed", 4, second)
+                .with_max_delay(Duration::from_millis(1_900))
+                .unwrap(),
+            sliding("cap", 12, 3 * second),
+        ];
+        same_sequence_taking_back(layers, 300 + seed, 300, 120_000, 2, (4, true)).await;
+    }
 }
 
 #[tokio::test]
