@@ -1631,6 +1631,61 @@ async fn raw_upstream(response: &'static [u8]) -> std::net::SocketAddr {
     addr
 }
 
+/// An answer to `HEAD` (or a 304) that announces a body may have its body sent after all,
+/// late: its connection is not used again, or that body would be read as the next request's
+/// answer, and every answer after it as the answer to the request after its own, other
+/// clients' (review: 14 of 348 requests got another client's answer). The upstream here
+/// sends the late body only once the next request has come on the same connection, so an
+/// old connection is always caught.
+#[tokio::test]
+async fn a_late_body_after_an_answer_to_head_is_never_the_next_requests_answer() {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut late = false;
+                while let Some(head) = read_head(&mut s).await {
+                    if std::mem::take(&mut late) {
+                        let evil =
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-evil: 1\r\n\r\nEVIL!";
+                        let _ = s.write_all(evil).await;
+                    }
+                    let answer: &[u8] = if head.starts_with(b"HEAD ") {
+                        late = true;
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 54\r\n\r\n"
+                    } else {
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nreal"
+                    };
+                    let _ = s.write_all(answer).await;
+                }
+            });
+        }
+    });
+    // One serving thread: one pool of upstream connections.
+    let gw = Sluice::start_with_args(
+        &config(&format!("http://{addr}"), "5s"),
+        &["--threads", "1"],
+    );
+    for _ in 0..3 {
+        let head = Request::head("/api").header("host", "x");
+        let reply = send(
+            gw.main,
+            head.body(http_body_util::Empty::<Bytes>::new()).unwrap(),
+        )
+        .await;
+        assert_eq!(reply.status, 200);
+        let next = get(gw.main, "/api", &[]).await;
+        assert_eq!(
+            (next.status.as_u16(), &next.body[..]),
+            (200, &b"real"[..]),
+            "{:?}",
+            next.headers
+        );
+    }
+}
+
 /// What the upstream frames ambiguously or with codings the gateway cannot pass on is a bad
 /// gateway, not a silently cut or mislabelled body (RFC 9112 section 6.3; nginx answers 502
 /// too); and the client is answered in the gateway's own HTTP version, whatever the upstream's

@@ -355,7 +355,15 @@ fn parse_head(buf: &[u8], head_only: bool) -> Result<Option<(usize, Head)>, Erro
     // A 204 that announces a body breaks its framing (RFC 9110 section 15.3.5): such a
     // server may send the body it announced after all, late, into the next request's answer
     // (review: a late `0\r\n\r\n` was the next client's 502). Its connection is not kept.
-    let broken = status == StatusCode::NO_CONTENT && (chunked || length.is_some_and(|n| n > 0));
+    // Nor that of an answer to `HEAD`, or a 304, that announces one: the announcement is
+    // allowed there (the length the `GET` would have), but a server that sends the body
+    // anyway, in a write of its own, has it read as the next request's answer, and every
+    // answer on that connection after it goes to the request after its own: other clients'
+    // (review: 14 of 348 requests got another client's answer). A connection per such
+    // answer is the price.
+    let announced = chunked || length.is_some_and(|n| n > 0);
+    let broken = announced
+        && (head_only || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED);
     let keep_alive = version == Version::HTTP_11 && !close && framing != Framing::Close && !broken;
     Ok(Some((
         len,
@@ -951,6 +959,24 @@ mod tests {
         ));
         assert!(!keep(
             "HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n"
+        ));
+        // So may a 304, or an answer to HEAD (review: its late body was the next client's
+        // answer, and each answer after it the next request's).
+        assert!(keep("HTTP/1.1 304 Not Modified\r\n\r\n"));
+        assert!(!keep(
+            "HTTP/1.1 304 Not Modified\r\ncontent-length: 54\r\n\r\n"
+        ));
+        let keep_head = |t: &str| {
+            parse_head(t.as_bytes(), true)
+                .unwrap()
+                .unwrap()
+                .1
+                .keep_alive
+        };
+        assert!(keep_head("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"));
+        assert!(!keep_head("HTTP/1.1 200 OK\r\ncontent-length: 54\r\n\r\n"));
+        assert!(!keep_head(
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
         ));
     }
 
