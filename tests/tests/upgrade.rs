@@ -272,7 +272,35 @@ async fn a_switch_nobody_asked_for_is_a_502() {
     let switch = "HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: echo\r\n\r\n";
     let up = canned_upstream(switch).await;
     let gw = Sluice::start(&config(up));
-    assert_eq!(get(gw.main, "/ws", &[("x-api-key", "k")]).await.status, 502);
+    let reply = get(gw.main, "/ws", &[("x-api-key", "k")]).await;
+    assert_eq!(reply.status, 502);
+    // The upstream answered, wrongly: not "could not be reached" (review).
+    let body = String::from_utf8_lossy(&reply.body).into_owned();
+    assert!(body.contains("upstream-bad-response"), "{body}");
+}
+
+/// A switch to a protocol the client did not ask for cannot be followed (RFC 9110 section
+/// 7.8), and one to `h2c` would hand the client a raw HTTP/2 connection to the upstream:
+/// 502, no tunnel (review: it was passed through).
+#[tokio::test]
+async fn a_switch_to_another_protocol_than_the_one_asked_for_is_a_502() {
+    for switch in [
+        "HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n",
+        "HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\n\r\n",
+    ] {
+        let up = canned_upstream(switch).await;
+        let gw = Sluice::start(&config(up));
+        let (_stream, head) = handshake(gw.main, "k").await;
+        assert!(head.starts_with("HTTP/1.1 502"), "{switch:?}: {head}");
+    }
+    // The protocol asked for, in another case, is followed.
+    let up = canned_upstream(
+        "HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: ECHO\r\n\r\n",
+    )
+    .await;
+    let gw = Sluice::start(&config(up));
+    let (_stream, head) = handshake(gw.main, "k").await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
 }
 
 #[tokio::test]

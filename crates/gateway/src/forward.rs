@@ -1544,6 +1544,25 @@ pub(crate) fn upgrade_protocol<B>(req: &Request<B>) -> Option<HeaderValue> {
     (!h2c).then(|| protocol.clone())
 }
 
+/// Whether a `101`'s `Upgrade` (`got`) names only protocols the client asked for (`asked`),
+/// in any case: a server must switch to one of them (RFC 9110 section 7.8). Anything else, or
+/// none, is no switch the client can follow (or one it did not ask for, e.g. to `h2c`, a
+/// raw HTTP/2 connection to the upstream behind the gateway's back).
+pub(crate) fn switched_as_asked(asked: &HeaderValue, got: Option<&HeaderValue>) -> bool {
+    let tokens = |v: &HeaderValue| -> Vec<String> {
+        let text = v.to_str().unwrap_or_default();
+        (text.split(','))
+            .map(|t| t.trim().to_ascii_lowercase())
+            .filter(|t| !t.is_empty())
+            .collect()
+    };
+    let (asked, got) = match got {
+        Some(got) => (tokens(asked), tokens(got)),
+        None => return false,
+    };
+    !got.is_empty() && got.iter().all(|p| asked.contains(p))
+}
+
 /// Puts back the two hop-by-hop headers of a protocol switch, which the upstream (on a
 /// request) or the client (on a `101` response) must see.
 pub(crate) fn set_upgrade(headers: &mut HeaderMap, protocol: HeaderValue) {
@@ -3096,6 +3115,22 @@ mod tests {
         // A large piece alone passes as it came.
         let mut script = Script::new(vec![data(MERGE + 1), data(MERGE * 2)]);
         assert_eq!(merged(&mut script), ["16385", "32768", "E"]);
+    }
+
+    #[test]
+    fn a_switch_must_be_to_a_protocol_the_client_asked_for() {
+        let v = HeaderValue::from_static;
+        let asked = v("websocket");
+        assert!(switched_as_asked(&asked, Some(&v("websocket"))));
+        assert!(switched_as_asked(&asked, Some(&v("WebSocket"))));
+        assert!(switched_as_asked(
+            &v("foo/2, websocket"),
+            Some(&v("websocket"))
+        ));
+        assert!(!switched_as_asked(&asked, Some(&v("h2c"))));
+        assert!(!switched_as_asked(&asked, Some(&v("websocket, h2c"))));
+        assert!(!switched_as_asked(&asked, Some(&v(""))));
+        assert!(!switched_as_asked(&asked, None));
     }
 
     #[test]

@@ -20,8 +20,8 @@ use crate::body::Body;
 use crate::capacity::Capacity;
 use crate::forward::{
     answer_dropped, bad_host, bad_target, max_forwards_spent, method_override, one_content_length,
-    prepare_request, set_upgrade, strip_hop_by_hop, unsupported_coding, upgrade_protocol,
-    IdentityHeaders, Peer, UploadTail, UpstreamClient,
+    prepare_request, set_upgrade, strip_hop_by_hop, switched_as_asked, unsupported_coding,
+    upgrade_protocol, IdentityHeaders, Peer, UploadTail, UpstreamClient,
 };
 use crate::head_error::HeadErrors;
 use crate::head_timeout::Busy;
@@ -332,6 +332,7 @@ pub(crate) async fn handle(
                 }
                 RouteAction::Upstream(u) => {
                     let upgrade = upgrade_protocol(&req);
+                    let asked = upgrade.clone();
                     let client_side = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
                     prepare_request(
                         &mut req,
@@ -350,7 +351,11 @@ pub(crate) async fn handle(
                     log.upstream_done();
                     match (sent, client_side) {
                         (Ok(mut res), Some(client_side))
-                            if res.status() == StatusCode::SWITCHING_PROTOCOLS =>
+                            if res.status() == StatusCode::SWITCHING_PROTOCOLS
+                                && asked.as_ref().is_some_and(|asked| {
+                                    let got = res.headers().get(http::header::UPGRADE);
+                                    switched_as_asked(asked, got)
+                                }) =>
                         {
                             let upstream_side = hyper::upgrade::on(&mut res);
                             let (mut parts, _) = res.into_parts();
@@ -377,9 +382,12 @@ pub(crate) async fn handle(
                             ));
                             break 'walk res;
                         }
-                        (Ok(res), None) if res.status() == StatusCode::SWITCHING_PROTOCOLS => {
-                            tracing::debug!("the upstream switched protocols unasked");
-                            Problem::upstream_unavailable().into_response(&shared.problem_base)
+                        // Unasked, or to a protocol the client did not ask for: the upstream
+                        // answered, wrongly (review: this was "could not be reached").
+                        (Ok(res), _) if res.status() == StatusCode::SWITCHING_PROTOCOLS => {
+                            tracing::debug!(upgrade = ?res.headers().get(http::header::UPGRADE), "the upstream switched protocols unasked, or to one not asked for");
+                            answer_dropped(&res);
+                            Problem::upstream_bad_response().into_response(&shared.problem_base)
                         }
                         // Ambiguous framing (RFC 9112 section 6.3), or a coding the gateway
                         // would drop with the hop-by-hop header: refused as nginx does. The
