@@ -201,13 +201,17 @@ impl Problem {
         p
     }
 
-    /// The shared store cannot decide and `on_error = "deny"`. Nothing was charged.
+    /// The shared store cannot decide and `on_error = "deny"`. Nothing is charged unless the
+    /// store received the decision in time and only its answer was late (review: a reply
+    /// delayed on its way back left the charge; the body had said none was made).
     pub(crate) fn store_unavailable(retry_after: u64) -> Self {
         let mut p = Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "quota-store-unavailable",
             "The service cannot check quotas right now",
-            "Retry after the delay in Retry-After. Your quota was not charged.",
+            "Retry after the delay in Retry-After. This request was not served. Your quota was \
+             not charged, unless the quota store received the request in time and only its \
+             answer came too late.",
         );
         p.retry_after = Some(retry_after);
         p.extra.push(("policy", Member::Text("quota-store")));
