@@ -186,8 +186,7 @@ local function flush(L)
   call('SET', L[1], v, 'PX', ms)
 end
 
--- Decides the request whose arguments start at ARGV[p] and whose keys follow KEYS[k] (or, in
--- mode 'x', releases a lease from its keys):
+-- Decides the request whose arguments start at ARGV[p] and whose keys follow KEYS[k]:
 -- ARGV[p .. p + 5] = mode, cost, lease id, pinned clock (or empty), deadline (or empty),
 -- layers n; then each
 -- layer's parameters; in refund mode, then each layer's refund tag, then three figures per
@@ -201,12 +200,6 @@ local function decide(k, p)
   local mode, cost, lease, pinned, deadline, n = ARGV[p], tonumber(ARGV[p + 1]), ARGV[p + 2],
     ARGV[p + 3], ARGV[p + 4], tonumber(ARGV[p + 5])
   local specs = p + 5 -- ARGV[specs + i]: layer i's parameters
-  if mode == 'x' then
-    -- A release: the lease out of each (concurrency) key; no parameters follow. A key of
-    -- another type holds no lease.
-    for i = 1, n do pcall_('ZREM', KEYS[k + i], lease) end
-    return pack('<d', 3), n, specs + 1, {}
-  end
   local tags = specs + n -- ARGV[tags + i]: in refund mode, layer i's refund tag
   local befores = tags + n -- ARGV[befores + 3 * i - 2 ..]: in refund mode, its earlier state
   local now

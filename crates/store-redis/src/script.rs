@@ -9,7 +9,7 @@
 //!
 //! | # | value |
 //! |---|-------|
-//! | 1 | mode: `d` decide and charge, `c` check only (nothing written), `b` check at a full instance (nothing charged; a refusal starts blocks), `r` refund, `w` withdraw (a refund that leaves a token bucket alone unless its TAT is the tag), `x` release a lease |
+//! | 1 | mode: `d` decide and charge, `c` check only (nothing written), `b` check at a full instance (nothing charged; a refusal starts blocks), `r` refund, `w` withdraw (a refund that leaves a token bucket alone unless its TAT is the tag) |
 //! | 2 | cost |
 //! | 3 | lease id (the ZSET member of concurrency layers; empty if none) |
 //! | 4 | `now` pinned by tests, or empty: the script reads Redis `TIME` (once per call) |
@@ -24,8 +24,6 @@
 //! interval (units), `block_for` (0: none) and the limit's `max_delay` (0: none; the script then
 //! admits a request that passes within it, charged now in the window it passes in, and tells how
 //! long to hold it).
-//! In release mode (`x`: a finished request's concurrency leases) there are no parameters: the
-//! keys are the concurrency keys the lease is in, and the reply is `[3]`.
 //! [`RemoteLimit`](crate::RemoteLimit) computes both forms once. In refund and withdraw modes only, then one per layer: its refund tag (`-1`: not charged); then three per layer: the state a window charged ahead for a held request replaced (`-1 -1 -1`: none), put back if the state is still the one the charge left.
 //!
 //! Reply: an array with one bulk string per request, in order: its figures as little-endian
@@ -96,6 +94,9 @@ pub(crate) struct Part {
     ends: Vec<usize>,
     /// How many of the pieces are keys.
     keys: usize,
+    /// A lease's release: `ZREM` of its one argument (the lease id) from each key, sent in the
+    /// batch's pipeline ahead of its `EVALSHA` rather than in it (see [`Part::release`]).
+    release: bool,
 }
 
 impl Part {
@@ -113,6 +114,7 @@ impl Part {
             bytes: Vec::with_capacity(64 + 96 * layers.len()),
             ends: Vec::with_capacity(6 + 3 * layers.len()),
             keys: layers.len(),
+            release: false,
         };
         for layer in layers {
             layer.limit.push_key_name(&mut part.bytes, layer.key);
@@ -147,25 +149,38 @@ impl Part {
         part
     }
 
-    /// A release's part: the lease `lease` taken out of every concurrency key in `keys`
-    /// (mode `x`: no parameters, no clock; the reply is `[3]`). Sent through the batcher, it
-    /// reaches Redis before any decision asked for after it.
+    /// A release: the lease `lease` taken out of every concurrency key in `keys`. Sent
+    /// through the batcher, as `ZREM`s in the pipeline of the batch it falls in, ahead of that
+    /// batch's `EVALSHA`: it reaches Redis before any decision asked for after it, and does not
+    /// depend on the script (a call Redis answers `NOSCRIPT` is sent again after `SCRIPT
+    /// LOAD`, when a later batch may have gone ahead of it). Answered `[3]`.
     pub(crate) fn release(keys: &[String], lease: &str) -> Self {
         let mut part = Part {
-            bytes: Vec::with_capacity(32 + keys.iter().map(String::len).sum::<usize>()),
-            ends: Vec::with_capacity(6 + keys.len()),
+            bytes: Vec::with_capacity(lease.len() + keys.iter().map(String::len).sum::<usize>()),
+            ends: Vec::with_capacity(1 + keys.len()),
             keys: keys.len(),
+            release: true,
         };
         for key in keys {
             part.bytes.extend_from_slice(key.as_bytes());
             part.ends.push(part.bytes.len());
         }
-        let mut figure = itoa::Buffer::new();
-        for arg in [&b"x"[..], b"0", lease.as_bytes(), b"", b""] {
-            part.arg(arg);
-        }
-        part.arg(figure.format(keys.len()).as_bytes());
+        part.arg(lease.as_bytes());
         part
+    }
+
+    /// Whether this is a release ([`Part::release`]).
+    pub(crate) fn is_release(&self) -> bool {
+        self.release
+    }
+
+    /// A release's commands, added to `pipe` (their replies ignored).
+    pub(crate) fn push_release(&self, pipe: &mut redis::Pipeline) {
+        if let Some(lease) = self.args().next() {
+            for key in self.keys() {
+                pipe.cmd("ZREM").arg(key).arg(lease).ignore();
+            }
+        }
     }
 
     fn arg(&mut self, bytes: &[u8]) {

@@ -888,13 +888,25 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
         return;
     }
     let mut conn = link.conn();
-    let parts = waiting.iter().flatten().map(|c| &c.part);
-    let cmd = script::invocation(&sha, options.lease_ttl, parts);
-    let sent = waiting.len();
+    // Releases go first, as commands of their own in the call's pipeline (see `Part::release`).
+    let releases: Vec<bool> = (waiting.iter().flatten())
+        .map(|c| c.part.is_release())
+        .collect();
+    let mut pipe = redis::pipe();
+    for call in waiting.iter().flatten().filter(|c| c.part.is_release()) {
+        call.part.push_release(&mut pipe);
+    }
+    let parts = (waiting.iter().flatten())
+        .map(|c| &c.part)
+        .filter(|p| !p.is_release());
+    let sent = parts.clone().count();
+    if sent > 0 {
+        pipe.add_command(script::invocation(&sha, options.lease_ttl, parts));
+    }
     // Set once a request of the call has been given up: the call is then not sent again on a
     // new connection (see `eval`), since its caller has followed `on_error` already.
     let gave_up = AtomicBool::new(false);
-    let call = eval(&mut conn, &cmd, &gave_up);
+    let call = eval(&mut conn, &pipe, sent > 0, &gave_up);
     tokio::pin!(call);
     let result = loop {
         let Some(first) = waiting.iter().flatten().map(|c| c.since).min() else {
@@ -933,9 +945,17 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
             // Each request's reply read alone: one that does not parse (a key holding a state
             // nothing of sluice's wrote) fails its request, not the others of the call, which
             // Redis decided and charged.
-            for (slot, reply) in waiting.into_iter().zip(replies) {
+            let mut replies = replies.into_iter();
+            for (slot, release) in waiting.into_iter().zip(releases) {
+                let figures = match release {
+                    true => Ok(vec![3]),
+                    false => match replies.next() {
+                        Some(reply) => script::unpack(&reply),
+                        None => Err(StoreError::Reply("a reply short".into())),
+                    },
+                };
                 if let Some(call) = slot {
-                    answer(call, script::unpack(&reply).map(|r| (r, resent)));
+                    answer(call, figures.map(|r| (r, resent)));
                 }
             }
         }
@@ -947,8 +967,9 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
     }
 }
 
-/// Runs `cmd` (an `EVALSHA`), loading the script again if Redis lost it (`NOSCRIPT`, e.g.
-/// after a restart or `SCRIPT FLUSH`), and sending it once more if the connection turns out
+/// Runs `pipe` (the batch's releases, then its `EVALSHA` if `script`), loading the script
+/// again if Redis lost it (`NOSCRIPT`, e.g. after a restart or `SCRIPT FLUSH`; the releases,
+/// which ran, run again, removing nothing), and sending it once more if the connection turns out
 /// broken (Redis restarted or closed it; the manager is connecting anew): otherwise the first
 /// call after every Redis restart would fail. A call whose connection broke after Redis ran it
 /// but before the answer came back (every call in flight on it) is then run twice, charging
@@ -961,12 +982,20 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
 /// the store's first answer. Returns the replies and whether the call was sent twice.
 async fn eval(
     conn: &mut ConnectionManager,
-    cmd: &redis::Cmd,
+    pipe: &redis::Pipeline,
+    script: bool,
     gave_up: &AtomicBool,
 ) -> Result<(Vec<Vec<u8>>, bool), StoreError> {
     let (mut loaded, mut resent) = (false, false);
     loop {
-        match cmd.query_async(conn).await {
+        // The `EVALSHA`'s replies, the pipeline's one result not ignored (releases' are).
+        let run = async {
+            match script {
+                true => (pipe.query_async(conn).await).map(|(replies,)| replies),
+                false => (pipe.query_async::<()>(conn).await).map(|()| Vec::new()),
+            }
+        };
+        match run.await {
             Err(e) if e.kind() == redis::ErrorKind::NoScriptError && !loaded => {
                 loaded = true;
                 load(conn).await?;

@@ -674,3 +674,28 @@ async fn a_withdrawn_window_charge_leaves_a_later_window_to_whoever_was_charged_
     assert_eq!(hold(charge().await.unwrap()).0, Duration::from_secs(5));
     assert_eq!(hold(charge().await.unwrap()).0, Duration::from_secs(15));
 }
+
+/// The same after Redis lost its scripts (`SCRIPT FLUSH`, a restart from a snapshot): a
+/// release does not wait for the script to be loaded again (review: sent in the script's
+/// call, it was sent again after `SCRIPT LOAD`, behind the next decision, which was refused).
+#[tokio::test]
+async fn a_dropped_lease_is_released_before_the_next_decision_after_a_script_flush() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limit = remote(&concurrency("c", 1));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    for i in 0..20 {
+        let decision = store.decide(&layers, 1, Mode::Charge).await.unwrap();
+        assert!(
+            decision.is_admitted(),
+            "request {i}: the last one's slot is held"
+        );
+        assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+        drop(decision);
+        // The release goes out alone, and comes back refused if it needs the script; the
+        // next decision then follows the script's loading, ahead of the release sent again.
+        for _ in 0..i {
+            tokio::task::yield_now().await;
+        }
+    }
+}
