@@ -77,6 +77,9 @@ use crate::StoreError;
 /// The script's source.
 pub(crate) const SOURCE: &str = include_str!("decide.lua");
 
+/// A release: the lease (`ARGV[1]`) out of each key; a key of another type holds none.
+const RELEASE: &str = "for _, k in ipairs(KEYS) do redis.pcall('ZREM', k, ARGV[1]) end";
+
 const HEADER: usize = 6;
 const PER_LAYER: usize = 5;
 /// Figures per layer after the others, in a held admission's reply.
@@ -174,12 +177,17 @@ impl Part {
         self.release
     }
 
-    /// A release's commands, added to `pipe` (their replies ignored).
+    /// A release's command, added to `pipe` (its reply ignored): an `EVAL` of a few lines
+    /// rather than plain `ZREM`s, whose error on a key of another type (something else wrote
+    /// it) would be the whole pipeline's, every decision of the batch failing with it (review);
+    /// `EVAL` carries its text, so it never meets `NOSCRIPT`.
     pub(crate) fn push_release(&self, pipe: &mut redis::Pipeline) {
         if let Some(lease) = self.args().next() {
+            let cmd = pipe.cmd("EVAL").arg(RELEASE).arg(self.keys);
             for key in self.keys() {
-                pipe.cmd("ZREM").arg(key).arg(lease).ignore();
+                cmd.arg(key);
             }
+            cmd.arg(lease).ignore();
         }
     }
 

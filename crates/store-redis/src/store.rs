@@ -910,8 +910,12 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
     tokio::pin!(call);
     let result = loop {
         let Some(first) = waiting.iter().flatten().map(|c| c.since).min() else {
-            // Every request's time ran out: the call timed out.
-            link.timed_out();
+            // Every request's time ran out: the call timed out. Releases alone do not count
+            // towards replacing the connection, as `RedisStore::release`'s do not (review: a
+            // stall's leases, released through the batcher, counted it again).
+            if sent > 0 {
+                link.timed_out();
+            }
             return;
         };
         match tokio::time::timeout_at(first + timeout, &mut call).await {

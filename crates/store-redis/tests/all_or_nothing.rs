@@ -699,3 +699,38 @@ async fn a_dropped_lease_is_released_before_the_next_decision_after_a_script_flu
         }
     }
 }
+
+/// A release whose key something else overwrote (another type) fails nobody: the decisions
+/// sent in the same call are decided as usual (review: the release's `WRONGTYPE` was the whole
+/// call's error, and every decision of the batch fell back to `on_error`).
+#[tokio::test]
+async fn a_release_from_a_key_of_another_type_fails_no_decision_beside_it() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let limit = remote(&concurrency("c", 1));
+    let window = remote(&fixed("w", 10, HOUR));
+    let held = store
+        .decide(&[Layer::enforced(&limit, key("held"))], 1, Mode::Charge)
+        .await
+        .unwrap();
+    assert!(held.is_admitted());
+    let keys = server.cli(&["KEYS", "*"]);
+    let lease_key = keys
+        .lines()
+        .next()
+        .expect("the lease's key")
+        .trim()
+        .to_owned();
+    assert_eq!(server.cli(&["SET", &lease_key, "not a set"]).trim(), "OK");
+    let other = [Layer::enforced(&window, key("other"))];
+    let calls = server.calls("evalsha");
+    // Dropped, its release is handed to the batcher at once: the decision, asked for in the
+    // same poll, goes in the same call.
+    drop(held);
+    let decided = store.decide(&other, 1, Mode::Charge).await;
+    assert!(
+        matches!(decided, Ok(RemoteDecision::Admitted(_))),
+        "{decided:?}"
+    );
+    assert_eq!(server.calls("evalsha") - calls, 1, "one call");
+}
