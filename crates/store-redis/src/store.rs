@@ -1,8 +1,9 @@
 //! The store: a multiplexed, reconnecting connection, the script's SHA, and the calls that
 //! use them, each bounded by the store's timeout.
 //!
-//! Decisions and refunds go through one task, the batcher: it takes every request waiting at
-//! that moment (up to [`MAX_BATCH`]) into one `EVALSHA`, sends it without waiting for the
+//! Decisions, refunds and the first try of each lease's release go through one task, the
+//! batcher: it takes every request waiting at that moment (up to [`MAX_BATCH`]) into one
+//! pipeline (the releases, then one `EVALSHA` for the rest), sends it without waiting for the
 //! previous ones to answer, and hands each request its part of the reply. A request alone
 //! still costs one round trip; under load, requests share them, and Redis reads and writes
 //! each key once per call instead of once per request. Nothing waits for a batch to fill: a
