@@ -201,17 +201,15 @@ impl Problem {
         p
     }
 
-    /// The shared store cannot decide and `on_error = "deny"`. Nothing is charged unless the
-    /// store received the decision in time and only its answer was late (review: a reply
-    /// delayed on its way back left the charge; the body had said none was made).
+    /// The shared store cannot decide and `on_error = "deny"`. Nothing stays charged: what
+    /// Redis charged for a decision whose answer came too late is taken back when the answer
+    /// comes (but for an answer that never comes: docs/configuration.md, `timeout`).
     pub(crate) fn store_unavailable(retry_after: u64) -> Self {
         let mut p = Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "quota-store-unavailable",
             "The service cannot check quotas right now",
-            "Retry after the delay in Retry-After. This request was not served. Your quota was \
-             not charged, unless the quota store received the request in time and only its \
-             answer came too late.",
+            "Retry after the delay in Retry-After. Your quota was not charged.",
         );
         p.retry_after = Some(retry_after);
         p.extra.push(("policy", Member::Text("quota-store")));

@@ -172,6 +172,60 @@ impl Part {
         part
     }
 
+    /// The refund of this decision's charges, from its reply's `figures`, if it charged
+    /// (mode `d`, admitted) but its caller never learnt it: the caller stopped waiting (the
+    /// store's timeout, or its client left) while Redis, reached in time, decided. `None`
+    /// for anything else, or a reply that does not fit the decision.
+    pub(crate) fn refund_of(&self, figures: &[i64]) -> Option<Part> {
+        let mut args = self.args();
+        if self.release || args.next()? != b"d" || figures.first() != Some(&1) {
+            return None;
+        }
+        let (cost, lease, pinned, _deadline) =
+            (args.next()?, args.next()?, args.next()?, args.next()?);
+        let count = args.next()?;
+        let n = std::str::from_utf8(count).ok()?.parse::<usize>().ok()?;
+        let held = figures.get(2).is_some_and(|&h| h > 0);
+        let per_layer = if held {
+            PER_LAYER + REPLACED
+        } else {
+            PER_LAYER
+        };
+        if n != self.keys || figures.len() != HEADER + per_layer * n {
+            return None;
+        }
+        let mut part = Part {
+            bytes: Vec::with_capacity(self.bytes.len() + 64 * n),
+            ends: Vec::with_capacity(self.ends.len() + 4 * n),
+            keys: n,
+            release: false,
+        };
+        for key in self.keys() {
+            part.bytes.extend_from_slice(key);
+            part.ends.push(part.bytes.len());
+        }
+        for arg in [&b"r"[..], cost, lease, pinned, b"", count] {
+            part.arg(arg);
+        }
+        for spec in args.take(n) {
+            part.arg(spec);
+        }
+        let mut figure = itoa::Buffer::new();
+        for i in 0..n {
+            part.arg(
+                figure
+                    .format(figures[HEADER + PER_LAYER * i + 2])
+                    .as_bytes(),
+            );
+        }
+        let tail = HEADER + PER_LAYER * n;
+        for i in 0..n * REPLACED {
+            let v = if held { figures[tail + i] } else { -1 };
+            part.arg(figure.format(v).as_bytes());
+        }
+        Some(part)
+    }
+
     /// Whether this is a release ([`Part::release`]).
     pub(crate) fn is_release(&self) -> bool {
         self.release

@@ -249,9 +249,16 @@ struct Call {
 /// hold the lease the call may have taken: that is released, or the caller's slots stayed
 /// taken until the lease expired (review: a client that left during a stalled decision kept
 /// its key at its concurrency limit for a minute).
-fn answer(call: Call, result: Result<(Vec<i64>, bool), StoreError>) {
-    let Call { reply, lease, .. } = call;
-    if let (Err(result), Some((store, slots))) = (reply.send(result), lease) {
+///
+/// Likewise its charges: returns their refund ([`Part::refund_of`]), for the caller to send.
+fn answer(call: Call, result: Result<(Vec<i64>, bool), StoreError>) -> Option<Part> {
+    let Call {
+        reply, lease, part, ..
+    } = call;
+    let Err(result) = reply.send(result) else {
+        return None;
+    };
+    if let Some((store, slots)) = lease {
         let took = match &result {
             Ok((figures, _)) => figures.first() == Some(&1),
             Err(e) => e.is_store_failure(),
@@ -260,6 +267,26 @@ fn answer(call: Call, result: Result<(Vec<i64>, bool), StoreError>) {
             crate::decision::release_later(store, slots);
         }
     }
+    part.refund_of(&result.ok()?.0)
+}
+
+/// How long a call whose every request was given up is still waited for, to take back what
+/// Redis charged for them if it answers (see [`send`]).
+const LATE_ANSWER_WAIT: Duration = Duration::from_secs(5);
+
+/// Sends `refunds` (charges of requests whose callers had stopped waiting) in one call, once:
+/// a refund sent twice would give back twice.
+async fn send_refunds(link: &Link, sha: &str, options: StoreOptions, refunds: Vec<Part>) {
+    if refunds.is_empty() {
+        return;
+    }
+    let mut pipe = redis::pipe();
+    pipe.add_command(script::invocation(sha, options.lease_ttl, refunds.iter()));
+    let mut conn = link.conn();
+    let once = AtomicBool::new(true);
+    let call = eval(&mut conn, &pipe, true, &once);
+    // Not sent again if it fails: the charges then stay, as they did before this was done.
+    let _ = tokio::time::timeout(options.timeout.max(LATE_ANSWER_WAIT), call).await;
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -909,6 +936,19 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
     let gave_up = AtomicBool::new(false);
     let call = eval(&mut conn, &pipe, sent > 0, &gave_up);
     tokio::pin!(call);
+    // The decisions given up for time, by their place among the call's replies: Redis may
+    // have reached them in time and charged them, their answers only late (a slow path back).
+    // What they charged is taken back when the answers come (review: a 503 under `deny` that
+    // said nothing was charged had been charged).
+    let mut given_up: Vec<(usize, Part)> = Vec::new();
+    let replies_at: Vec<Option<usize>> = (releases.iter())
+        .scan(0, |next, &release| {
+            Some((!release).then(|| {
+                *next += 1;
+                *next - 1
+            }))
+        })
+        .collect();
     let result = loop {
         let Some(first) = waiting.iter().flatten().map(|c| c.since).min() else {
             // Every request's time ran out: the call timed out. Releases alone do not count
@@ -917,14 +957,24 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
             if sent > 0 {
                 link.timed_out();
             }
+            if !given_up.is_empty() {
+                // Still waited for a while, to take back what Redis charged.
+                if let Ok(Ok((replies, _))) = tokio::time::timeout(LATE_ANSWER_WAIT, call).await {
+                    let refunds = late_refunds(&given_up, &replies);
+                    send_refunds(&link, &sha, options, refunds).await;
+                }
+            }
             return;
         };
         match tokio::time::timeout_at(first + timeout, &mut call).await {
             Ok(result) => break result,
             Err(_) => {
                 let now = tokio::time::Instant::now();
-                for slot in &mut waiting {
-                    if let Some(late) = slot.take_if(|c| c.since + timeout <= now) {
+                for (i, slot) in waiting.iter_mut().enumerate() {
+                    if let Some(mut late) = slot.take_if(|c| c.since + timeout <= now) {
+                        if let Some(at) = replies_at[i] {
+                            given_up.push((at, std::mem::take(&mut late.part)));
+                        }
                         answer(late, Err(link.timeout(timeout)));
                         gave_up.store(true, Ordering::Relaxed);
                     }
@@ -950,19 +1000,21 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
             // Each request's reply read alone: one that does not parse (a key holding a state
             // nothing of sluice's wrote) fails its request, not the others of the call, which
             // Redis decided and charged.
-            let mut replies = replies.into_iter();
+            let mut refunds = late_refunds(&given_up, &replies);
+            let mut replies = replies.iter();
             for (slot, release) in waiting.into_iter().zip(releases) {
                 let figures = match release {
                     true => Ok(vec![3]),
                     false => match replies.next() {
-                        Some(reply) => script::unpack(&reply),
+                        Some(reply) => script::unpack(reply),
                         None => Err(StoreError::Reply("a reply short".into())),
                     },
                 };
                 if let Some(call) = slot {
-                    answer(call, figures.map(|r| (r, resent)));
+                    refunds.extend(answer(call, figures.map(|r| (r, resent))));
                 }
             }
+            send_refunds(&link, &sha, options, refunds).await;
         }
         Err(e) => {
             for call in waiting.into_iter().flatten() {
@@ -970,6 +1022,17 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
             }
         }
     }
+}
+
+/// The refunds of the decisions `given_up` (by their place among `replies`) that Redis
+/// admitted and charged.
+fn late_refunds(given_up: &[(usize, Part)], replies: &[Vec<u8>]) -> Vec<Part> {
+    (given_up.iter())
+        .filter_map(|(at, part)| {
+            let figures = script::unpack(replies.get(*at)?).ok()?;
+            part.refund_of(&figures)
+        })
+        .collect()
 }
 
 /// Runs `pipe` (the batch's releases, then its `EVALSHA` if `script`), loading the script
