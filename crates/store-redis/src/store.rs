@@ -37,6 +37,12 @@ pub struct StoreOptions {
     /// instance crashed (default 60 s). A held lease is renewed every third of it, so this
     /// bounds how long a dead instance's slots stay taken, not how long a request may run.
     pub lease_ttl: Duration,
+    /// Whether what Redis charged for a decision answered after `timeout` is taken back when
+    /// its answer comes (waited for up to 5 s more): right when a request given up is not
+    /// served (the gateway's `on_error = "deny"`), not when it is served anyway (then the
+    /// charge counts it). Default true. A decision whose caller stopped waiting for another
+    /// reason (its client left) is taken back whatever this says.
+    pub take_back_late: bool,
 }
 
 impl Default for StoreOptions {
@@ -45,6 +51,7 @@ impl Default for StoreOptions {
             timeout: Duration::from_millis(50),
             connect_timeout: Duration::from_secs(1),
             lease_ttl: Duration::from_secs(60),
+            take_back_late: true,
         }
     }
 }
@@ -957,7 +964,7 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
             if sent > 0 {
                 link.timed_out();
             }
-            if !given_up.is_empty() {
+            if options.take_back_late && !given_up.is_empty() {
                 // Still waited for a while, to take back what Redis charged.
                 if let Ok(Ok((replies, _))) = tokio::time::timeout(LATE_ANSWER_WAIT, call).await {
                     let refunds = late_refunds(&given_up, &replies);
@@ -1000,7 +1007,10 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
             // Each request's reply read alone: one that does not parse (a key holding a state
             // nothing of sluice's wrote) fails its request, not the others of the call, which
             // Redis decided and charged.
-            let mut refunds = late_refunds(&given_up, &replies);
+            let mut refunds = match options.take_back_late {
+                true => late_refunds(&given_up, &replies),
+                false => Vec::new(),
+            };
             let mut replies = replies.iter();
             for (slot, release) in waiting.into_iter().zip(releases) {
                 let figures = match release {

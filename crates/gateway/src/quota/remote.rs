@@ -68,6 +68,9 @@ impl Remote {
         RedisStore::check_url(&cfg.url).map_err(|e| format!("store.url: {e}"))?;
         let options = StoreOptions {
             timeout: cfg.timeout,
+            // A request given up is not served only under `deny`: under `allow` and `local`
+            // it is, and what Redis charged for it counts it.
+            take_back_late: matches!(cfg.on_error, OnError::Deny),
             ..StoreOptions::default()
         };
         let store = Arc::new(OnceLock::new());
