@@ -94,3 +94,55 @@ async fn what_redis_charged_for_a_decision_answered_too_late_is_taken_back() {
         .await
         .expect("the late decision's charge taken back");
 }
+
+/// A decision whose caller stopped waiting before Redis answered (its client left) is taken
+/// back when the answer comes, whatever `take_back_late` says: the request is not served.
+#[tokio::test]
+async fn what_redis_charged_for_a_caller_that_left_is_taken_back() {
+    let server = RedisServer::start();
+    let slow = Arc::new(AtomicBool::new(false));
+    let redis = server.url().trim_start_matches("redis://").to_owned();
+    let proxy = slow_way_back(redis, Arc::clone(&slow), Duration::from_secs(1)).await;
+    let options = StoreOptions {
+        timeout: Duration::from_secs(5),
+        take_back_late: false,
+        ..StoreOptions::default()
+    };
+    let store = RedisStore::connect(&proxy, options).await.unwrap();
+    let direct = server.store().await;
+    let limit = remote(&fixed("f", 10, Duration::from_secs(3600)));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    let remaining = |d: RemoteDecision| match d {
+        RemoteDecision::Admitted(a) => a.reports[0].remaining,
+        RemoteDecision::Refused(r) => r.reports[0].remaining,
+        other => panic!("{other:?}"),
+    };
+    assert!(store
+        .decide(&layers, 1, Mode::Charge)
+        .await
+        .unwrap()
+        .is_admitted());
+    slow.store(true, Ordering::Relaxed);
+    // The caller leaves after 100 ms, long before the store's timeout.
+    let left = tokio::time::timeout(
+        Duration::from_millis(100),
+        store.decide(&layers, 1, Mode::Charge),
+    );
+    assert!(left.await.is_err(), "answered before the caller left");
+    let charged_then_back = async {
+        let mut seen_charged = false;
+        loop {
+            let now = direct.decide(&layers, 1, Mode::CheckOnly).await.unwrap();
+            match remaining(now) {
+                8 => seen_charged = true,
+                9 if seen_charged => return,
+                9 => {}
+                other => panic!("remaining {other}"),
+            }
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), charged_then_back)
+        .await
+        .expect("the charge of the caller that left taken back");
+}
