@@ -51,6 +51,36 @@ async fn slow_way_back(redis: String, slow: Arc<AtomicBool>, delay: Duration) ->
     format!("redis://{addr}")
 }
 
+/// What is left of a quota of 10 after a decision.
+fn remaining(d: RemoteDecision) -> u32 {
+    match d {
+        RemoteDecision::Admitted(a) => a.reports[0].remaining,
+        RemoteDecision::Refused(r) => r.reports[0].remaining,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Watches `layers` through `direct` (a store without the slow way back) until the second
+/// request's charge has been seen (8 left of 10) and then taken back (9 again), within 10 s.
+async fn charged_then_back(direct: &RedisStore, layers: &[Layer<'_>], what: &str) {
+    let watch = async {
+        let mut seen_charged = false;
+        loop {
+            let now = direct.decide(layers, 1, Mode::CheckOnly).await.unwrap();
+            match remaining(now) {
+                8 => seen_charged = true,
+                9 if seen_charged => return,
+                9 => {}
+                other => panic!("remaining {other}"),
+            }
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), watch)
+        .await
+        .expect(what);
+}
+
 #[tokio::test]
 async fn what_redis_charged_for_a_decision_answered_too_late_is_taken_back() {
     let server = RedisServer::start();
@@ -65,11 +95,6 @@ async fn what_redis_charged_for_a_decision_answered_too_late_is_taken_back() {
     let direct = server.store().await;
     let limit = remote(&fixed("f", 10, Duration::from_secs(3600)));
     let layers = [Layer::enforced(&limit, key("caller"))];
-    let remaining = |d: RemoteDecision| match d {
-        RemoteDecision::Admitted(a) => a.reports[0].remaining,
-        RemoteDecision::Refused(r) => r.reports[0].remaining,
-        other => panic!("{other:?}"),
-    };
     // Answers on time: learn Redis's clock, charge one.
     let first = store.decide(&layers, 1, Mode::Charge).await.unwrap();
     assert_eq!(remaining(first), 9);
@@ -77,22 +102,7 @@ async fn what_redis_charged_for_a_decision_answered_too_late_is_taken_back() {
     let late = store.decide(&layers, 1, Mode::Charge).await;
     assert!(matches!(late, Err(StoreError::Timeout(_))), "{late:?}");
     // Redis charged it (it came in time); its answer, then the refund, come back later.
-    let charged_then_back = async {
-        let mut seen_charged = false;
-        loop {
-            let now = direct.decide(&layers, 1, Mode::CheckOnly).await.unwrap();
-            match remaining(now) {
-                8 => seen_charged = true,
-                9 if seen_charged => return,
-                9 => {}
-                other => panic!("remaining {other}"),
-            }
-            tokio::task::yield_now().await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), charged_then_back)
-        .await
-        .expect("the late decision's charge taken back");
+    charged_then_back(&direct, &layers, "the late decision's charge taken back").await;
 }
 
 /// A decision whose caller stopped waiting before Redis answered (its client left) is taken
@@ -112,11 +122,6 @@ async fn what_redis_charged_for_a_caller_that_left_is_taken_back() {
     let direct = server.store().await;
     let limit = remote(&fixed("f", 10, Duration::from_secs(3600)));
     let layers = [Layer::enforced(&limit, key("caller"))];
-    let remaining = |d: RemoteDecision| match d {
-        RemoteDecision::Admitted(a) => a.reports[0].remaining,
-        RemoteDecision::Refused(r) => r.reports[0].remaining,
-        other => panic!("{other:?}"),
-    };
     assert!(store
         .decide(&layers, 1, Mode::Charge)
         .await
@@ -129,20 +134,10 @@ async fn what_redis_charged_for_a_caller_that_left_is_taken_back() {
         store.decide(&layers, 1, Mode::Charge),
     );
     assert!(left.await.is_err(), "answered before the caller left");
-    let charged_then_back = async {
-        let mut seen_charged = false;
-        loop {
-            let now = direct.decide(&layers, 1, Mode::CheckOnly).await.unwrap();
-            match remaining(now) {
-                8 => seen_charged = true,
-                9 if seen_charged => return,
-                9 => {}
-                other => panic!("remaining {other}"),
-            }
-            tokio::task::yield_now().await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), charged_then_back)
-        .await
-        .expect("the charge of the caller that left taken back");
+    charged_then_back(
+        &direct,
+        &layers,
+        "the charge of the caller that left taken back",
+    )
+    .await;
 }
