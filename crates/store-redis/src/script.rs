@@ -140,14 +140,9 @@ impl Part {
             part.arg(&layer.limit.spec[usize::from(layer.dry_run)]);
         }
         if let Some((tags, replaced)) = tags {
-            for tag in tags {
-                part.arg(figure.format(tag.map_or(-1, |t| t as i64)).as_bytes());
-            }
-            for i in 0..tags.len() {
-                for v in replaced.get(i).unwrap_or(&[-1; 3]) {
-                    part.arg(figure.format(*v).as_bytes());
-                }
-            }
+            let replaced = (0..tags.len()).flat_map(|i| *replaced.get(i).unwrap_or(&[-1; 3]));
+            let tags = tags.iter().map(|tag| tag.map_or(-1, |t| t as i64));
+            part.charges(tags, replaced);
         }
         part
     }
@@ -210,19 +205,10 @@ impl Part {
         for spec in args.take(n) {
             part.arg(spec);
         }
-        let mut figure = itoa::Buffer::new();
-        for i in 0..n {
-            part.arg(
-                figure
-                    .format(figures[HEADER + PER_LAYER * i + 2])
-                    .as_bytes(),
-            );
-        }
+        let tags = (0..n).map(|i| figures[HEADER + PER_LAYER * i + 2]);
         let tail = HEADER + PER_LAYER * n;
-        for i in 0..n * REPLACED {
-            let v = if held { figures[tail + i] } else { -1 };
-            part.arg(figure.format(v).as_bytes());
-        }
+        let replaced = (0..n * REPLACED).map(|i| if held { figures[tail + i] } else { -1 });
+        part.charges(tags, replaced);
         Some(part)
     }
 
@@ -242,6 +228,15 @@ impl Part {
                 cmd.arg(key);
             }
             cmd.arg(lease).ignore();
+        }
+    }
+
+    /// A take-back's last arguments: each layer's tag, then three figures per layer for the
+    /// state a window charged ahead replaced (`-1`s: none).
+    fn charges(&mut self, tags: impl Iterator<Item = i64>, replaced: impl Iterator<Item = i64>) {
+        let mut figure = itoa::Buffer::new();
+        for v in tags.chain(replaced) {
+            self.arg(figure.format(v).as_bytes());
         }
     }
 

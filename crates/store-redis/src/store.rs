@@ -923,9 +923,16 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
         return;
     }
     let mut conn = link.conn();
-    // Releases go first, as commands of their own in the call's pipeline (see `Part::release`).
-    let releases: Vec<bool> = (waiting.iter().flatten())
-        .map(|c| c.part.is_release())
+    // Each request's place among the call's replies; none for a release, which goes first,
+    // as a command of its own in the call's pipeline (see `Part::release`).
+    let mut sent = 0;
+    let replies_at: Vec<Option<usize>> = (waiting.iter().flatten())
+        .map(|c| {
+            (!c.part.is_release()).then(|| {
+                sent += 1;
+                sent - 1
+            })
+        })
         .collect();
     let mut pipe = redis::pipe();
     for call in waiting.iter().flatten().filter(|c| c.part.is_release()) {
@@ -934,7 +941,6 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
     let parts = (waiting.iter().flatten())
         .map(|c| &c.part)
         .filter(|p| !p.is_release());
-    let sent = parts.clone().count();
     if sent > 0 {
         pipe.add_command(script::invocation(&sha, options.lease_ttl, parts));
     }
@@ -943,19 +949,11 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
     let gave_up = AtomicBool::new(false);
     let call = eval(&mut conn, &pipe, sent > 0, &gave_up);
     tokio::pin!(call);
-    // The decisions given up for time, by their place among the call's replies: Redis may
-    // have reached them in time and charged them, their answers only late (a slow path back).
-    // What they charged is taken back when the answers come (review: a 503 under `deny` that
-    // said nothing was charged had been charged).
+    // With `take_back_late`, the decisions given up for time, by their place among the
+    // call's replies: Redis may have reached them in time and charged them, their answers
+    // only late (a slow path back). What they charged is taken back when the answers come
+    // (review: a 503 under `deny` that said nothing was charged had been charged).
     let mut given_up: Vec<(usize, Part)> = Vec::new();
-    let replies_at: Vec<Option<usize>> = (releases.iter())
-        .scan(0, |next, &release| {
-            Some((!release).then(|| {
-                *next += 1;
-                *next - 1
-            }))
-        })
-        .collect();
     let result = loop {
         let Some(first) = waiting.iter().flatten().map(|c| c.since).min() else {
             // Every request's time ran out: the call timed out. Releases alone do not count
@@ -964,7 +962,7 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
             if sent > 0 {
                 link.timed_out();
             }
-            if options.take_back_late && !given_up.is_empty() {
+            if !given_up.is_empty() {
                 // Still waited for a while, to take back what Redis charged.
                 if let Ok(Ok((replies, _))) = tokio::time::timeout(LATE_ANSWER_WAIT, call).await {
                     let refunds = late_refunds(&given_up, &replies);
@@ -979,7 +977,7 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
                 let now = tokio::time::Instant::now();
                 for (i, slot) in waiting.iter_mut().enumerate() {
                     if let Some(mut late) = slot.take_if(|c| c.since + timeout <= now) {
-                        if let Some(at) = replies_at[i] {
+                        if let Some(at) = replies_at[i].filter(|_| options.take_back_late) {
                             given_up.push((at, std::mem::take(&mut late.part)));
                         }
                         answer(late, Err(link.timeout(timeout)));
@@ -1007,18 +1005,11 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
             // Each request's reply read alone: one that does not parse (a key holding a state
             // nothing of sluice's wrote) fails its request, not the others of the call, which
             // Redis decided and charged.
-            let mut refunds = match options.take_back_late {
-                true => late_refunds(&given_up, &replies),
-                false => Vec::new(),
-            };
-            let mut replies = replies.iter();
-            for (slot, release) in waiting.into_iter().zip(releases) {
-                let figures = match release {
-                    true => Ok(vec![3]),
-                    false => match replies.next() {
-                        Some(reply) => script::unpack(reply),
-                        None => Err(StoreError::Reply("a reply short".into())),
-                    },
+            let mut refunds = late_refunds(&given_up, &replies);
+            for (slot, at) in waiting.into_iter().zip(replies_at) {
+                let figures = match at {
+                    Some(at) => script::unpack(&replies[at]),
+                    None => Ok(vec![3]), // a release: its command ran
                 };
                 if let Some(call) = slot {
                     refunds.extend(answer(call, figures.map(|r| (r, resent))));
