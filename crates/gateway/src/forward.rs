@@ -1549,18 +1549,15 @@ pub(crate) fn upgrade_protocol<B>(req: &Request<B>) -> Option<HeaderValue> {
 /// none, is no switch the client can follow (or one it did not ask for, e.g. to `h2c`, a
 /// raw HTTP/2 connection to the upstream behind the gateway's back).
 pub(crate) fn switched_as_asked(asked: &HeaderValue, got: Option<&HeaderValue>) -> bool {
-    let tokens = |v: &HeaderValue| -> Vec<String> {
+    fn tokens(v: &HeaderValue) -> impl Iterator<Item = &str> {
         let text = v.to_str().unwrap_or_default();
-        (text.split(','))
-            .map(|t| t.trim().to_ascii_lowercase())
-            .filter(|t| !t.is_empty())
-            .collect()
+        text.split(',').map(str::trim).filter(|t| !t.is_empty())
+    }
+    let Some(got) = got else {
+        return false;
     };
-    let (asked, got) = match got {
-        Some(got) => (tokens(asked), tokens(got)),
-        None => return false,
-    };
-    !got.is_empty() && got.iter().all(|p| asked.contains(p))
+    tokens(got).next().is_some()
+        && tokens(got).all(|p| tokens(asked).any(|a| a.eq_ignore_ascii_case(p)))
 }
 
 /// Puts back the two hop-by-hop headers of a protocol switch, which the upstream (on a
@@ -1658,7 +1655,7 @@ pub(crate) fn prepare_request<B>(
             other => {
                 // Only a name as long as one a lookalike could spell is looked into.
                 underscores |= identity.lookalike_lengths & length_bit(other.len()) != 0
-                    && (identity.underscored || has_underscore(other));
+                    && (identity.underscored || has_cgi_separator(other));
             }
         }
     }
@@ -1742,7 +1739,7 @@ pub(crate) struct IdentityHeaders {
     names: Vec<HeaderName>,
     /// The lengths a lookalike of these or of [`WRITTEN`] has, as [`length_bit`]s.
     lookalike_lengths: u64,
-    /// Whether one of them holds `_` (`header:x_custom`): its lookalikes need none.
+    /// Whether one of them holds `_` or `.` (`header:x_custom`): its lookalikes need none.
     underscored: bool,
 }
 
@@ -1751,7 +1748,7 @@ impl IdentityHeaders {
         let lookalike_lengths = names.iter().fold(WRITTEN_LENGTHS | CLAIMS_LENGTHS, |m, h| {
             m | length_bit(h.as_str().len())
         });
-        let underscored = names.iter().any(|h| has_underscore(h.as_str()));
+        let underscored = names.iter().any(|h| has_cgi_separator(h.as_str()));
         IdentityHeaders {
             names,
             lookalike_lengths,
@@ -1814,7 +1811,7 @@ const fn lengths_of(names: &[&str]) -> u64 {
 /// Whether `name` holds a `_` or a `.`, which CGI-style servers read as `-` (see
 /// [`drop_lookalikes`]), eight bytes at a time (a `memchr` call per name, or a loop over its
 /// bytes, cost several times more on the short names of a request).
-fn has_underscore(name: &str) -> bool {
+fn has_cgi_separator(name: &str) -> bool {
     const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
     const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
     const UNDERSCORES: u64 = u64::from_ne_bytes([b'_'; 8]);
@@ -1850,14 +1847,13 @@ const fn length_bit(len: usize) -> u64 {
 /// `_` (`X.Api.Key` is `HTTP_X_API_KEY` behind `php -S`, Caddy's `php_fastcgi`, FrankenPHP;
 /// review: such a field carried a key the gateway had not counted).
 fn drop_lookalikes(headers: &mut HeaderMap, identity: &[HeaderName], untrusted: bool) {
-    let fold = |b: u8| if b == b'_' || b == b'.' { b'-' } else { b };
     let spells = |name: &str, other: &str| {
         name != other
             && name.len() == other.len()
             && name
                 .bytes()
                 .zip(other.bytes())
-                .all(|(a, b)| fold(a) == fold(b))
+                .all(|(a, b)| cgi_fold(a) == cgi_fold(b))
     };
     let lookalikes: Vec<HeaderName> = headers
         .keys()
@@ -2024,14 +2020,23 @@ pub(crate) fn method_override<B>(req: &Request<B>) -> Option<String> {
     })
 }
 
-/// Whether a header name (lower case) is `spelled`, with `_` or `.` for any `-` (as
-/// CGI-style servers read them: see [`drop_lookalikes`]).
+/// Whether a header name (lower case) is `spelled` (lower case, with `-` only), with `_` or
+/// `.` for any `-` (as CGI-style servers read them: see [`drop_lookalikes`]).
 fn same_name(name: &str, spelled: &str) -> bool {
     name.len() == spelled.len()
         && name
             .bytes()
             .zip(spelled.bytes())
-            .all(|(n, s)| n == s || (matches!(n, b'_' | b'.') && s == b'-'))
+            .all(|(n, s)| cgi_fold(n) == s)
+}
+
+/// A header name's byte as CGI-style servers read it: `_` and `.` (PHP) as `-`.
+fn cgi_fold(b: u8) -> u8 {
+    if b == b'_' || b == b'.' {
+        b'-'
+    } else {
+        b
+    }
 }
 
 /// Whether two `host[:port]` values name the same host: case and a trailing dot aside, and
@@ -2809,21 +2814,21 @@ mod tests {
     fn an_underscore_is_found_anywhere_in_a_name() {
         for len in 0..40 {
             let plain = "a".repeat(len);
-            assert!(!has_underscore(&plain), "{len}");
+            assert!(!has_cgi_separator(&plain), "{len}");
             for at in 0..len {
                 let mut with = plain.clone().into_bytes();
                 with[at] = b'_';
                 let with = String::from_utf8(with).unwrap();
-                assert!(has_underscore(&with), "{with}");
+                assert!(has_cgi_separator(&with), "{with}");
             }
         }
         // Neighbours of `_` (0x5f) and `.` (0x2e) in the ASCII table are not them.
-        assert!(!has_underscore("^`~^`~^`~^`~-/"));
+        assert!(!has_cgi_separator("^`~^`~^`~^`~-/"));
         for len in 0..40 {
             let mut dotted = "a".repeat(len).into_bytes();
             for at in 0..len {
                 dotted[at] = b'.';
-                assert!(has_underscore(std::str::from_utf8(&dotted).unwrap()));
+                assert!(has_cgi_separator(std::str::from_utf8(&dotted).unwrap()));
                 dotted[at] = b'a';
             }
         }
