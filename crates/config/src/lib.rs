@@ -248,10 +248,7 @@ fn serde_error_plain(
             // A Redis URL's password is not repeated, wherever its string breaks; on a line
             // holding a URL with a user, nothing of the line is (review: a quote or `,` in
             // the password broke the string, and the error quoted the password's tail).
-            let value = &match value.contains("://") || !holds_userinfo(text, span.start) {
-                true => redact_url(value),
-                false => String::new(),
-            };
+            let value = &redact_url(quotable(text, span.start, value));
             if !value.is_empty() && !message.contains(value) {
                 message = format!("{value}: {message}");
             }
@@ -274,12 +271,7 @@ fn serde_error_plain(
         if !found.is_empty() && (key.is_empty() || map_key_lost || fuller) {
             key = found;
         }
-        let value = match value_at(text, span.start) {
-            // Quoted whole, a URL has its password hidden as `***`; a piece of one is not
-            // quoted at all.
-            v if v.contains("://") || !holds_userinfo(text, span.start) => v,
-            _ => "",
-        };
+        let value = quotable(text, span.start, value_at(text, span.start));
         // toml hands a date-time to serde as a map, which is called a table above.
         if value.starts_with(|c: char| c.is_ascii_digit()) {
             message = message.replace("invalid type: table", "invalid type: date-time");
@@ -377,7 +369,17 @@ fn string_around(text: &str, offset: usize) -> Option<(usize, bool)> {
     None
 }
 
-/// The rest of the line from `offset`, trimmed, at most 80 bytes.
+/// `value`, taken from the line at `offset` to be quoted in an error, or nothing if it could
+/// be part of a password: on a line holding a URL with a user, only a whole URL is quoted
+/// (its password then hidden as `***`), not a piece of one (a quote or `,` in the password
+/// broke its string).
+fn quotable<'t>(text: &str, offset: usize, value: &'t str) -> &'t str {
+    match value.contains("://") || !holds_userinfo(text, offset) {
+        true => value,
+        false => "",
+    }
+}
+
 /// Whether the line at `offset` holds a URL with a user (`://`, then `@`): what an error
 /// quotes from it could be part of a password (its string broken by a quote in it).
 fn holds_userinfo(text: &str, offset: usize) -> bool {
@@ -388,6 +390,7 @@ fn holds_userinfo(text: &str, offset: usize) -> bool {
     line.find("://").is_some_and(|s| line[s..].contains('@'))
 }
 
+/// The rest of the line from `offset`, trimmed, at most 80 bytes.
 fn value_line(text: &str, offset: usize) -> &str {
     let Some(rest) = text.get(offset..) else {
         return "";
