@@ -602,6 +602,10 @@ url = "http://user:pw@127.0.0.1"
 url = "http://127.0.0.1:+80"
 [upstreams.g]
 url = "http://127.0.0.1:80#x"
+[upstreams.h]
+url = "http://user:hunter2 pw@127.0.0.1"
+[upstreams.i]
+url = "http://user:hun\"ter2@127.0.0.1"
 
 [[routes]]
 name = "empty"
@@ -640,11 +644,13 @@ routes = ["wild", "wild"]
             "c.toml:11:7: upstreams.e.url: \"http://user:***@127.0.0.1\" has a user or password: an upstream URL is scheme, host and port only",
             "c.toml:13:7: upstreams.f.url: \"http://127.0.0.1:+80\" has a port that is not a number",
             "c.toml:15:7: upstreams.g.url: \"http://127.0.0.1:80#x\" has a fragment; an upstream URL is scheme, host and port only",
-            "c.toml:20:34: routes[0].respond.body: a 204 response has no body: \"gone\" would never be sent (leave body out)",
-            "c.toml:25:42: routes[1].respond.content_type: \" \" is empty (leave content_type out for \"text/plain; charset=utf-8\")",
-            "c.toml:30:8: routes[2].host: \"*.example.com\": wildcards are not supported; a route matches one host exactly (leave host out for every host)",
-            "c.toml:34:8: routes[3].name: \"odd\\nname\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')",
-            "c.toml:43:19: limits[0].routes[1]: \"wild\" is listed twice",
+            "c.toml:17:7: upstreams.h.url: \"http://user:***@127.0.0.1\" is not a URL (write e.g. \"http://127.0.0.1:3000\")",
+            "c.toml:19:7: upstreams.i.url: \"http://user:***@127.0.0.1\" is not a URL (write e.g. \"http://127.0.0.1:3000\")",
+            "c.toml:24:34: routes[0].respond.body: a 204 response has no body: \"gone\" would never be sent (leave body out)",
+            "c.toml:29:42: routes[1].respond.content_type: \" \" is empty (leave content_type out for \"text/plain; charset=utf-8\")",
+            "c.toml:34:8: routes[2].host: \"*.example.com\": wildcards are not supported; a route matches one host exactly (leave host out for every host)",
+            "c.toml:38:8: routes[3].name: \"odd\\nname\" is not a usable name (1 to 64 ASCII letters, digits, '-', '_' or '.')",
+            "c.toml:47:19: limits[0].routes[1]: \"wild\" is listed twice",
         ]
     );
 }

@@ -456,7 +456,10 @@ impl Validator<'_> {
             Some(u) if !matches!(u.path(), "" | "/") || u.query().is_some() => "has a path or query; an upstream URL is scheme, host and port only",
             Some(_) => return uri,
         };
-        self.err(span, key, format!("\"{s}\" {problem}"));
+        // The whole URL's password is hidden before quoting: the message's own guard finds
+        // passwords word by word, and one holding a blank or a quote spans several words.
+        let shown = crate::host::redact_url(s);
+        self.err(span, key, format!("\"{shown}\" {problem}"));
         None
     }
 }
