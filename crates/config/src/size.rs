@@ -14,10 +14,11 @@ pub(crate) fn parse_size(value: &str) -> Result<u64, String> {
         "GiB" => Some(1 << 30),
         _ => None,
     };
-    let n = value[..digits].parse::<u64>().ok();
+    // Digits that overflow a u64 are a size all the same: too large, not malformed.
+    let n = (digits > 0).then(|| value[..digits].parse::<u64>().ok());
     match (n, unit) {
         (Some(n), Some(unit)) => n
-            .checked_mul(unit)
+            .and_then(|n| n.checked_mul(unit))
             .ok_or_else(|| format!("\"{value}\" is too large")),
         _ => Err(format!(
             "\"{value}\" is not a size (write an integer and a unit: 512KiB, 10MiB, 1GiB, 100MB, 4096B)"
@@ -69,6 +70,22 @@ mod tests {
         ] {
             assert!(parse_size(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn sizes_past_u64_are_too_large_not_malformed() {
+        for big in [
+            "18446744073709551616B",
+            "99999999999GiB",
+            "99999999999999999999999KiB",
+        ] {
+            assert_eq!(
+                parse_size(big),
+                Err(format!("\"{big}\" is too large")),
+                "{big}"
+            );
+        }
+        assert_eq!(parse_size("18446744073709551615B"), Ok(u64::MAX));
     }
 
     #[test]
