@@ -299,10 +299,9 @@ impl Limiter {
                 wait: &mut admission.wait,
                 before: None,
             };
-            match c
-                .table
-                .update(key, |s| charge(&c.rule, s, cost, now, c.ahead, &mut held))
-            {
+            match c.table.update(key, now, |s| {
+                charge(&c.rule, s, cost, now, c.ahead, &mut held)
+            }) {
                 Ok((state, tag)) => {
                     if let Some(before) = held.before {
                         admission.before.push((position, before));
@@ -495,6 +494,13 @@ impl Limiter {
     /// Counters of limit `id`'s table.
     pub fn stats(&self, id: LimitId) -> TableStats {
         self.limits[id.index()].table.stats()
+    }
+
+    /// Counters of limit `id`'s table of blocked keys, if it has `block_for`: a second table,
+    /// bounded by the same `max_keys`, whose evictions end blocks early.
+    pub fn block_stats(&self, id: LimitId) -> Option<TableStats> {
+        let (_, blocks) = self.limits[id.index()].blocks.as_ref()?;
+        Some(blocks.stats())
     }
 
     /// An admission with nothing charged yet. Inlined, and reserving only past the inline

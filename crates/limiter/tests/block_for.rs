@@ -88,3 +88,32 @@ fn a_block_past_the_end_of_time_still_blocks() {
     assert!(first.wait().unwrap() > Duration::from_secs(500 * 365 * 24 * 3600));
     assert!(!limiter.decide(&layers, 1, at(2 * SEC)).is_admitted());
 }
+
+/// Blocks live in a table of their own, bounded by the same `max_keys`: when it is full, new
+/// blocks evict old ones, and that shows in its own counters (review: the counters' table
+/// of a short window is swept every window and never evicts, so its figures said nothing
+/// while blocks of an hour were forgotten).
+#[test]
+fn blocks_forgotten_when_their_table_is_full_are_counted() {
+    let limit = fixed("login", 1, Duration::from_secs(1))
+        .with_block_for(Duration::from_secs(3_600))
+        .unwrap()
+        .with_max_keys(100)
+        .unwrap();
+    let limiter = Limiter::new([limit]).unwrap();
+    let id = limiter.id("login").unwrap();
+    let hasher = sluice_limiter::KeyHasher::new_random();
+    for caller in 0u64..300 {
+        // A caller every 10 ms: its counters are fresh by the next window, its block is not.
+        let now = at(caller * SEC / 100);
+        let layers = [(id, hasher.key(&[&caller.to_le_bytes()]))];
+        assert!(limiter.decide(&layers, 1, now).is_admitted());
+        assert!(!limiter.decide(&layers, 1, now).is_admitted());
+        limiter.sweep(now);
+    }
+    let blocks = limiter.block_stats(id).expect("a limit with block_for");
+    assert_eq!((blocks.keys, blocks.evictions), (100, 200));
+    assert_eq!(limiter.stats(id).evictions, 0);
+    let plain = Limiter::new([fixed("plain", 1, Duration::from_secs(1))]).unwrap();
+    assert_eq!(plain.block_stats(plain.id("plain").unwrap()), None);
+}

@@ -83,7 +83,7 @@ impl Limiter {
                             // The block covers the counters' wait too, so its end is a real retry time.
                             let until = now.saturating_add((*block_for).max(wait.unwrap_or(0)));
                             let until_state = u128::from(until);
-                            blocks.update(layer.key, |s| {
+                            blocks.update(layer.key, now, |s| {
                                 s.update(|end| (until_state > end).then_some(until_state));
                             });
                             layer.block(until);
