@@ -58,8 +58,8 @@ pub(crate) struct Quota {
     /// rolling change that adds a route; hashed once, so a key costs 16 bytes of it whatever
     /// the name's length).
     route_parts: Vec<[u8; 16]>,
-    /// Evictions already warned about, per limit, and when the last warning was.
-    evictions: std::sync::Mutex<(Vec<u64>, Option<tokio::time::Instant>)>,
+    /// Evictions already warned about, per limit: its counters' table and its blocks'.
+    evictions: std::sync::Mutex<Vec<[EvictionWatch; 2]>>,
 }
 
 /// What the gateway needs to know about a limit beyond its counters.
@@ -273,7 +273,7 @@ impl Quota {
                 }
             }
         }
-        let evictions = std::sync::Mutex::new((vec![0; limits.len()], None));
+        let evictions = std::sync::Mutex::new(vec![[EvictionWatch::default(); 2]; limits.len()]);
         Ok(Self {
             limiter,
             remote,
@@ -449,35 +449,67 @@ impl Quota {
         swept
     }
 
-    /// Warns, at most once a minute, of each limit whose table of callers is full, so that
-    /// new callers evict others (approximately the least recently seen) and what those were
-    /// counted (a spent quota, a block) is forgotten: a full table never refuses, but it should
-    /// not forget in silence.
+    /// Warns, at most once a minute per table, of each limit whose table of callers (or of
+    /// blocked callers) is full, so that new callers evict others and what those were counted
+    /// (a spent quota, a block) is forgotten: a full table never refuses, but it should not
+    /// forget in silence.
     fn warn_of_evictions(&self) {
-        let mut guard = self.evictions.lock().unwrap_or_else(|e| e.into_inner());
-        let (seen, warned) = &mut *guard;
-        if warned.is_some_and(|at| at.elapsed() < std::time::Duration::from_secs(60)) {
-            return;
-        }
-        for ((info, seen), id) in self
+        let mut watches = self.evictions.lock().unwrap_or_else(|e| e.into_inner());
+        for ((info, [counts, blocks]), id) in self
             .limits
             .iter()
-            .zip(seen.iter_mut())
+            .zip(watches.iter_mut())
             .zip(self.limiter.ids())
         {
             let stats = self.limiter.stats(id);
-            if stats.evictions > *seen {
+            if let Some(evicted) = counts.news(stats.evictions) {
                 tracing::warn!(
                     policy = &*info.name,
-                    evicted = stats.evictions - *seen,
+                    evicted,
                     keys = stats.keys,
                     max_keys = info.config.max_keys.get(),
-                    "a limit's table of callers is full: new callers evict others, whose counts and blocks are forgotten; raise its max_keys"
+                    "a limit's table of callers is full: new callers evict others, whose counts are forgotten; raise its max_keys"
                 );
-                *seen = stats.evictions;
-                *warned = Some(tokio::time::Instant::now());
+            }
+            // Blocks have a table of their own (review: it filled, and blocks of an hour ended
+            // early, while the counters' table, swept every short window, never evicted).
+            let Some(stats) = self.limiter.block_stats(id) else {
+                continue;
+            };
+            if let Some(evicted) = blocks.news(stats.evictions) {
+                tracing::warn!(
+                    policy = &*info.name,
+                    evicted,
+                    blocked = stats.keys,
+                    max_keys = info.config.max_keys.get(),
+                    "a limit's table of blocked callers is full: new blocks end others early; raise its max_keys"
+                );
             }
         }
+    }
+}
+
+/// One table's evictions already warned about, and when the last warning was.
+#[derive(Debug, Default, Clone, Copy)]
+struct EvictionWatch {
+    seen: u64,
+    warned: Option<tokio::time::Instant>,
+}
+
+impl EvictionWatch {
+    /// The evictions to warn of now, out of `total` so far: none within a minute of the last
+    /// warning (they are told with the next).
+    fn news(&mut self, total: u64) -> Option<u64> {
+        let recent = self
+            .warned
+            .is_some_and(|at| at.elapsed() < Duration::from_secs(60));
+        if total <= self.seen || recent {
+            return None;
+        }
+        let news = total - self.seen;
+        self.seen = total;
+        self.warned = Some(tokio::time::Instant::now());
+        Some(news)
     }
 }
 
