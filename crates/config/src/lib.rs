@@ -307,6 +307,14 @@ fn plain_types(message: &str) -> String {
     ] {
         out = out.replace(rust, toml);
     }
+    // serde spells a float out in full (`1e308` as 309 digits); the value as written
+    // already leads the message.
+    if let Some(at) = out.find("floating point `") {
+        let from = at + "floating point".len();
+        if let Some(len) = out[from + 2..].find('`') {
+            out.replace_range(from..from + 2 + len + 1, "");
+        }
+    }
     while let Some(at) = out.find("expected struct Raw") {
         let end = out[at..]
             .find(|c: char| !c.is_ascii_alphanumeric() && c != ' ')

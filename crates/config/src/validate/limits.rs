@@ -9,6 +9,9 @@ use super::Validator;
 use crate::model::{Algorithm, KeyPart, Limit, Mode, Route};
 use crate::raw::{RawLimit, RawRoute, Table, S};
 
+/// The most parts one limit's key may have.
+const MAX_KEY_PARTS: usize = 8;
+
 impl Validator<'_> {
     pub(super) fn limits(
         &mut self,
@@ -164,6 +167,11 @@ impl Validator<'_> {
         let items = by.get_ref().items();
         if items.is_empty() {
             self.err(Some(by.span()), key, "an empty list counts nobody; name at least one of \"ip\", \"api_key\", \"route\", \"global\", \"header:<name>\"");
+            return None;
+        }
+        if items.len() > MAX_KEY_PARTS {
+            let msg = format!("{} parts: at most {MAX_KEY_PARTS} (each is read and hashed on every request the limit covers)", items.len());
+            self.err(Some(by.span()), key, msg);
             return None;
         }
         let mut parts = Vec::with_capacity(items.len());

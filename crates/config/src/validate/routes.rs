@@ -43,21 +43,36 @@ impl Validator<'_> {
                 h.strip_suffix('.').unwrap_or(h).to_ascii_lowercase()
             })
         };
-        // Routes by path as matched (ignoring case), in file order: only those can shadow
-        // each other, and a file of many routes is not compared pair by pair.
-        let mut by_path: std::collections::HashMap<String, Vec<usize>> = Default::default();
-        for (j, r) in raw.iter().enumerate() {
-            by_path
-                .entry(r.path.get_ref().to_ascii_lowercase())
-                .or_default()
-                .push(j);
+        // Routes by path as matched (ignoring case) and host, in file order: a route can be
+        // shadowed only by an earlier one of its path with its host or none, so a file of
+        // many routes is compared neither pair by pair nor, for many hosts on one path (a
+        // host per tenant on `/`), against every route of the path (review: 20,000 such
+        // routes took 15 s to check).
+        type Place = (String, Option<String>);
+        let place = |r: &RawRoute| -> Place { (r.path.get_ref().to_ascii_lowercase(), host(r)) };
+        let mut by_place: std::collections::HashMap<Place, Vec<usize>> = Default::default();
+        let places: Vec<Place> = raw.iter().map(|r| place(r)).collect();
+        for (j, p) in places.iter().enumerate() {
+            by_place.entry(p.clone()).or_default().push(j);
         }
         for (j, later) in raw.iter().enumerate() {
-            let same_path = &by_path[&later.path.get_ref().to_ascii_lowercase()];
-            let shadowed = same_path.iter().copied().take_while(|&i| i < j).find(|&i| {
-                let earlier = &raw[i];
-                covers(earlier, later) && (earlier.host.is_none() || host(earlier) == host(later))
-            });
+            let (path, later_host) = &places[j];
+            let earlier_of = |host: Option<String>| {
+                let list = by_place
+                    .get(&(path.clone(), host))
+                    .map_or(&[][..], Vec::as_slice);
+                let earlier = &list[..list.partition_point(|&i| i < j)];
+                earlier.iter().copied().find(|&i| covers(&raw[i], later))
+            };
+            // The first written of the matches for every host and those for this host.
+            let any_host = earlier_of(None);
+            let this_host = later_host
+                .as_ref()
+                .and_then(|h| earlier_of(Some(h.clone())));
+            let shadowed = match (any_host, this_host) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             if let Some(i) = shadowed {
                 let (hosts, hint) = if raw[i].host.is_none() && later.host.is_some() {
                     ("with no host (so every host, this route's too)", " (among routes of the same path the first written is matched: write the one with a host first)")

@@ -20,6 +20,9 @@ const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9901";
 /// Idle connections each serving thread keeps per upstream unless `idle_connections` says.
 const DEFAULT_IDLE_CONNECTIONS: u16 = 256;
 
+/// The most places `identity.api_key` may name.
+const MAX_KEY_SOURCES: usize = 16;
+
 impl Validator<'_> {
     fn socket_addr(&mut self, v: &Option<S<String>>, key: &str, default: &str) -> SocketAddr {
         let fallback = default.parse().expect("default listen addresses parse");
@@ -223,6 +226,14 @@ impl Validator<'_> {
                 self.err(Some(list.span()), "identity.api_key", "an empty list finds no key, so every limit by \"api_key\" would count nobody; leave the key out for the default [\"header:x-api-key\", \"bearer\"]");
                 Vec::new()
             }
+            Some(list) if list.get_ref().len() > MAX_KEY_SOURCES => {
+                let msg = format!(
+                    "{} sources: at most {MAX_KEY_SOURCES} (each is looked for on every request)",
+                    list.get_ref().len()
+                );
+                self.err(Some(list.span()), "identity.api_key", msg);
+                Vec::new()
+            }
             Some(list) => {
                 let mut sources: Vec<KeySource> = Vec::new();
                 for (i, s) in list.get_ref().iter().enumerate() {
@@ -243,22 +254,29 @@ impl Validator<'_> {
         let mut seen = std::collections::HashSet::new();
         for (i, s) in raw.trusted_proxies.iter().flatten().enumerate() {
             let key = format!("identity.trusted_proxies[{i}]");
-            let parsed = s.get_ref().parse::<Cidr>();
-            if let Ok(c) = &parsed {
-                if !seen.insert(*c) {
-                    let msg = format!("\"{}\" is listed twice (as {c})", s.get_ref());
-                    self.err(Some(s.span()), &key, msg);
-                    continue;
-                }
-            }
-            match parsed {
-                Ok(c) if c.is_everything() && raw.allow_trust_all != Some(true) => self.err(
-                    Some(s.span()),
-                    &key,
-                    format!("\"{c}\" trusts every peer, which lets any caller choose its own client IP; set identity.allow_trust_all = true if that is really meant"),
-                ),
-                Ok(c) => trusted_proxies.push(c),
+            let written = s.get_ref();
+            match written.parse::<Cidr>() {
                 Err(msg) => self.err(Some(s.span()), &key, msg),
+                // Named as written, and as read where that differs (`::ffff:0:0/96` is every
+                // IPv4 address).
+                Ok(c) if c.is_everything() && raw.allow_trust_all != Some(true) => {
+                    let read = c.to_string();
+                    let as_read = if read == *written {
+                        String::new()
+                    } else {
+                        format!(" (as {read})")
+                    };
+                    self.err(
+                        Some(s.span()),
+                        &key,
+                        format!("\"{written}\"{as_read} trusts every peer, which lets any caller choose its own client IP; set identity.allow_trust_all = true if that is really meant"),
+                    );
+                }
+                Ok(c) if !seen.insert(c) => {
+                    let msg = format!("\"{written}\" is listed twice (as {c})");
+                    self.err(Some(s.span()), &key, msg);
+                }
+                Ok(c) => trusted_proxies.push(c),
             }
         }
         let whole = trusted_proxies.iter().any(Cidr::is_everything);
