@@ -398,7 +398,15 @@ async fn held_requests_that_would_outlast_the_grace_get_503_when_draining_starts
         late.to_ascii_lowercase().contains("\r\nretry-after: "),
         "{late}"
     );
-    assert!(late.contains("\"policy\":\"server-capacity\""), "{late}");
+    // Said as it is: this instance is going away, not full (review: "The service is at
+    // capacity", logged OVERLOADED, with nothing in flight).
+    assert!(late.contains("\"policy\":\"server-draining\""), "{late}");
+    assert!(late.contains("shutting-down\",\"title\""), "{late}");
+    let line = gw
+        .wait_log("the held request's line", |v| v["status"] == 503)
+        .await;
+    assert_eq!(line["decision"], "DRAINING", "{line}");
+    assert_eq!(line["policy"], "server-draining", "{line}");
     assert_eq!(gw.wait_exit(Duration::from_secs(15)).await.code(), Some(0));
 }
 

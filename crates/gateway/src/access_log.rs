@@ -101,6 +101,7 @@ impl AccessLog {
             Outcome::Rejected(id) => ("REJECTED", Some(id)),
             Outcome::RejectedDryRun(id) => ("REJECTED_DRY_RUN", Some(id)),
             Outcome::Overloaded => ("OVERLOADED", None),
+            Outcome::Draining => ("DRAINING", None),
             Outcome::StoreUnavailable => ("STORE_UNAVAILABLE", None),
             Outcome::Unchecked => ("UNCHECKED", None),
         };
@@ -109,6 +110,7 @@ impl AccessLog {
         // why its request was not counted).
         l.policy = match (outcome, policy) {
             (Outcome::Overloaded, _) => Some(Arc::from("server-capacity")),
+            (Outcome::Draining, _) => Some(Arc::from("server-draining")),
             (Outcome::StoreUnavailable | Outcome::Unchecked, _) => Some(Arc::from("quota-store")),
             (_, Some(id)) => Some(quota.info(id).name.clone()),
             _ => None,

@@ -482,6 +482,14 @@ fn stopped(
             advertise(shared, route, res.headers_mut(), reports, cost, None);
             res
         }
+        Stop::DrainingAfterHold => {
+            log.outcome(Outcome::Draining, &shared.quota);
+            let retry_after = overload_retry_after(shared.overload_retry_after);
+            let mut res =
+                Problem::draining_after_hold(retry_after).into_response(&shared.problem_base);
+            advertise(shared, route, res.headers_mut(), reports, cost, None);
+            res
+        }
         Stop::CostTooLarge(id) => {
             tracing::error!(
                 policy = &*shared.quota.info(id).name,

@@ -201,6 +201,22 @@ impl Problem {
         p
     }
 
+    /// A held request whose hold would end after the shutdown grace: this instance is going
+    /// away (another can answer), not full; its charges withdrawn as after a hold that found
+    /// the gateway full.
+    pub(crate) fn draining_after_hold(retry_after: u64) -> Self {
+        let mut p = Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting-down",
+            "The service is shutting down",
+            "Retry after the delay in Retry-After. This request's charge was withdrawn, unless \
+             another of your requests is held behind it; the RateLimit fields show what you have.",
+        );
+        p.retry_after = Some(retry_after);
+        p.extra.push(("policy", Member::Text("server-draining")));
+        p
+    }
+
     /// The shared store cannot decide and `on_error = "deny"`. Nothing stays charged: what
     /// Redis charged for a decision whose answer came too late is taken back when the answer
     /// comes (but for an answer that never comes: docs/configuration.md, `timeout`).

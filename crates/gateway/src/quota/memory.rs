@@ -60,17 +60,20 @@ impl Quota {
             clock: &*self.clock,
             admissions: hold.admissions,
         };
-        let Some(slot) = place_after_hold(capacity, hold.wait).await else {
-            // A 503 tells the caller what it has, its charges withdrawn.
-            drop(withdraw);
-            let figures = self.limiter.figures(&layers.enforced, self.clock.now());
-            notes.reports.clear();
-            notes.reports.extend(figures.map(|r| (r.limit, r)));
-            return Err(Stop::OverloadedAfterHold);
+        let slot = match place_after_hold(capacity, hold.wait).await {
+            Ok(slot) => slot,
+            Err(stop) => {
+                // A 503 tells the caller what it has, its charges withdrawn.
+                drop(withdraw);
+                let figures = self.limiter.figures(&layers.enforced, self.clock.now());
+                notes.reports.clear();
+                notes.reports.extend(figures.map(|r| (r.limit, r)));
+                return Err(stop);
+            }
         };
-        withdraw.admissions.clear(); // it passes: the charges stay
-                                     // Its figures as it is forwarded, not as of its admission a hold ago (a `t` counted
-                                     // from then would send the caller back that much too late).
+        // It passes: the charges stay. Its figures as it is forwarded, not as of its admission
+        // a hold ago (a `t` counted from then would send the caller back that much too late).
+        withdraw.admissions.clear();
         let figures = self.limiter.figures(&layers.enforced, self.clock.now());
         notes.reports.clear();
         notes.reports.extend(figures.map(|r| (r.limit, r)));

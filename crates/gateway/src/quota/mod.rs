@@ -137,6 +137,8 @@ pub(crate) enum Outcome {
     Rejected(LimitId),
     RejectedDryRun(LimitId),
     Overloaded,
+    /// A held request whose hold would have ended after the shutdown grace: a 503.
+    Draining,
     /// The shared store could not decide and `on_error = "deny"`: the `quota-store` 503, or a
     /// plain 404 for a request no route matches.
     StoreUnavailable,
@@ -166,6 +168,9 @@ pub(crate) enum Stop {
     /// 503: the gateway was full when a held request's hold ended; its charges were withdrawn,
     /// except a token bucket's that a later request of the same caller is held behind.
     OverloadedAfterHold,
+    /// 503: the gateway began to shut down with a grace that ends before a held request's
+    /// hold would; its charges were withdrawn as for [`Stop::OverloadedAfterHold`].
+    DrainingAfterHold,
     /// 503: the shared store cannot decide and `on_error = "deny"`; nothing was charged.
     StoreUnavailable,
 }
@@ -546,14 +551,14 @@ fn key_of(
     Some(hasher.key(&bytes))
 }
 
-/// Waits out a `delay` hold of `wait`, then takes the request's place in `max_in_flight`:
-/// `None` if the gateway is full then, or as soon as it starts draining with a grace that ends
-/// first (the request is answered 503 then, rather than cut without an answer at exit).
-async fn place_after_hold(capacity: &Capacity, wait: Duration) -> Option<InFlight> {
+/// Waits out a `delay` hold of `wait`, then takes the request's place in `max_in_flight`; the
+/// 503 to answer if the gateway is full then, or as soon as it starts draining with a grace
+/// that ends first (answered then, rather than cut without an answer at exit).
+async fn place_after_hold(capacity: &Capacity, wait: Duration) -> Result<InFlight, Stop> {
     let release = tokio::time::Instant::now() + wait;
     tokio::select! {
-        () = tokio::time::sleep_until(release) => capacity.try_acquire(),
-        () = capacity.draining_before(release) => None,
+        () = tokio::time::sleep_until(release) => capacity.try_acquire().ok_or(Stop::OverloadedAfterHold),
+        () = capacity.draining_before(release) => Err(Stop::DrainingAfterHold),
     }
 }
 
@@ -1016,10 +1021,7 @@ window = "1h"
         capacity.start_draining(tokio::time::Instant::now() + Duration::from_millis(200));
         let start = tokio::time::Instant::now();
         let (answer, _) = hold_out(&quota, hold, &layers, &capacity).await;
-        assert!(
-            matches!(answer, Err(Stop::OverloadedAfterHold)),
-            "{answer:?}"
-        );
+        assert!(matches!(answer, Err(Stop::DrainingAfterHold)), "{answer:?}");
         assert_eq!(start.elapsed(), Duration::ZERO);
         let Decided::Later(hold) = decide() else {
             panic!("held")

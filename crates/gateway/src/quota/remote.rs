@@ -208,25 +208,28 @@ impl Remote {
                         return Err(quota.no_room_to_hold(figures, hold));
                     }
                     notes.log.outcome(outcome, quota);
-                    let Some(slot) = place_after_hold(capacity, hold).await else {
-                        // A 503 tells the caller what it has, its charges withdrawn: one more
-                        // call, on this rare path, to read the figures after the withdrawal
-                        // (the admission's stay if Redis cannot say).
-                        if let Some(withdrawn) = withdraw.start() {
-                            let _ = withdrawn.await;
-                        }
-                        if let Ok(d) = store.decide(&remote, cost, Mode::CheckOnly).await {
-                            let now = match &d {
-                                RemoteDecision::Admitted(a) => Some(&a.reports[..]),
-                                RemoteDecision::Refused(r) => Some(&r.reports[..]),
-                                RemoteDecision::CostTooLarge { .. } => None,
-                            };
-                            if let Some(now) = now {
-                                notes.reports.clear();
-                                notes.reports.extend(figures(layers, now));
+                    let slot = match place_after_hold(capacity, hold).await {
+                        Ok(slot) => slot,
+                        Err(stop) => {
+                            // A 503 tells the caller what it has, its charges withdrawn: one more
+                            // call, on this rare path, to read the figures after the withdrawal
+                            // (the admission's stay if Redis cannot say).
+                            if let Some(withdrawn) = withdraw.start() {
+                                let _ = withdrawn.await;
                             }
+                            if let Ok(d) = store.decide(&remote, cost, Mode::CheckOnly).await {
+                                let now = match &d {
+                                    RemoteDecision::Admitted(a) => Some(&a.reports[..]),
+                                    RemoteDecision::Refused(r) => Some(&r.reports[..]),
+                                    RemoteDecision::CostTooLarge { .. } => None,
+                                };
+                                if let Some(now) = now {
+                                    notes.reports.clear();
+                                    notes.reports.extend(figures(layers, now));
+                                }
+                            }
+                            return Err(stop);
                         }
-                        return Err(Stop::OverloadedAfterHold);
                     };
                     withdraw.admission = None; // it passes: the charges stay
                     drop(place);
