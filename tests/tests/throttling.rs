@@ -467,6 +467,12 @@ block_for = "10s"
         (first.status.as_u16(), first.header("retry-after")),
         (429, "10")
     );
+    // The refusal that starts the block says so (review: it told of the window alone, under
+    // a Retry-After of the block's 10 s).
+    assert_eq!(
+        first.json()["detail"],
+        "2 of 2 requests used in a 1 s window. Exceeding it blocks you; the block ends in 10 s."
+    );
 
     gw.clock.advance(Duration::from_secs(3)); // the window refilled twice over
     let blocked = call(gw.main, "/x", "k").await;

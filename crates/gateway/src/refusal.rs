@@ -99,6 +99,17 @@ pub(crate) fn quota_exceeded(info: &LimitInfo, refused: &Refused, cost: u32) -> 
                 .0,
         ),
     };
+    // The refusal that starts a block says so: its wait is the block's, not the counters'.
+    let detail = match (refused.reason, limit.block_for) {
+        (RefusalReason::Exhausted, Some(_)) => {
+            Sentence(detail)
+                .text(" Exceeding it blocks you; the block ends in ")
+                .number(retry_after)
+                .text(" s.")
+                .0
+        }
+        _ => detail,
+    };
     let mut p = Problem::new(
         StatusCode::TOO_MANY_REQUESTS,
         "quota-exceeded",
