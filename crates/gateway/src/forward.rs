@@ -1472,32 +1472,48 @@ pub(crate) fn max_forwards_spent<B>(req: &mut Request<B>) -> bool {
 /// 9110 section 8.6: a server must not send one), and one value where the upstream repeated it
 /// (`5, 5`, or the field twice: the upstream's parser refused any that differ), as an
 /// intermediary should (same section). HTTP/2 clients refuse the response otherwise (review:
-/// curl failed with `PROTOCOL_ERROR`), and HTTP/1.1 ones got the list as sent.
+/// curl failed with `PROTOCOL_ERROR`), and HTTP/1.1 ones got the list as sent. Leading zeros
+/// go too, as on requests ([`canonical_content_length`]).
 pub(crate) fn one_content_length(status: StatusCode, headers: &mut HeaderMap) {
-    use http::header::CONTENT_LENGTH;
     if status == StatusCode::NO_CONTENT {
-        headers.remove(CONTENT_LENGTH);
+        headers.remove(http::header::CONTENT_LENGTH);
         return;
     }
+    canonical_content_length(headers);
+}
+
+/// A `Content-Length` as the gateway framed the body: one value, its digits without leading
+/// zeros. The client's `010` or `0003` (which hyper reads as 10 and 3) went on as
+/// written (review), and an upstream reading a leading zero as octal (C's `strtol` with base
+/// 0) or capping the digits it reads would split the body elsewhere than the gateway did:
+/// on a kept connection, the rest read as another request. Left alone when already one
+/// plain number, as nearly every request's is.
+pub(crate) fn canonical_content_length(headers: &mut HeaderMap) {
+    use http::header::CONTENT_LENGTH;
     let mut values = headers.get_all(CONTENT_LENGTH).iter();
     let Some(first) = values.next() else {
         return;
     };
-    if values.next().is_none() && !first.as_bytes().contains(&b',') {
+    let digits = first.as_bytes();
+    let plain = values.next().is_none()
+        && !digits.is_empty()
+        && (digits[0] != b'0' || digits.len() == 1)
+        && digits.iter().all(u8::is_ascii_digit);
+    if plain {
         return;
     }
-    let one = first
-        .as_bytes()
+    // hyper and h2 refused values that differ or are not numbers: the first value's number is
+    // the length they framed.
+    let number = digits
         .split(|&b| b == b',')
         .next()
-        .unwrap_or_default();
-    match HeaderValue::from_bytes(one.trim_ascii()) {
-        Ok(one) => {
-            headers.insert(CONTENT_LENGTH, one);
-        }
-        Err(_) => {
-            headers.remove(CONTENT_LENGTH);
-        }
+        .unwrap_or_default()
+        .trim_ascii();
+    if let Some(n) = std::str::from_utf8(number)
+        .ok()
+        .and_then(|n| n.parse::<u64>().ok())
+    {
+        headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
     }
 }
 
@@ -1624,9 +1640,10 @@ pub(crate) fn prepare_request<B>(
     // Which of the fields below the request carries, in one pass over the names without
     // hashing: most carry none, and each lookup by name hashes it.
     let (mut xff_sent, mut xfp_sent, mut spoofable) = (false, false, false);
-    let (mut underscores, mut claims) = (false, false);
+    let (mut underscores, mut claims, mut length_sent) = (false, false, false);
     for name in headers.keys() {
         match name.as_str() {
+            "content-length" => length_sent = true,
             "x-forwarded-for" => xff_sent = true,
             "x-forwarded-proto" => xfp_sent = true,
             "x-forwarded-host" | "forwarded" | "x-real-ip" => spoofable = true,
@@ -1658,6 +1675,9 @@ pub(crate) fn prepare_request<B>(
                     && (identity.underscored || has_cgi_separator(other));
             }
         }
+    }
+    if length_sent {
+        canonical_content_length(headers);
     }
     if underscores {
         drop_lookalikes(headers, &identity.names, !peer.trusted);
