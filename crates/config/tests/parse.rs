@@ -408,6 +408,35 @@ fn key_sources_and_key_parts_are_bounded() {
     assert!(parse(&fit.replace("\"header:x-p0\", ", ""), Path::new("c.toml")).is_ok());
 }
 
+/// Every route keeps the list of limits on it: a configuration of thousands of routes under
+/// thousands of limits is refused with the place that passed the bound, instead of taking
+/// gigabytes at start (review: 10,000 x 10,000 aborted for memory).
+#[test]
+fn routes_times_their_limits_are_bounded() {
+    let routes: String = (0..2_000)
+        .map(|i| {
+            format!("[[routes]]\nname = \"r{i}\"\npath = \"/r{i}\"\nrespond = {{ status = 200 }}\n")
+        })
+        .collect();
+    let limit = |i: usize, on: &str| {
+        format!("[[limits]]\nname = \"l{i}\"\nby = \"ip\"\nquota = 1\nwindow = \"1s\"\n{on}")
+    };
+    let many: String = (0..2_000).map(|i| limit(i, "")).collect();
+    let e = errors(&format!("{routes}{many}"));
+    assert_eq!(e.len(), 1, "{e:?}");
+    // 2,001 pairs a limit (the unrouted requests too): the 2,000th limit passes 4,000,000.
+    assert!(
+        e[0].contains(":17997:8: limits[1999]: routes x the limits on them pass 4000000 pairs here (2000 routes;"),
+        "{}",
+        e[0]
+    );
+    // Limits that name their routes count those only.
+    let named: String = (0..2_000)
+        .map(|i| limit(i, "routes = [\"r1\", \"r2\"]\n"))
+        .collect();
+    assert!(parse(&format!("{routes}{named}"), Path::new("c.toml")).is_ok());
+}
+
 #[test]
 fn trusting_everyone_needs_an_explicit_yes() {
     // Whole, or split in halves: it is still everyone.

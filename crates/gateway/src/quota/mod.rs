@@ -231,43 +231,44 @@ impl Quota {
         // The unrouted "route": none of its limits counts by route, so its part is never read.
         route_parts.push([0; 16]);
         let unrouted = config.routes.len();
-        let by_route = (0..=unrouted)
-            .map(|r| {
-                let mut on_route = RouteLimits::default();
-                for ((l, info), &id) in config.limits.iter().zip(&limits).zip(&ids) {
-                    let applies = if r == unrouted {
-                        config.gateway.count_unrouted && l.counts_unrouted()
-                    } else {
-                        l.applies_to(r)
-                    };
-                    if !applies {
-                        continue;
-                    }
-                    let entry = (id, key_of(&hasher, &info.parts, &route_parts[r], None));
-                    match l.mode {
-                        Mode::DryRun => on_route.dry_run.push(entry),
-                        Mode::Enforce | Mode::Delay { .. } => {
-                            on_route.enforced.push(entry);
-                            for p in &info.parts {
-                                if let Part::Header(h) = p {
-                                    if !on_route.key_headers.contains(h) {
-                                        on_route.key_headers.push(h.clone());
-                                    }
+        // Limit by limit, each onto the routes it names (in configuration order on each
+        // route): asking every route whether every limit applies walked each limit's route
+        // list once per route.
+        let mut by_route: Vec<RouteLimits> =
+            (0..=unrouted).map(|_| RouteLimits::default()).collect();
+        for ((l, info), &id) in config.limits.iter().zip(&limits).zip(&ids) {
+            let unrouted_too = config.gateway.count_unrouted && l.counts_unrouted();
+            let named = l.routes.as_deref();
+            let routes = named
+                .map_or(0..unrouted, |_| 0..0)
+                .chain(named.into_iter().flatten().copied());
+            for r in routes.chain(unrouted_too.then_some(unrouted)) {
+                let on_route = &mut by_route[r];
+                let entry = (id, key_of(&hasher, &info.parts, &route_parts[r], None));
+                match l.mode {
+                    Mode::DryRun => on_route.dry_run.push(entry),
+                    Mode::Enforce | Mode::Delay { .. } => {
+                        on_route.enforced.push(entry);
+                        for p in &info.parts {
+                            if let Part::Header(h) = p {
+                                if !on_route.key_headers.contains(h) {
+                                    on_route.key_headers.push(h.clone());
                                 }
                             }
                         }
                     }
                 }
-                // Limits of each caller before those shared by all (by route or global): a
-                // caller over its own quota is then refused before its request charges, even
-                // for a moment, what everyone shares (a charge taken back at once still
-                // refused a concurrent request near the shared limit). Config order otherwise.
-                on_route
-                    .enforced
-                    .sort_by_key(|&(_, shared)| shared.is_some());
-                on_route
-            })
-            .collect();
+            }
+        }
+        // Limits of each caller before those shared by all (by route or global): a caller
+        // over its own quota is then refused before its request charges, even for a moment,
+        // what everyone shares (a charge taken back at once still refused a concurrent request
+        // near the shared limit). Config order otherwise (the sort is stable).
+        for on_route in &mut by_route {
+            on_route
+                .enforced
+                .sort_by_key(|&(_, shared)| shared.is_some());
+        }
         let mut key_headers: Vec<HeaderName> = Vec::new();
         for info in &limits {
             for p in &info.parts {
