@@ -48,10 +48,19 @@ pub(crate) fn bad_path(why: BadPath) -> Problem {
 #[derive(Debug)]
 pub(crate) struct Router {
     routes: Vec<(usize, Route)>,
-    /// With many routes: the positions in `routes` of each path (ASCII lower case), so that
-    /// a request looks up the few prefixes of its own path that a route could be, instead of
-    /// walking every route (a host per tenant on `/`, 20,000 of them).
-    by_path: Option<HashMap<Box<[u8]>, Vec<usize>>>,
+    /// With many routes: the positions in `routes` of each path (ASCII lower case), by host,
+    /// so that a request looks up the few prefixes of its own path that a route could be, and
+    /// of those the routes for its host or any, instead of walking every route (a host per
+    /// tenant on `/`, 20,000 of them).
+    by_path: Option<HashMap<Box<[u8]>, OnePath>>,
+}
+
+/// The routes of one path, as positions in [`Router::routes`] (ascending: file order).
+#[derive(Debug, Default)]
+struct OnePath {
+    any_host: Vec<usize>,
+    /// By host, in ASCII lower case.
+    by_host: HashMap<Box<str>, Vec<usize>>,
 }
 
 /// Below this many routes a walk over them costs less than hashing a path's prefixes.
@@ -62,10 +71,17 @@ impl Router {
         let mut routes: Vec<(usize, Route)> = routes.iter().cloned().enumerate().collect();
         routes.sort_by(|(ia, a), (ib, b)| b.path.len().cmp(&a.path.len()).then(ia.cmp(ib)));
         let by_path = (routes.len() >= INDEX_FROM).then(|| {
-            let mut by_path: HashMap<Box<[u8]>, Vec<usize>> = HashMap::new();
+            let mut by_path: HashMap<Box<[u8]>, OnePath> = HashMap::new();
             for (at, (_, r)) in routes.iter().enumerate() {
                 let path = r.path.to_ascii_lowercase().into_bytes().into_boxed_slice();
-                by_path.entry(path).or_default().push(at);
+                let place = by_path.entry(path).or_default();
+                match &r.host {
+                    None => place.any_host.push(at),
+                    Some(h) => {
+                        let host = h.to_ascii_lowercase().into_boxed_str();
+                        place.by_host.entry(host).or_default().push(at);
+                    }
+                }
             }
             by_path
         });
@@ -77,30 +93,48 @@ impl Router {
     pub(crate) fn find<B>(&self, req: &Request<B>, merge_slashes: bool) -> Option<(usize, &Route)> {
         let key = route_key(req.uri().path(), merge_slashes);
         let path = key.as_ref();
-        // Looked up only if a route names a host: most configurations have none.
-        let host = std::cell::OnceCell::new();
-        let fits = |r: &Route| {
-            r.matches_method(req.method())
-                && r.host.as_deref().is_none_or(|h| {
-                    let host = host.get_or_init(|| request_host(req));
-                    host.is_some_and(|x| x.eq_ignore_ascii_case(h))
-                })
-        };
         let Some(by_path) = &self.by_path else {
-            return self
-                .routes
-                .iter()
-                .find(|(_, r)| path_matches(&r.path, path) && fits(r))
-                .map(|(i, r)| (*i, r));
+            // Looked up only if a route names a host: most configurations have none.
+            let host = std::cell::OnceCell::new();
+            let found = self.routes.iter().find(|(_, r)| {
+                path_matches(&r.path, path)
+                    && r.matches_method(req.method())
+                    && r.host.as_deref().is_none_or(|h| {
+                        let host = host.get_or_init(|| request_host(req));
+                        host.is_some_and(|x| x.eq_ignore_ascii_case(h))
+                    })
+            });
+            return found.map(|(i, r)| (*i, r));
         };
         let lower = path.to_ascii_lowercase();
-        let found = prefixes(lower.as_bytes())
-            .filter_map(|prefix| by_path.get(prefix))
-            .flatten()
-            .map(|&at| &self.routes[at])
-            .find(|(_, r)| fits(r));
-        found.map(|(i, r)| (*i, r))
+        let host = std::cell::OnceCell::new();
+        for place in prefixes(lower.as_bytes()).filter_map(|p| by_path.get(p)) {
+            let for_host = if place.by_host.is_empty() {
+                None
+            } else {
+                let host = host.get_or_init(|| request_host(req).map(str::to_ascii_lowercase));
+                host.as_deref().and_then(|h| place.by_host.get(h))
+            };
+            let in_order = merged(&place.any_host, for_host.map_or(&[][..], Vec::as_slice));
+            let found = in_order
+                .map(|at| &self.routes[at])
+                .find(|(_, r)| r.matches_method(req.method()));
+            if let Some((i, r)) = found {
+                return Some((*i, r));
+            }
+        }
+        None
     }
+}
+
+/// Two ascending lists of positions as one, ascending.
+fn merged<'a>(a: &'a [usize], b: &'a [usize]) -> impl Iterator<Item = usize> + 'a {
+    let (mut a, mut b) = (a.iter().copied().peekable(), b.iter().copied().peekable());
+    std::iter::from_fn(move || match (a.peek(), b.peek()) {
+        (Some(&x), Some(&y)) if y < x => b.next(),
+        (Some(_), _) => a.next(),
+        (None, _) => b.next(),
+    })
 }
 
 /// The prefixes of `path` a route's path can be and match it by [`path_matches`], longest
