@@ -1989,6 +1989,18 @@ pub(crate) fn bad_target<B>(req: &Request<B>) -> Option<&'static str> {
     }
 }
 
+/// Whether a header field value begins or ends with a space or tab: over HTTP/2 a malformed
+/// request (RFC 9113 section 8.2.1), which the h2 layer lets through (review). Over HTTP/1.1
+/// such blanks are never part of a value; passed on, each reader would decide for itself
+/// whether `" k "` is `k`.
+pub(crate) fn padded_value(headers: &http::HeaderMap) -> bool {
+    let blank = |b: Option<&u8>| matches!(b, Some(b' ' | b'\t'));
+    headers.values().any(|v| {
+        let b = v.as_bytes();
+        blank(b.first()) || blank(b.last())
+    })
+}
+
 /// The method a `POST` asks servers to dispatch it as instead (`X-HTTP-Method-Override`,
 /// `X-HTTP-Method`, `X-Method-Override`, in either spelling, or a `_method` query parameter),
 /// if it names another method. Symfony and Laravel, Rails (`Rack::MethodOverride`),

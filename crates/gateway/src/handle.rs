@@ -20,8 +20,8 @@ use crate::body::Body;
 use crate::capacity::Capacity;
 use crate::forward::{
     answer_dropped, bad_host, bad_target, max_forwards_spent, method_override, one_content_length,
-    prepare_request, set_upgrade, strip_hop_by_hop, switched_as_asked, unsupported_coding,
-    upgrade_protocol, IdentityHeaders, Peer, UploadTail, UpstreamClient,
+    padded_value, prepare_request, set_upgrade, strip_hop_by_hop, switched_as_asked,
+    unsupported_coding, upgrade_protocol, IdentityHeaders, Peer, UploadTail, UpstreamClient,
 };
 use crate::head_error::HeadErrors;
 use crate::head_timeout::Busy;
@@ -185,6 +185,9 @@ pub(crate) async fn handle(
             if head_too_large {
                 break 'walk Problem::head_too_large(MAX_HEAD_BYTES, MAX_HEADERS)
                     .into_response(&shared.problem_base);
+            }
+            if http2 && padded_value(req.headers()) {
+                break 'walk Problem::bad_request("A header field value begins or ends with a space or tab, which HTTP/2 does not allow (RFC 9113 section 8.2.1).").into_response(&shared.problem_base);
             }
             // In any case: some servers take `connect` for `CONNECT`, as route methods are
             // matched (docs/configuration.md, `methods`).
