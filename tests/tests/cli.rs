@@ -172,6 +172,22 @@ fn run_refuses_an_invalid_config_and_a_bad_upstream_override() {
         err.contains("--upstream app=http://127.0.0.1:: \"http://127.0.0.1:\" has an empty port"),
         "{err}"
     );
+    // A password is hidden wherever the override is quoted, one holding a blank or a quote
+    // (which the message's word-by-word guard cannot see whole) included (review).
+    for (name, url) in [
+        ("app", "http://u:hunter2 pw@127.0.0.1"),
+        ("app", "http://u:hun\"ter2@127.0.0.1"),
+        ("nope", "http://u:hunter2 pw@127.0.0.1"),
+    ] {
+        let arg = format!("{name}={url}");
+        let (code, _, err) = run_cli(&["check", "--config", template, "--upstream", &arg]);
+        assert_eq!(code, 2, "{err}");
+        assert!(!err.contains("hunter2") && !err.contains("hun\""), "{err}");
+        assert!(
+            err.contains(&format!("--upstream {name}=http://u:***@127.0.0.1: ")),
+            "{err}"
+        );
+    }
     // A name that is not an upstream is shown as the file's errors show values: on one line.
     let (code, _, err) = run_cli(&["run", "--config", SHIPPED, "--upstream", "a\nb=x"]);
     assert_eq!(code, 2);

@@ -1321,7 +1321,8 @@ both_stores!(at_max_held_a_delay_limit_refuses_what_it_would_hold);
 /// one over its rate).
 async fn at_max_held_a_delay_limit_refuses_what_it_would_hold(store: TestStore) {
     let up = MockUpstream::start().await;
-    let limits = "[[limits]]\nname = \"paced\"\nby = \"api_key\"\nquota = 1\nwindow = \"1s\"\nmode = \"delay\"\nmax_delay = \"5s\"\n";
+    // With a block_for, which a refusal for want of room does not start.
+    let limits = "[[limits]]\nname = \"paced\"\nby = \"api_key\"\nquota = 1\nwindow = \"1s\"\nmode = \"delay\"\nmax_delay = \"5s\"\nblock_for = \"1h\"\n";
     let text = config(&up.url(), 64, limits)
         .replace("max_in_flight = 64", "max_in_flight = 64\nmax_held = 1");
     let gw = InProcess::start(&store.apply(&text), Duration::ZERO).await;
@@ -1334,9 +1335,18 @@ async fn at_max_held_a_delay_limit_refuses_what_it_would_hold(store: TestStore) 
     assert_eq!(refused.json()["policy"], "paced");
     let wait: u64 = refused.header("retry-after").parse().unwrap();
     assert!((1..=2).contains(&wait), "Retry-After {wait}");
+    // No block started, and the body says none did (review: "Exceeding it blocks you").
+    let detail = refused.json()["detail"].as_str().unwrap().to_owned();
+    assert!(!detail.contains("block"), "{detail}");
     assert_eq!(get(gw.admin, "/ready", &[]).await.status, 200);
     let answer = held.answer().await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    gw.clock.advance(Duration::from_secs(2));
+    assert_eq!(
+        call(gw.main, "/v1/items", "k").await.status,
+        200,
+        "not blocked"
+    );
 }
 
 both_stores!(at_max_held_the_refusing_limits_reset_is_the_retry_after_whatever_the_cost);

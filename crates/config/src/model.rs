@@ -210,7 +210,7 @@ pub struct Limit {
     /// After a refusal, refuse the same key for this long.
     pub block_for: Option<Duration>,
     /// The most callers (keys) this instance remembers for the limit; past it, new ones
-    /// evict others (approximately the least recently seen).
+    /// evict others (of a sample, the one whose forgetting costs least).
     pub max_keys: NonZeroU32,
 }
 

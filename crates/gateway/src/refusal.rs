@@ -101,7 +101,7 @@ pub(crate) fn quota_exceeded(info: &LimitInfo, refused: &Refused, cost: u32) -> 
     };
     // The refusal that starts a block says so: its wait is the block's, not the counters'.
     let detail = match (refused.reason, limit.block_for) {
-        (RefusalReason::Exhausted, Some(_)) => {
+        (RefusalReason::Exhausted, Some(_)) if !refused.no_room => {
             Sentence(detail)
                 .text(" Exceeding it blocks you; the block ends in ")
                 .number(retry_after)

@@ -59,6 +59,7 @@ impl<'a> Validator<'a> {
                     "\"{name}\" is not an upstream in {}",
                     self.src.file().display()
                 );
+                let url = crate::host::redact_url(url);
                 self.err(None, &format!("--upstream {name}={url}"), message);
             }
         }

@@ -398,7 +398,12 @@ impl Validator<'_> {
             // An override is checked instead of the file's URL, which it replaces: a template's
             // placeholder there (`http://app:PORT`) does not stop it.
             let url = match self.url_overrides.iter().find(|(n, _)| n == name.get_ref()) {
-                Some((n, url)) => self.upstream_url(url, None, &format!("--upstream {n}={url}")),
+                Some((n, url)) => {
+                    // Its password hidden in the key as in the message (review: the key
+                    // quoted it whole).
+                    let key = format!("--upstream {n}={}", crate::host::redact_url(url));
+                    self.upstream_url(url, None, &key)
+                }
                 None => {
                     self.upstream_url(u.url.get_ref(), Some(u.url.span()), &format!("{key}.url"))
                 }

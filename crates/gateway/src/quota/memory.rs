@@ -164,6 +164,7 @@ impl Quota {
                 .reports(&self.limiter)
                 .map(|r| (r.limit, r))
                 .collect(),
+            no_room: false,
         }
     }
 

@@ -182,6 +182,9 @@ pub(crate) struct Refused {
     pub(crate) wait: Option<Duration>,
     pub(crate) reason: RefusalReason,
     pub(crate) reports: Reports,
+    /// Refused only because `max_held` requests were held: no counter refused it, and no
+    /// `block_for` block started.
+    pub(crate) no_room: bool,
 }
 
 impl Quota {
@@ -241,7 +244,14 @@ impl Quota {
             let named = l.routes.as_deref();
             let routes = named
                 .map_or(0..unrouted, |_| 0..0)
-                .chain(named.into_iter().flatten().copied());
+                // Indices past the routes name none (a validated file has none).
+                .chain(
+                    named
+                        .into_iter()
+                        .flatten()
+                        .copied()
+                        .filter(|&r| r < unrouted),
+                );
             for r in routes.chain(unrouted_too.then_some(unrouted)) {
                 let on_route = &mut by_route[r];
                 let entry = (id, key_of(&hasher, &info.parts, &route_parts[r], None));
@@ -444,6 +454,7 @@ impl Quota {
             wait: Some(wait),
             reason: RefusalReason::Exhausted,
             reports: figures,
+            no_room: true,
         }))
     }
 

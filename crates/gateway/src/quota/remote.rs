@@ -251,6 +251,7 @@ impl Remote {
                 wait: r.wait,
                 reason: r.reason,
                 reports: figures(layers, &r.reports).collect(),
+                no_room: false,
             }))),
             RemoteDecision::CostTooLarge { layer } => Err(Stop::CostTooLarge(id_of(layers, layer))),
         }
