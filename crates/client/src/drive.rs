@@ -30,8 +30,20 @@ pub struct Outcome<B> {
 /// only if its method is idempotent (unless [`RetryPolicy::retry_non_idempotent`] opts in).
 /// Nothing ties the two together, so build the request's method from the same value.
 ///
-/// `rng` draws the backoff when a refusal has no usable `Retry-After`: pass a seeded
-/// `rand::rngs::StdRng` in tests, and `StdRng::from_entropy()` (which is `Send`) in services.
+/// `rng` draws the backoff when a refusal has no usable `Retry-After`, and the spread of one it
+/// has: pass a seeded `rand::rngs::StdRng` in tests, and `StdRng::from_entropy()` (which is
+/// `Send`) in services.
+///
+/// Only the response's headers are read: a problem body's `retry_after` is not (the body is
+/// the caller's, of any type), so a refusal whose `Retry-After` a proxy stripped is backed off.
+/// A 429 or 503 the upstream itself sent through the gateway is retried like the gateway's
+/// own: with [`RetryPolicy::retry_non_idempotent`], a `POST` the upstream refused after acting
+/// on part of it is sent again.
+///
+/// # Panics
+///
+/// When it sleeps, in a tokio runtime built without timers (`enable_time`): the first
+/// refusal, not the first request, finds that out.
 pub async fn send_with_retry<F, Fut, B, E, R>(
     policy: &RetryPolicy,
     method: &Method,
@@ -136,7 +148,13 @@ mod tests {
         assert_eq!(out.response.status(), StatusCode::OK);
         assert_eq!((out.attempts, run.sent), (2, 2));
         assert_eq!(out.stop, StopReason::Final(StatusCode::OK));
-        assert_eq!(run.elapsed, Duration::from_secs(3));
+        // The 3 s asked, and at most the policy's spread of 1 s more.
+        let asked = Duration::from_secs(3);
+        assert!(
+            (asked..=asked * 4 / 3).contains(&run.elapsed),
+            "{:?}",
+            run.elapsed
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -11,9 +11,10 @@
 //!   draft-ietf-httpapi-ratelimit-headers (revision 11), into [`Policy`] and [`Limit`].
 //! - [`Problem`]: the problem details body, with `policy` and `retry_after`.
 //! - [`RetryPolicy`]: the retry decision without I/O. It waits `Retry-After` on 429 and 503, else
-//!   until a spent `RateLimit` limit resets, else a full-jitter [`Backoff`] draw; honours a zero
-//!   wait once only; caps attempts and total time; and retries only idempotent methods unless
-//!   told otherwise.
+//!   until a spent `RateLimit` limit resets (spreading either over up to a second after it, so
+//!   callers told the same moment do not all come back in it), else a full-jitter [`Backoff`]
+//!   draw; honours a zero wait once only; caps attempts and total time; and retries only
+//!   idempotent methods unless told otherwise.
 //! - [`send_with_retry`]: drives any `FnMut() -> Future<Output = Result<Response<B>, E>>`
 //!   through a [`RetryPolicy`], sleeping with `tokio::time::sleep`.
 //!

@@ -65,6 +65,9 @@ const MEMBERS: [&str; 9] = [
 impl Problem {
     /// Reads a problem details body.
     pub fn from_slice(body: &[u8]) -> Result<Self, ProblemError> {
+        // A UTF-8 byte-order mark some servers write first is no part of the JSON text (RFC
+        // 8259 section 8.1 lets a parser ignore it; serde_json does not).
+        let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
         // Member by member, so that one serde_json cannot hold (a number beyond a double,
         // `1e400`) is ignored as RFC 9457 asks of a bad member, rather than failing the body
         // and losing its `policy` (review).
@@ -113,6 +116,13 @@ impl Problem {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A body that starts with a UTF-8 byte-order mark is read (review: "not JSON").
+    #[test]
+    fn a_byte_order_mark_before_the_body_is_passed_over() {
+        let p = Problem::from_slice(b"\xEF\xBB\xBF{\"status\":429,\"policy\":\"k\"}").unwrap();
+        assert_eq!((p.status, p.policy.as_deref()), (Some(429), Some("k")));
+    }
 
     #[test]
     fn sluice_quota_body_reads_every_member() {

@@ -22,6 +22,13 @@ use crate::retry_after::retry_after_header;
 ///   the attempts back to back.
 /// - Only idempotent methods are retried (GET, HEAD, OPTIONS, TRACE, PUT, DELETE, and QUERY,
 ///   which the `http` crate also counts), unless [`RetryPolicy::retry_non_idempotent`] opts in.
+/// - A wait the server named (`Retry-After`, a spent limit's `t`) is lengthened by a random
+///   draw of up to [`RetryPolicy::spread`] (1 s by default, never more than the wait itself,
+///   never past the budget), never shortened: callers told the same moment (a `global` limit,
+///   fixed windows that all end on the same boundary, a concurrency limit's `Retry-After: 1`)
+///   then do not all come back in it, and fill the server again at once.
+/// - A limit counts as spent when its `r` is below the request's cost, which a server may say
+///   in `RateLimit-Cost` (sluice's own field; 1 without it).
 /// - At most `max_attempts` requests are sent, first one included.
 /// - Waiting never takes the total time past `budget`: when the next wait would, the policy
 ///   stops and the caller keeps the last response instead of sleeping. No wait is shortened to
@@ -32,12 +39,14 @@ pub struct RetryPolicy {
     budget: Duration,
     backoff: Backoff,
     non_idempotent: bool,
+    spread: Duration,
 }
 
 /// What has happened so far, as [`RetryPolicy::decide`] needs it.
 #[derive(Debug, Clone, Copy)]
 pub struct Attempt<'a> {
-    /// How many requests have been sent, this one included (1 after the first response).
+    /// How many requests have been sent, this one included (1 after the first response; 0 is
+    /// read as 1).
     pub number: u32,
     /// The request's method.
     pub method: &'a Method,
@@ -87,7 +96,20 @@ impl RetryPolicy {
             budget,
             backoff,
             non_idempotent: false,
+            spread: Duration::from_secs(1),
         }
+    }
+
+    /// The most a wait the server named is lengthened by, at random (1 s unless set; zero
+    /// waits exactly what the server said).
+    pub fn with_spread(mut self, spread: Duration) -> Self {
+        self.spread = spread;
+        self
+    }
+
+    /// The most a wait the server named is lengthened by.
+    pub fn spread(&self) -> Duration {
+        self.spread
     }
 
     /// Also retries non-idempotent methods such as POST: for a caller that knows the server
@@ -112,8 +134,14 @@ impl RetryPolicy {
         self.backoff
     }
 
-    /// Decides what to do after `attempt`'s response. `rng` is drawn from only for backoff.
+    /// Decides what to do after `attempt`'s response. `rng` is drawn from for a backoff and
+    /// for the spread of a wait the server named.
     pub fn decide<R: Rng + ?Sized>(&self, attempt: &Attempt<'_>, rng: &mut R) -> Decision {
+        // A caller counting from 0 means its first response too: not one request more.
+        let attempt = &Attempt {
+            number: attempt.number.max(1),
+            ..*attempt
+        };
         if !is_throttled(attempt.status) {
             return Decision::Stop(StopReason::Final(attempt.status));
         }
@@ -129,7 +157,14 @@ impl RetryPolicy {
         let usable = |wait: &Duration| !wait.is_zero() || attempt.number == 1;
         let asked = retry_after_header(attempt.headers, attempt.now)
             .filter(usable)
-            .or_else(|| spent_until(attempt.headers).filter(usable));
+            .or_else(|| spent_until(attempt.headers).filter(usable))
+            .map(|wait| {
+                // Lengthened at random, within the budget: never shortened.
+                let room = remaining.saturating_sub(wait);
+                let most = self.spread.min(wait).min(room);
+                let most = u64::try_from(most.as_nanos()).unwrap_or(u64::MAX);
+                wait + Duration::from_nanos(rng.gen_range(0..=most))
+            });
         // Neither a server's wait nor a backoff draw is shortened to fit the budget: one that
         // would end past it stops the retries. (Drawing within what was left made the last
         // waits shrink, the attempts near the budget's end going out nearly back to back to a
@@ -176,10 +211,17 @@ fn spent_until(headers: &HeaderMap) -> Option<Duration> {
     if cached {
         return None;
     }
+    // What one request spends of each `r` (sluice's `RateLimit-Cost`): a limit with less left
+    // cannot take it, though its `r` is not 0 (review).
+    let cost = headers
+        .get("ratelimit-cost")
+        .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+        .unwrap_or(1)
+        .max(1);
     crate::ratelimit::limits(headers)
         .ok()?
         .iter()
-        .filter(|l| l.remaining == 0)
+        .filter(|l| l.remaining < cost)
         .filter_map(|l| l.reset)
         .max()
 }
@@ -199,9 +241,11 @@ mod tests {
         Duration::from_secs(n)
     }
 
+    /// Without spread, so that a named wait is the exact wait (the spread's own tests set it).
     fn policy(attempts: u32, budget: Duration) -> RetryPolicy {
         let backoff = Backoff::new(Duration::from_millis(100), secs(2)).unwrap();
         RetryPolicy::new(NonZeroU32::new(attempts).unwrap(), budget, backoff)
+            .with_spread(Duration::ZERO)
     }
 
     fn retry_after(value: &'static str) -> HeaderMap {
@@ -350,6 +394,94 @@ mod tests {
         let p = policy(5, secs(60)).retry_non_idempotent();
         let d = decide(&p, 1, Method::POST, 503, &retry_after("2"));
         assert_eq!(d, Decision::Retry(secs(2)));
+    }
+
+    /// Callers told the same moment come back spread over the second after it, never before
+    /// (review: a thousand callers given `Retry-After: 7` all came back at exactly 7 s).
+    #[test]
+    fn a_named_wait_is_spread_over_a_second_after_it_never_before() {
+        let p = policy(5, secs(60)).with_spread(secs(1));
+        assert_eq!(RetryPolicy::default().spread(), secs(1));
+        let waits: Vec<Duration> = (0..1_000)
+            .map(|seed| {
+                let headers = retry_after("7");
+                let attempt = Attempt {
+                    number: 1,
+                    method: &Method::GET,
+                    status: StatusCode::TOO_MANY_REQUESTS,
+                    headers: &headers,
+                    elapsed: Duration::ZERO,
+                    now: SystemTime::now(),
+                };
+                match p.decide(&attempt, &mut StdRng::seed_from_u64(seed)) {
+                    Decision::Retry(wait) => wait,
+                    other => panic!("{other:?}"),
+                }
+            })
+            .collect();
+        assert!(
+            waits.iter().all(|w| (secs(7)..=secs(8)).contains(w)),
+            "{waits:?}"
+        );
+        let late = waits
+            .iter()
+            .filter(|w| **w > Duration::from_millis(7_500))
+            .count();
+        assert!(
+            (400..600).contains(&late),
+            "{late} of 1000 in the second half"
+        );
+        // Never more than the wait itself (a zero stays zero), nor past the budget.
+        let d = decide(&p, 1, Method::GET, 429, &retry_after("0"));
+        assert_eq!(d, Decision::Retry(Duration::ZERO));
+        for seed in 0..100 {
+            let headers = retry_after("7");
+            let attempt = Attempt {
+                number: 1,
+                method: &Method::GET,
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                headers: &headers,
+                elapsed: Duration::from_millis(52_800),
+                now: SystemTime::now(),
+            };
+            let d = p.decide(&attempt, &mut StdRng::seed_from_u64(seed));
+            let Decision::Retry(wait) = d else {
+                panic!("{d:?}")
+            };
+            assert!(
+                (secs(7)..=Duration::from_millis(7_200)).contains(&wait),
+                "{wait:?}"
+            );
+        }
+    }
+
+    /// A limit whose `r` is below what one request costs (`RateLimit-Cost`) is spent: its `t`
+    /// is the wait, not a backoff draw (review).
+    #[test]
+    fn a_limit_with_less_left_than_the_cost_is_spent() {
+        let p = policy(5, secs(60));
+        let mut h = HeaderMap::new();
+        h.insert("ratelimit", HeaderValue::from_static(r#""bulk";r=3;t=9"#));
+        h.insert("ratelimit-cost", HeaderValue::from_static("5"));
+        assert_eq!(
+            decide(&p, 1, Method::GET, 429, &h),
+            Decision::Retry(secs(9))
+        );
+        h.insert("ratelimit-cost", HeaderValue::from_static("3"));
+        let Decision::Retry(wait) = decide(&p, 1, Method::GET, 429, &h) else {
+            panic!()
+        };
+        assert!(wait < secs(9), "r=3 takes a cost of 3: {wait:?}");
+    }
+
+    /// A caller counting its attempts from 0 is not sent one request more than it allowed.
+    #[test]
+    fn attempt_zero_is_the_first() {
+        let p = policy(1, secs(60));
+        assert_eq!(
+            decide(&p, 0, Method::GET, 429, &retry_after("1")),
+            Decision::Stop(StopReason::AttemptsExhausted)
+        );
     }
 
     #[test]

@@ -43,18 +43,18 @@ pub fn retry_after(value: impl AsRef<[u8]>, now: SystemTime) -> Option<Duration>
 ///
 /// `Retry-After` is a singleton field, but a proxy may repeat it (a CDN's line beside the
 /// origin's, or `60, 60` on one line): the longest of the waits is taken, so that no server is
-/// asked again early. A line that cannot be read makes the whole field absent.
+/// asked again early. A value that cannot be read (an empty line beside `3600`) is passed
+/// over, not taken for the whole field: the field is absent only when no value reads (review:
+/// an empty line beside `3600` had the caller back in 100 ms).
 pub fn retry_after_header(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
-    let now = server_date(headers).unwrap_or(now);
-    let mut longest: Option<Duration> = None;
-    for value in headers.get_all(RETRY_AFTER) {
-        let text = std::str::from_utf8(value.as_bytes()).ok()?;
-        for wait in list(text) {
-            let wait = retry_after(wait, now)?;
-            longest = Some(longest.map_or(wait, |l| l.max(wait)));
-        }
-    }
-    longest
+    let now = server_date(headers, now).unwrap_or(now);
+    headers
+        .get_all(RETRY_AFTER)
+        .iter()
+        .filter_map(|value| std::str::from_utf8(value.as_bytes()).ok())
+        .flat_map(list)
+        .filter_map(|wait| retry_after(wait, now))
+        .max()
 }
 
 /// The values a comma joined on one line (`60, 60`, or two dates). An HTTP-date holds a comma
@@ -79,17 +79,15 @@ fn list(text: &str) -> Vec<&str> {
     out
 }
 
-/// The response's `Date`, if it has exactly one that reads as an HTTP-date.
-fn server_date(headers: &HeaderMap) -> Option<SystemTime> {
+/// The response's `Date`, if it has exactly one that reads as an HTTP-date (an RFC 850 date's
+/// two-digit year placed within 50 years of `now`).
+fn server_date(headers: &HeaderMap, now: SystemTime) -> Option<SystemTime> {
     let mut values = headers.get_all(http::header::DATE).iter();
     let value = values.next()?;
     if values.next().is_some() {
         return None;
     }
-    crate::date::parse(
-        value.to_str().ok()?.trim_matches([' ', '\t']),
-        SystemTime::now(),
-    )
+    crate::date::parse(value.to_str().ok()?.trim_matches([' ', '\t']), now)
 }
 
 #[cfg(test)]
@@ -170,8 +168,11 @@ mod tests {
         assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(120)));
         let h = headers(&[("retry-after", "Sun Nov  6 08:49:37 1994, 5")]);
         assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(90)));
-        // A day name with nothing after it is not a date.
+        // A day name with nothing after it is not a date: passed over, the 60 s kept.
         let h = headers(&[("retry-after", "60, Sun,")]);
+        assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(60)));
+        // Nothing readable at all: absent.
+        let h = headers(&[("retry-after", "soon, Sun,"), ("retry-after", "")]);
         assert_eq!(retry_after_header(&h, now), None);
     }
 
@@ -212,14 +213,13 @@ mod tests {
         assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(60)));
         let h = headers(&[("retry-after", "30, 60")]);
         assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(60)));
-        let h = headers(&[("retry-after", "5"), ("retry-after", "garbage")]);
-        assert_eq!(
-            retry_after_header(&h, now),
-            None,
-            "one unreadable line: absent"
-        );
+        // An unreadable line or piece is passed over: the readable wait stands.
+        let h = headers(&[("retry-after", "3600"), ("retry-after", "garbage")]);
+        assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(3600)));
+        let h = headers(&[("retry-after", "3600"), ("retry-after", "")]);
+        assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(3600)));
         let h = headers(&[("retry-after", "5,")]);
-        assert_eq!(retry_after_header(&h, now), None);
+        assert_eq!(retry_after_header(&h, now), Some(Duration::from_secs(5)));
     }
 
     #[test]
