@@ -797,3 +797,112 @@ async fn an_http2_client_that_never_answers_the_goodbye_does_not_hold_the_drain(
     let status = gw.wait_exit(Duration::from_secs(10)).await;
     assert_eq!(status.code(), Some(0));
 }
+
+/// `sluice run` with its log going to pipes this test holds: the gateway's addresses, read
+/// from the `listening` line, and the child with its pipes (the log's reader is the test).
+fn run_with_piped_log(
+    config: &str,
+) -> (
+    std::process::Child,
+    std::net::SocketAddr,
+    std::net::SocketAddr,
+    sluice_tests::process::TempFile,
+) {
+    use std::io::BufRead;
+    let file = sluice_tests::process::TempFile::new("toml", config);
+    let mut child = std::process::Command::new(sluice_tests::process::binary())
+        .args(["--log-format", "json", "run", "--config"])
+        .arg(&file.0)
+        .env("SLUICE_LOG", "info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn sluice");
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    let listening = loop {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "sluice exited before listening"
+        );
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+        if v["message"] == "listening" {
+            break v;
+        }
+    };
+    child.stdout = Some(out.into_inner());
+    let addr = |k: &str| listening[k].as_str().unwrap().parse().unwrap();
+    (child, addr("main"), addr("admin"), file)
+}
+
+/// Waits (up to `within`) for `child` to exit.
+async fn exit_of(child: &mut std::process::Child, within: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("still running {within:?} later");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A log whose reader has gone (a collector that died, `| logger` killed) loses lines, not
+/// requests: every request is answered, and SIGTERM drains and exits 0 (review: each
+/// connection closed unanswered, `/ready` said 200, and SIGTERM exited 101 at once).
+#[tokio::test]
+async fn a_log_whose_reader_is_gone_loses_lines_not_requests() {
+    let up = MockUpstream::start().await;
+    let (mut child, main, admin, _file) = run_with_piped_log(&config(&up.url(), 8, "10s", "5s"));
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    for i in 0..20 {
+        assert_eq!(get(main, "/api/echo", &[]).await.status, 200, "request {i}");
+    }
+    assert_eq!(get(main, "/health", &[]).await.status, 200);
+    assert_eq!(get(admin, "/ready", &[]).await.status, 200);
+    let slow = tokio::spawn(async move { get(main, "/api/pause?ms=500", &[]).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    assert_eq!(
+        slow.await.unwrap().status,
+        200,
+        "in flight at SIGTERM: drained"
+    );
+    assert_eq!(
+        exit_of(&mut child, Duration::from_secs(10)).await.code(),
+        Some(0)
+    );
+}
+
+/// A log whose reader has stopped reading (a full pipe) does not stop the gateway either: lines
+/// past what waits for it are dropped, requests are answered, and SIGTERM exits within its
+/// grace (review: every thread, probes and SIGTERM included, waited on the pipe).
+#[tokio::test]
+async fn a_log_whose_reader_stopped_reading_loses_lines_not_requests() {
+    let up = MockUpstream::start().await;
+    let (mut child, main, admin, _file) = run_with_piped_log(&config(&up.url(), 8, "10s", "2s"));
+    // About 400 bytes of access line each: far past a pipe's 64 KiB.
+    for i in 0..1_000 {
+        assert_eq!(get(main, "/api/echo", &[]).await.status, 200, "request {i}");
+    }
+    assert_eq!(get(admin, "/ready", &[]).await.status, 200);
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    assert_eq!(
+        exit_of(&mut child, Duration::from_secs(8)).await.code(),
+        Some(0)
+    );
+    drop(child.stdout.take());
+}

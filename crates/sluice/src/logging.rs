@@ -10,7 +10,7 @@ use crate::LogFormat;
 /// `info`.
 pub(crate) fn filter() -> Result<EnvFilter, String> {
     match std::env::var("SLUICE_LOG") {
-        Err(std::env::VarError::NotPresent) => Ok(EnvFilter::new("info")),
+        Err(std::env::VarError::NotPresent) => Ok(EnvFilter::new(with_default_level(""))),
         Ok(v) => EnvFilter::try_new(with_default_level(&v)).map_err(|e| {
             let shown = sluice_config::printable(format!("{v:?}"));
             format!("SLUICE_LOG={shown} is not a log filter: {e} (write e.g. info, warn, or access=warn)")
@@ -23,26 +23,175 @@ pub(crate) fn filter() -> Result<EnvFilter, String> {
 /// all themselves. A filter of targets alone turns off everything else (`sluice=debug` would
 /// silence the access log and every warning), and an empty one everything: neither is what
 /// someone who raises one target's level, or leaves the variable blank, means.
+///
+/// The h2 library's warnings are held to `error` unless the value names `h2` or asks for
+/// `debug` or `trace` everywhere: it warns once per frame of some kinds a client chooses to
+/// send (a PING acknowledgement never asked for), unthrottled (review: one connection wrote
+/// 325 MB of log in 4 s).
 fn with_default_level(directives: &str) -> String {
     let levels = ["off", "error", "warn", "info", "debug", "trace"];
-    let has_level = directives
+    let global = directives
         .split(',')
-        .any(|d| levels.contains(&d.trim().to_ascii_lowercase().as_str()));
-    if has_level {
-        directives.to_owned()
-    } else if directives.trim_matches([',', ' ']).is_empty() {
-        "info".to_owned()
+        .map(|d| d.trim().to_ascii_lowercase())
+        .filter(|d| levels.contains(&d.as_str()))
+        .last();
+    let base = match &global {
+        Some(_) => directives.to_owned(),
+        None if directives.trim_matches([',', ' ']).is_empty() => "info".to_owned(),
+        None => format!("info,{directives}"),
+    };
+    let names_h2 = directives.split(',').any(|d| {
+        let d = d.trim();
+        d.strip_prefix("h2")
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(['=', ':', '[']))
+    });
+    let verbose = matches!(global.as_deref(), Some("debug" | "trace"));
+    if names_h2 || verbose {
+        base
     } else {
-        format!("info,{directives}")
+        format!("{base},h2=error")
     }
+}
+
+/// Lines waiting for stdout, at most: past it, new lines are dropped (and counted) rather than
+/// have a serving thread wait for the log's reader.
+const QUEUED_LINES: usize = 8_192;
+
+/// What the writer thread is asked to do.
+enum Job {
+    Line(Vec<u8>),
+    /// Answer once every line queued before this one is written (or given up on).
+    Flush(std::sync::mpsc::Sender<()>),
+}
+
+/// Hands each formatted line to one thread that writes stdout, so that no serving thread ever
+/// waits on, or fails with, the log's reader (review: a reader that stopped reading froze
+/// every thread, probes and SIGTERM included, past the grace; one that had gone made every
+/// write fail, and tracing-subscriber's report of that panicked on the closed stderr, so
+/// every connection closed unanswered while `/ready` said 200). A full queue drops lines, and
+/// the next line written says how many; a write that fails is dropped the same way.
+#[derive(Clone)]
+struct Queue {
+    jobs: std::sync::mpsc::SyncSender<Job>,
+}
+
+static DROPPED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static QUEUE: std::sync::OnceLock<Queue> = std::sync::OnceLock::new();
+
+impl Queue {
+    fn start() -> Queue {
+        let (jobs, queued) = std::sync::mpsc::sync_channel::<Job>(QUEUED_LINES);
+        let spawned = std::thread::Builder::new()
+            .name("sluice-log".into())
+            .spawn(move || write_lines(&queued));
+        if spawned.is_err() {
+            // No thread, no log: every line is counted as dropped (the queue fills).
+            DROPPED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Queue { jobs }
+    }
+}
+
+fn write_lines(queued: &std::sync::mpsc::Receiver<Job>) {
+    use std::io::Write;
+    use std::sync::atomic::Ordering;
+    let mut out = std::io::stdout().lock();
+    while let Ok(job) = queued.recv() {
+        match job {
+            Job::Line(line) => {
+                if out.write_all(&line).and_then(|()| out.flush()).is_err() {
+                    DROPPED.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                let dropped = DROPPED.swap(0, Ordering::Relaxed);
+                if dropped > 0 {
+                    tracing::warn!(
+                        dropped,
+                        "log lines were dropped: the log's reader did not keep up or was gone"
+                    );
+                }
+            }
+            Job::Flush(done) => {
+                let _ = done.send(());
+            }
+        }
+    }
+}
+
+/// One event's line, handed to the writer thread when the formatter is done with it.
+struct Line {
+    queue: Queue,
+    bytes: Vec<u8>,
+}
+
+impl std::io::Write for Line {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for Line {
+    fn drop(&mut self) {
+        if self.bytes.is_empty() {
+            return;
+        }
+        let line = Job::Line(std::mem::take(&mut self.bytes));
+        if self.queue.jobs.try_send(line).is_err() {
+            DROPPED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Queue {
+    type Writer = Line;
+
+    fn make_writer(&'a self) -> Line {
+        Line {
+            queue: self.clone(),
+            bytes: Vec::with_capacity(256),
+        }
+    }
+}
+
+/// Waits, up to `within`, until every line logged so far is written: before the process
+/// exits, so that its last lines (the drain's, the error that stopped it) are not lost, yet a
+/// reader that has stopped does not keep it from exiting.
+pub(crate) fn flush(within: std::time::Duration) {
+    let Some(queue) = QUEUE.get() else { return };
+    let (done, written) = std::sync::mpsc::channel();
+    let deadline = std::time::Instant::now() + within;
+    let mut job = Job::Flush(done);
+    // The queue may be full: try until the deadline.
+    loop {
+        match queue.jobs.try_send(job) {
+            Ok(()) => break,
+            Err(std::sync::mpsc::TrySendError::Full(back))
+                if std::time::Instant::now() < deadline =>
+            {
+                job = back;
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Err(_) => return,
+        }
+    }
+    let _ = written.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()));
 }
 
 /// Sets up logging with [`filter`].
 pub(crate) fn init(format: LogFormat) -> Result<(), String> {
     let filter = filter()?;
+    let queue = QUEUE.get_or_init(Queue::start).clone();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stdout)
+        .with_writer(queue)
+        // A line that cannot be written is counted, never reported on stderr (which may be
+        // closed too: `eprintln!` panics then).
+        .log_internal_errors(false)
         .with_ansi(std::io::stdout().is_terminal())
         // Which serving thread wrote it (`main`, `sluice-worker-N`): how connections spread.
         .with_thread_names(true);
@@ -63,11 +212,18 @@ mod tests {
 
     #[test]
     fn targets_alone_keep_info_for_the_rest() {
-        assert_eq!(with_default_level("sluice=debug"), "info,sluice=debug");
-        assert_eq!(with_default_level("access=off"), "info,access=off");
-        assert_eq!(with_default_level("warn"), "warn");
+        assert_eq!(
+            with_default_level("sluice=debug"),
+            "info,sluice=debug,h2=error"
+        );
+        assert_eq!(with_default_level("access=off"), "info,access=off,h2=error");
+        assert_eq!(with_default_level("warn"), "warn,h2=error");
         assert_eq!(with_default_level("access=warn,DEBUG"), "access=warn,DEBUG");
-        assert_eq!(with_default_level(""), "info");
-        assert_eq!(with_default_level(" , "), "info");
+        assert_eq!(with_default_level(""), "info,h2=error");
+        assert_eq!(with_default_level(" , "), "info,h2=error");
+        // Asked for by name, or everything verbose: as asked.
+        assert_eq!(with_default_level("h2=warn"), "info,h2=warn");
+        assert_eq!(with_default_level("trace"), "trace");
+        assert_eq!(with_default_level("h2c=debug"), "info,h2c=debug,h2=error");
     }
 }

@@ -99,8 +99,7 @@ fn main() -> ExitCode {
                 say_err(&format!("sluice: {e}"));
                 return ExitCode::from(2);
             }
-            let loaded = match check::load(&config, &upstream) {
-                Ok(c) => c,
+            let code = match check::load(&config, &upstream) {
                 Err(errors) => {
                     // In the log too, so that a collector of stdout (JSON lines) sees why an
                     // instance keeps failing to start, not only stderr.
@@ -108,17 +107,20 @@ fn main() -> ExitCode {
                         problems = errors.0.len(),
                         "the configuration is invalid:\n{errors}"
                     );
-                    return invalid(&errors);
+                    invalid(&errors)
                 }
+                Ok(loaded) => match run(loaded, threads) {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        tracing::error!("{e:#}");
+                        say_err(&format!("sluice: {e:#}"));
+                        ExitCode::from(1)
+                    }
+                },
             };
-            match run(loaded, threads) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    tracing::error!("{e:#}");
-                    say_err(&format!("sluice: {e:#}"));
-                    ExitCode::from(1)
-                }
-            }
+            // The log's last lines out before exit, unless its reader has stopped.
+            logging::flush(std::time::Duration::from_secs(2));
+            code
         }
     }
 }
