@@ -906,3 +906,38 @@ async fn a_log_whose_reader_stopped_reading_loses_lines_not_requests() {
     );
     drop(child.stdout.take());
 }
+
+/// The admin listener keeps at most 64 connections: past them a new one is closed at once, so
+/// that idle admin connections cannot take the file descriptors upstream connections need
+/// (review: 400 of them had healthy upstreams answered 502). Probes come back once some close.
+#[tokio::test]
+async fn the_admin_listener_keeps_a_bounded_number_of_connections() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), 8, "10s", "5s"));
+    let mut idle = Vec::new();
+    for _ in 0..64 {
+        idle.push(TcpStream::connect(gw.admin).await.unwrap());
+    }
+    // Accepted in order: once the 64th is open, the next is closed unanswered.
+    let mut extra = TcpStream::connect(gw.admin).await.unwrap();
+    let _ = extra
+        .write_all(b"GET /ready HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await;
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(Duration::from_secs(5), extra.read(&mut buf)).await;
+    assert!(
+        matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+        "closed at once: {read:?}"
+    );
+    assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
+    drop(idle.drain(..8));
+    let mut ready = None;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        ready = Some(get(gw.admin, "/ready", &[]).await.status);
+        if ready == Some(http::StatusCode::OK) {
+            break;
+        }
+    }
+    assert_eq!(ready, Some(http::StatusCode::OK));
+}

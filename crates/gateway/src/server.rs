@@ -408,6 +408,30 @@ pub(crate) enum Listener {
     Admin,
 }
 
+/// Connections the admin listener keeps open at once: probes and scrapes need a few; past it
+/// a new one is closed at once.
+pub(crate) const ADMIN_CONNECTIONS: usize = 64;
+
+/// A place among [`ADMIN_CONNECTIONS`], given back when dropped.
+struct AdminSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl AdminSlot {
+    fn take(open: &Arc<std::sync::atomic::AtomicUsize>) -> Option<AdminSlot> {
+        use std::sync::atomic::Ordering;
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < ADMIN_CONNECTIONS).then_some(n + 1)
+        })
+        .ok()?;
+        Some(AdminSlot(Arc::clone(open)))
+    }
+}
+
+impl Drop for AdminSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 /// Accepts connections until `stop` resolves. Connections are registered with `graceful`
 /// so that shutdown can wait for them. With a [`Spread`] (the main listener of a gateway with
 /// several serving threads), each goes to the thread with the fewest open connections.
@@ -421,6 +445,7 @@ pub(crate) async fn accept_loop(
     stop: impl Future<Output = ()>,
 ) {
     let builder = Arc::new(builder());
+    let admin_open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     tokio::pin!(stop);
     loop {
         let permit = match kind {
@@ -462,7 +487,27 @@ pub(crate) async fn accept_loop(
                     }
                 };
                 let conn = Conn::new(&builder, &shared, peer, timeouts, kind);
-                tokio::spawn(conn.serve(stream, graceful.watcher(), permit, open));
+                let served = conn.serve(stream, graceful.watcher(), permit, open);
+                if let Listener::Admin = kind {
+                    // The admin listener's own bound: its connections take file descriptors
+                    // that `max_connections` keeps for upstream connections (review: 400 idle
+                    // admin connections had healthy upstreams answered 502).
+                    let Some(slot) = AdminSlot::take(&admin_open) else {
+                        if shared.connections.accept_warning.now() {
+                            tracing::warn!(
+                                max = ADMIN_CONNECTIONS,
+                                "admin connections at their cap: new ones are closed"
+                            );
+                        }
+                        continue; // dropped: closed
+                    };
+                    tokio::spawn(async move {
+                        let _slot = slot;
+                        served.await;
+                    });
+                    continue;
+                }
+                tokio::spawn(served);
             }
             Err(e) => {
                 // Out of file descriptors and the like: say so (once a second), and do not
