@@ -2531,3 +2531,37 @@ async fn a_content_length_with_leading_zeros_is_forwarded_as_its_number() {
         assert_eq!(seen["body_bytes"], body.len(), "{sent}: {seen}");
     }
 }
+
+/// Behind a trusted proxy, every access-log line names the client the proxy forwarded for,
+/// refusals before routing included (review: a bad path's 400, a 405 and a health check named
+/// the proxy).
+#[tokio::test]
+async fn access_lines_name_the_forwarded_client_even_for_early_refusals() {
+    let up = MockUpstream::start().await;
+    let cfg = format!(
+        "{}\n[identity]\ntrusted_proxies = [\"127.0.0.1/32\"]\n",
+        config(&up.url(), "5s")
+    );
+    let gw = Sluice::start(&cfg);
+    let xff = [("x-forwarded-for", "203.0.113.9")];
+    assert_eq!(get(gw.main, "/api/echo", &xff).await.status, 200);
+    assert_eq!(get(gw.main, "/api/..%2F/b", &xff).await.status, 400);
+    let connect = raw_exchange(
+        gw.main,
+        b"CONNECT example.com:443 HTTP/1.1\r\nhost: example.com:443\r\nx-forwarded-for: 203.0.113.9\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(connect.starts_with("HTTP/1.1 405 "), "{connect}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let lines = gw.access_logs();
+        if lines.len() >= 3 {
+            for line in &lines {
+                assert_eq!(line["client"], "203.0.113.9", "{line}");
+            }
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{lines:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -226,15 +226,36 @@ fn enabled() -> bool {
 /// bytes, the other fields are the gateway's.)
 const MAX_LOGGED: usize = 4096;
 
+/// `text` as logged: cut at [`MAX_LOGGED`], and characters a reader of the log could take
+/// for something else written as `\u{..}` (controls, C1's CSI among them, which terminals
+/// act on; U+2028 and U+2029, line breaks to many readers; the bidirectional overrides, which
+/// turn text around on screen). An HTTP/2 `:path` may hold them (review: the JSON format wrote
+/// them raw; the text format escaped them already).
 fn shown(text: &str) -> std::borrow::Cow<'_, str> {
-    if text.len() <= MAX_LOGGED {
+    let odd = |c: char| {
+        c.is_control()
+            || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}' | '\u{feff}')
+    };
+    let plain = text.bytes().all(|b| (b' '..=b'~').contains(&b)) || !text.chars().any(odd);
+    if text.len() <= MAX_LOGGED && plain {
         return text.into();
     }
-    let mut end = MAX_LOGGED;
+    let mut end = MAX_LOGGED.min(text.len());
     while !text.is_char_boundary(end) {
         end -= 1;
     }
-    format!("{}...(cut, {} bytes)", &text[..end], text.len()).into()
+    let mut out = String::with_capacity(end + 32);
+    for c in text[..end].chars() {
+        if odd(c) {
+            out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+        } else {
+            out.push(c);
+        }
+    }
+    if end < text.len() {
+        out.push_str(&format!("...(cut, {} bytes)", text.len()));
+    }
+    out.into()
 }
 
 fn ms_since(start: Instant) -> f64 {
@@ -255,6 +276,22 @@ mod tests {
         let cut = shown(&long);
         assert!(cut.len() < MAX_LOGGED + 40, "{}", cut.len());
         assert!(cut.ends_with("...(cut, 70001 bytes)"));
+    }
+
+    /// What a reader of the log could take for something else is written escaped, in either
+    /// format (the JSON one writes what it is given).
+    #[test]
+    fn controls_line_breaks_and_direction_overrides_are_escaped() {
+        assert_eq!(shown("/caf\u{e9}/x y"), "/caf\u{e9}/x y");
+        assert_eq!(shown("/c1/\u{9b}31mRED"), "/c1/\\u{9b}31mRED");
+        assert_eq!(shown("/bidi/\u{202e}gnp.exe"), "/bidi/\\u{202e}gnp.exe");
+        assert_eq!(shown("/ls/a\u{2028}b\u{85}c"), "/ls/a\\u{2028}b\\u{85}c");
+        let long = format!("/\u{9b}{}", "x".repeat(70_000));
+        let cut = shown(&long);
+        assert!(
+            cut.starts_with("/\\u{9b}xx") && cut.ends_with("bytes)"),
+            "{cut}"
+        );
     }
 
     /// Counts the events it is given; `level` is the most verbose it wants.

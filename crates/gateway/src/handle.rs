@@ -169,6 +169,12 @@ pub(crate) async fn handle(
     let request_id = shared.ids.ensure(req.headers_mut());
     let mut log = AccessLog::start(&req, peer.ip, &request_id);
     log.watch_cut(&shared.capacity);
+    // Before any refusal, so that every line names the client, not the proxy in front
+    // (review: 413s, bad paths and health checks behind a load balancer named the balancer).
+    let client = shared
+        .identify
+        .client_ip(peer.ip, peer.trusted, req.headers());
+    log.client(client);
     // Not boxed: hyper keeps each connection's service future in one box it reuses, so the
     // walk's state (~4.5 KiB) is copied into it once per request; a box of our own cost an
     // allocation and a free of that size on top (1,660 instructions per forwarded request).
@@ -243,11 +249,7 @@ pub(crate) async fn handle(
                 break 'walk Problem::unsupported_coding().into_response(&shared.problem_base);
             }
 
-            // Identify.
-            let client = shared
-                .identify
-                .client_ip(peer.ip, peer.trusted, req.headers());
-            log.client(client);
+            // Identify (the client's address is, above).
             let api_key = match shared.identify.api_key(req.headers(), req.uri()) {
                 Ok(key) => key,
                 Err(KeyError::TooLong) => {
@@ -400,7 +402,16 @@ pub(crate) async fn handle(
                                 && (res.headers().contains_key(http::header::CONTENT_LENGTH)
                                     || unsupported_coding(res.headers())) =>
                         {
-                            tracing::debug!(headers = ?res.headers(), "the upstream's response framing cannot be passed on");
+                            // The framing fields' values, and the other fields' names only: a
+                            // value may be a secret (review: `Set-Cookie` was logged whole).
+                            let names: Vec<&str> =
+                                res.headers().keys().map(|n| n.as_str()).collect();
+                            tracing::debug!(
+                                transfer_encoding = ?res.headers().get_all(http::header::TRANSFER_ENCODING).iter().collect::<Vec<_>>(),
+                                content_length = ?res.headers().get_all(http::header::CONTENT_LENGTH).iter().collect::<Vec<_>>(),
+                                fields = ?names,
+                                "the upstream's response framing cannot be passed on"
+                            );
                             answer_dropped(&res);
                             Problem::upstream_bad_response().into_response(&shared.problem_base)
                         }

@@ -33,8 +33,7 @@ fn with_default_level(directives: &str) -> String {
     let global = directives
         .split(',')
         .map(|d| d.trim().to_ascii_lowercase())
-        .filter(|d| levels.contains(&d.as_str()))
-        .last();
+        .rfind(|d| levels.contains(&d.as_str()));
     let base = match &global {
         Some(_) => directives.to_owned(),
         None if directives.trim_matches([',', ' ']).is_empty() => "info".to_owned(),
@@ -161,6 +160,7 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Queue {
 /// Waits, up to `within`, until every line logged so far is written: before the process
 /// exits, so that its last lines (the drain's, the error that stopped it) are not lost, yet a
 /// reader that has stopped does not keep it from exiting.
+#[allow(clippy::disallowed_types)] // at exit, outside any runtime: no paused clock to honour
 pub(crate) fn flush(within: std::time::Duration) {
     let Some(queue) = QUEUE.get() else { return };
     let (done, written) = std::sync::mpsc::channel();
