@@ -2540,11 +2540,12 @@ async fn access_lines_name_the_forwarded_client_even_for_early_refusals() {
     let up = MockUpstream::start().await;
     let cfg = format!(
         "{}\n[identity]\ntrusted_proxies = [\"127.0.0.1/32\"]\n",
-        config(&up.url(), "5s")
+        config(&up.url(), "5s").replace("[gateway]\n", "[gateway]\nmax_body_size = \"1KiB\"\n")
     );
     let gw = Sluice::start(&cfg);
     let xff = [("x-forwarded-for", "203.0.113.9")];
     assert_eq!(get(gw.main, "/api/echo", &xff).await.status, 200);
+    assert_eq!(get(gw.main, "/health", &xff).await.status, 200);
     assert_eq!(get(gw.main, "/api/..%2F/b", &xff).await.status, 400);
     let connect = raw_exchange(
         gw.main,
@@ -2552,10 +2553,16 @@ async fn access_lines_name_the_forwarded_client_even_for_early_refusals() {
     )
     .await;
     assert!(connect.starts_with("HTTP/1.1 405 "), "{connect}");
+    let large = raw_exchange(
+        gw.main,
+        b"POST /api/echo HTTP/1.1\r\nhost: x\r\ncontent-length: 99999999999\r\nx-forwarded-for: 203.0.113.9\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(large.starts_with("HTTP/1.1 413 "), "{large}");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
         let lines = gw.access_logs();
-        if lines.len() >= 3 {
+        if lines.len() >= 5 {
             for line in &lines {
                 assert_eq!(line["client"], "203.0.113.9", "{line}");
             }

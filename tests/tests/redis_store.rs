@@ -1022,15 +1022,26 @@ async fn one_request_at_a_time_under_a_concurrency_limit_of_one_always_passes() 
 
 /// A caller over its quota while the instance is full gets the 429 it would get with room,
 /// and its `block_for` starts: with Redis too, as in memory (review: Redis decided such a
-/// request check-only, which started no block, so `Retry-After` was the window's 2 s, not
-/// the block's 10 s, and the caller passed 2 s later).
+/// request check-only, which started no block, so `Retry-After` was the window's, not the
+/// block's, and the caller passed when the window turned).
 #[tokio::test]
 async fn a_refusal_while_the_instance_is_full_starts_the_block_with_either_store() {
     let redis = RedisServer::start();
-    let limits = "[[limits]]\nname = \"blocking\"\nby = \"api_key\"\nalgorithm = \"fixed_window\"\nquota = 2\nwindow = \"2s\"\nblock_for = \"10s\"\n";
+    let limits = "[[limits]]\nname = \"blocking\"\nby = \"api_key\"\nalgorithm = \"fixed_window\"\nquota = 2\nwindow = \"4s\"\nblock_for = \"20s\"\n";
     for store in [String::new(), redis_store(&redis.url(), "deny", "2s")] {
         let up = MockUpstream::start().await;
         let gw = start(&config(&up.url(), &store, 1, limits));
+        // The two requests and the refusal must fall in one window (windows are aligned to
+        // the epoch, on Redis's clock, which a test cannot pause): with less than 2 s of the
+        // current one left, start in the next (CI once saw the window turn in between: 503).
+        let since_epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap();
+        let left = Duration::from_secs(4)
+            - Duration::from_nanos((since_epoch.as_nanos() % 4_000_000_000) as u64);
+        if left < Duration::from_secs(2) {
+            tokio::time::sleep(left + Duration::from_millis(50)).await;
+        }
         for _ in 0..2 {
             assert_eq!(call(gw.main, "/v1/items", "k").await.status, 200, "{store}");
         }
@@ -1040,13 +1051,13 @@ async fn a_refusal_while_the_instance_is_full_starts_the_block_with_either_store
         let refused = call(gw.main, "/v1/items", "k").await;
         assert_eq!(refused.status, 429, "{store}");
         let retry_after: u64 = refused.header("retry-after").parse().unwrap();
-        assert!(retry_after >= 9, "{store}: Retry-After {retry_after}");
+        assert!(retry_after >= 19, "{store}: Retry-After {retry_after}");
         up.release(1);
         assert_eq!(filling.await.unwrap().status, 200);
         let blocked = call(gw.main, "/v1/items", "k").await;
         assert_eq!(blocked.status, 429, "{store}");
         assert!(
-            blocked.header("retry-after").parse::<u64>().unwrap() >= 9,
+            blocked.header("retry-after").parse::<u64>().unwrap() >= 19,
             "{store}"
         );
     }

@@ -226,33 +226,39 @@ fn enabled() -> bool {
 /// bytes, the other fields are the gateway's.)
 const MAX_LOGGED: usize = 4096;
 
-/// `text` as logged: cut at [`MAX_LOGGED`], and characters a reader of the log could take
-/// for something else written as `\u{..}` (controls, C1's CSI among them, which terminals
-/// act on; U+2028 and U+2029, line breaks to many readers; the bidirectional overrides, which
-/// turn text around on screen). An HTTP/2 `:path` may hold them (review: the JSON format wrote
-/// them raw; the text format escaped them already).
+/// `text` as logged: characters a reader of the log could take for something else written as
+/// `\u{..}` (controls, C1's CSI among them, which terminals act on; U+2028 and U+2029, line
+/// breaks to many readers; the bidirectional overrides, which turn text around on screen), a
+/// backslash as `\\` (so that a path spelling `\u{9b}` is not read as one escaped), and cut
+/// once it reaches [`MAX_LOGGED`] bytes, marked. An HTTP/2 `:path` may hold such characters
+/// (review: the JSON format wrote them raw).
 fn shown(text: &str) -> std::borrow::Cow<'_, str> {
     let odd = |c: char| {
         c.is_control()
             || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}' | '\u{feff}')
     };
-    let plain = text.bytes().all(|b| (b' '..=b'~').contains(&b)) || !text.chars().any(odd);
-    if text.len() <= MAX_LOGGED && plain {
+    let plain = text.len() <= MAX_LOGGED
+        && !text.contains('\\')
+        && (text.bytes().all(|b| (b' '..=b'~').contains(&b)) || !text.chars().any(odd));
+    if plain {
         return text.into();
     }
-    let mut end = MAX_LOGGED.min(text.len());
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    let mut out = String::with_capacity(end + 32);
-    for c in text[..end].chars() {
+    let mut out = String::with_capacity(text.len().min(MAX_LOGGED) + 32);
+    let mut taken = 0;
+    for c in text.chars() {
+        if out.len() >= MAX_LOGGED {
+            break;
+        }
+        taken += c.len_utf8();
         if odd(c) {
             out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+        } else if c == '\\' {
+            out.push_str("\\\\");
         } else {
             out.push(c);
         }
     }
-    if end < text.len() {
+    if taken < text.len() {
         out.push_str(&format!("...(cut, {} bytes)", text.len()));
     }
     out.into()
@@ -292,6 +298,13 @@ mod tests {
             cut.starts_with("/\\u{9b}xx") && cut.ends_with("bytes)"),
             "{cut}"
         );
+        // A backslash is escaped too: the spelling of an escape is not the escape.
+        assert_eq!(shown("/bs/\\u{9b}"), "/bs/\\\\u{9b}");
+        // Cut after escaping, so that escapes cannot take a line past its bound.
+        let escapes = "\u{85}".repeat(4_000);
+        let cut = shown(&escapes);
+        assert!(cut.len() < MAX_LOGGED + 40, "{}", cut.len());
+        assert!(cut.ends_with("...(cut, 8000 bytes)"), "{cut}");
     }
 
     /// Counts the events it is given; `level` is the most verbose it wants.

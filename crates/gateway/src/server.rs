@@ -446,6 +446,8 @@ pub(crate) async fn accept_loop(
 ) {
     let builder = Arc::new(builder());
     let admin_open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // Its own: a flood of admin connections must not hide the main listener's warnings.
+    let admin_warning = OnceASecond::new();
     tokio::pin!(stop);
     loop {
         let permit = match kind {
@@ -493,7 +495,7 @@ pub(crate) async fn accept_loop(
                     // that `max_connections` keeps for upstream connections (review: 400 idle
                     // admin connections had healthy upstreams answered 502).
                     let Some(slot) = AdminSlot::take(&admin_open) else {
-                        if shared.connections.accept_warning.now() {
+                        if admin_warning.now() {
                             tracing::warn!(
                                 max = ADMIN_CONNECTIONS,
                                 "admin connections at their cap: new ones are closed"

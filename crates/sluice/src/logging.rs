@@ -29,7 +29,9 @@ pub(crate) fn filter() -> Result<EnvFilter, String> {
 /// send (a PING acknowledgement never asked for), unthrottled (review: one connection wrote
 /// 325 MB of log in 4 s).
 fn with_default_level(directives: &str) -> String {
-    let levels = ["off", "error", "warn", "info", "debug", "trace"];
+    let levels = [
+        "off", "error", "warn", "info", "debug", "trace", "0", "1", "2", "3", "4", "5",
+    ];
     let global = directives
         .split(',')
         .map(|d| d.trim().to_ascii_lowercase())
@@ -39,12 +41,14 @@ fn with_default_level(directives: &str) -> String {
         None if directives.trim_matches([',', ' ']).is_empty() => "info".to_owned(),
         None => format!("info,{directives}"),
     };
+    // The crate as a whole (`h2=warn`, `h2`): one of its modules named leaves the rest, PING
+    // handling included, to the default.
     let names_h2 = directives.split(',').any(|d| {
         let d = d.trim();
         d.strip_prefix("h2")
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with(['=', ':', '[']))
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('='))
     });
-    let verbose = matches!(global.as_deref(), Some("debug" | "trace"));
+    let verbose = matches!(global.as_deref(), Some("debug" | "trace" | "4" | "5"));
     if names_h2 || verbose {
         base
     } else {
@@ -68,32 +72,41 @@ enum Job {
 /// every thread, probes and SIGTERM included, past the grace; one that had gone made every
 /// write fail, and tracing-subscriber's report of that panicked on the closed stderr, so
 /// every connection closed unanswered while `/ready` said 200). A full queue drops lines, and
-/// the next line written says how many; a write that fails is dropped the same way.
+/// the writer says how many as soon as it writes again; a write that fails is dropped the
+/// same way.
 #[derive(Clone)]
 struct Queue {
     jobs: std::sync::mpsc::SyncSender<Job>,
 }
 
 static DROPPED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-static QUEUE: std::sync::OnceLock<Queue> = std::sync::OnceLock::new();
+static QUEUE: std::sync::OnceLock<Result<Queue, String>> = std::sync::OnceLock::new();
+
+std::thread_local! {
+    /// Set on the writer thread: its own lines (the report of dropped ones) are written at
+    /// once, not queued behind a full queue, where they would be dropped in their turn.
+    static WRITER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 impl Queue {
-    fn start() -> Queue {
+    fn start() -> Result<Queue, String> {
         let (jobs, queued) = std::sync::mpsc::sync_channel::<Job>(QUEUED_LINES);
-        let spawned = std::thread::Builder::new()
+        std::thread::Builder::new()
             .name("sluice-log".into())
-            .spawn(move || write_lines(&queued));
-        if spawned.is_err() {
-            // No thread, no log: every line is counted as dropped (the queue fills).
-            DROPPED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        Queue { jobs }
+            .spawn(move || {
+                WRITER.with(|w| w.set(true));
+                write_lines(&queued);
+            })
+            .map_err(|e| format!("cannot start the log's writer thread: {e}"))?;
+        Ok(Queue { jobs })
     }
 }
 
 fn write_lines(queued: &std::sync::mpsc::Receiver<Job>) {
     use std::io::Write;
     use std::sync::atomic::Ordering;
+    // Locked for good (the lock is reentrant: the report below, written on this thread, takes
+    // it again).
     let mut out = std::io::stdout().lock();
     while let Ok(job) = queued.recv() {
         match job {
@@ -139,6 +152,18 @@ impl Drop for Line {
         if self.bytes.is_empty() {
             return;
         }
+        if WRITER.with(std::cell::Cell::get) {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            if out
+                .write_all(&self.bytes)
+                .and_then(|()| out.flush())
+                .is_err()
+            {
+                DROPPED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            return;
+        }
         let line = Job::Line(std::mem::take(&mut self.bytes));
         if self.queue.jobs.try_send(line).is_err() {
             DROPPED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -152,7 +177,8 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Queue {
     fn make_writer(&'a self) -> Line {
         Line {
             queue: self.clone(),
-            bytes: Vec::with_capacity(256),
+            // The formatter writes a line in one piece: one allocation of its size.
+            bytes: Vec::new(),
         }
     }
 }
@@ -162,7 +188,9 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Queue {
 /// reader that has stopped does not keep it from exiting.
 #[allow(clippy::disallowed_types)] // at exit, outside any runtime: no paused clock to honour
 pub(crate) fn flush(within: std::time::Duration) {
-    let Some(queue) = QUEUE.get() else { return };
+    let Some(Ok(queue)) = QUEUE.get() else {
+        return;
+    };
     let (done, written) = std::sync::mpsc::channel();
     let deadline = std::time::Instant::now() + within;
     let mut job = Job::Flush(done);
@@ -185,7 +213,7 @@ pub(crate) fn flush(within: std::time::Duration) {
 /// Sets up logging with [`filter`].
 pub(crate) fn init(format: LogFormat) -> Result<(), String> {
     let filter = filter()?;
-    let queue = QUEUE.get_or_init(Queue::start).clone();
+    let queue = QUEUE.get_or_init(Queue::start).clone()?;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(queue)
@@ -225,5 +253,10 @@ mod tests {
         assert_eq!(with_default_level("h2=warn"), "info,h2=warn");
         assert_eq!(with_default_level("trace"), "trace");
         assert_eq!(with_default_level("h2c=debug"), "info,h2c=debug,h2=error");
+        assert_eq!(with_default_level("5"), "5");
+        assert_eq!(
+            with_default_level("h2::codec=debug"),
+            "info,h2::codec=debug,h2=error"
+        );
     }
 }
