@@ -60,6 +60,12 @@ fn with_default_level(directives: &str) -> String {
 /// have a serving thread wait for the log's reader.
 const QUEUED_LINES: usize = 8_192;
 
+/// Bytes of lines waiting, at most (8,192 lines of the longest access line, about 9 KiB, would
+/// be 72 MB: review).
+const QUEUED_BYTES: usize = 8 << 20;
+
+static QUEUED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// What the writer thread is asked to do.
 enum Job {
     Line(Vec<u8>),
@@ -111,6 +117,7 @@ fn write_lines(queued: &std::sync::mpsc::Receiver<Job>) {
     while let Ok(job) = queued.recv() {
         match job {
             Job::Line(line) => {
+                QUEUED.fetch_sub(line.len(), Ordering::Relaxed);
                 if out.write_all(&line).and_then(|()| out.flush()).is_err() {
                     DROPPED.fetch_add(1, Ordering::Relaxed);
                     continue;
@@ -149,6 +156,7 @@ impl std::io::Write for Line {
 
 impl Drop for Line {
     fn drop(&mut self) {
+        use std::sync::atomic::Ordering;
         if self.bytes.is_empty() {
             return;
         }
@@ -164,8 +172,19 @@ impl Drop for Line {
             }
             return;
         }
+        let len = self.bytes.len();
+        let room = QUEUED
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |q| {
+                (q + len <= QUEUED_BYTES).then_some(q + len)
+            })
+            .is_ok();
+        if !room {
+            DROPPED.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let line = Job::Line(std::mem::take(&mut self.bytes));
         if self.queue.jobs.try_send(line).is_err() {
+            QUEUED.fetch_sub(len, Ordering::Relaxed);
             DROPPED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     }
