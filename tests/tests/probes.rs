@@ -836,6 +836,14 @@ fn run_with_piped_log(
     (child, addr("main"), addr("admin"), file)
 }
 
+fn sigterm(child: &std::process::Child) {
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+}
+
 /// Waits (up to `within`) for `child` to exit.
 async fn exit_of(child: &mut std::process::Child, within: Duration) -> std::process::ExitStatus {
     let deadline = Instant::now() + within;
@@ -867,11 +875,7 @@ async fn a_log_whose_reader_is_gone_loses_lines_not_requests() {
     assert_eq!(get(admin, "/ready", &[]).await.status, 200);
     let slow = tokio::spawn(async move { get(main, "/api/pause?ms=500", &[]).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let kill = std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
+    sigterm(&child);
     assert_eq!(
         slow.await.unwrap().status,
         200,
@@ -917,11 +921,7 @@ async fn a_log_whose_reader_stopped_reading_loses_lines_not_requests() {
         }
         (access, dropped)
     });
-    let kill = std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
+    sigterm(&child);
     assert_eq!(
         exit_of(&mut child, Duration::from_secs(8)).await.code(),
         Some(0)

@@ -272,6 +272,18 @@ mod tests {
         headers: &HeaderMap,
         elapsed: Duration,
     ) -> Decision {
+        decide_seeded(p, (number, method, status), headers, elapsed, 1)
+    }
+
+    /// The decision for an attempt (its number, method and status) answered with `headers`,
+    /// `elapsed` into the budget, its draws made with `seed`.
+    fn decide_seeded(
+        p: &RetryPolicy,
+        (number, method, status): (u32, Method, u16),
+        headers: &HeaderMap,
+        elapsed: Duration,
+        seed: u64,
+    ) -> Decision {
         let attempt = Attempt {
             number,
             method: &method,
@@ -280,7 +292,7 @@ mod tests {
             elapsed,
             now: SystemTime::now(),
         };
-        p.decide(&attempt, &mut StdRng::seed_from_u64(1))
+        p.decide(&attempt, &mut StdRng::seed_from_u64(seed))
     }
 
     #[test]
@@ -404,16 +416,8 @@ mod tests {
         assert_eq!(RetryPolicy::default().spread(), secs(1));
         let waits: Vec<Duration> = (0..1_000)
             .map(|seed| {
-                let headers = retry_after("7");
-                let attempt = Attempt {
-                    number: 1,
-                    method: &Method::GET,
-                    status: StatusCode::TOO_MANY_REQUESTS,
-                    headers: &headers,
-                    elapsed: Duration::ZERO,
-                    now: SystemTime::now(),
-                };
-                match p.decide(&attempt, &mut StdRng::seed_from_u64(seed)) {
+                let first = (1, Method::GET, 429);
+                match decide_seeded(&p, first, &retry_after("7"), Duration::ZERO, seed) {
                     Decision::Retry(wait) => wait,
                     other => panic!("{other:?}"),
                 }
@@ -435,16 +439,9 @@ mod tests {
         let d = decide(&p, 1, Method::GET, 429, &retry_after("0"));
         assert_eq!(d, Decision::Retry(Duration::ZERO));
         for seed in 0..100 {
-            let headers = retry_after("7");
-            let attempt = Attempt {
-                number: 1,
-                method: &Method::GET,
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                headers: &headers,
-                elapsed: Duration::from_millis(52_800),
-                now: SystemTime::now(),
-            };
-            let d = p.decide(&attempt, &mut StdRng::seed_from_u64(seed));
+            let first = (1, Method::GET, 503);
+            let elapsed = Duration::from_millis(52_800);
+            let d = decide_seeded(&p, first, &retry_after("7"), elapsed, seed);
             let Decision::Retry(wait) = d else {
                 panic!("{d:?}")
             };
