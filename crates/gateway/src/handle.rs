@@ -487,20 +487,22 @@ fn stopped(
             let retry_after = overload_retry_after(shared.overload_retry_after);
             Problem::store_unavailable(retry_after).into_response(&shared.problem_base)
         }
-        Stop::Overloaded | Stop::OverloadedAfterHold => {
-            log.outcome(Outcome::Overloaded, &shared.quota);
+        Stop::Overloaded | Stop::OverloadedAfterHold | Stop::DrainingAfterHold => {
             let retry_after = overload_retry_after(shared.overload_retry_after);
-            let after_hold = matches!(stop, Stop::OverloadedAfterHold);
-            let mut res =
-                Problem::overloaded(retry_after, after_hold).into_response(&shared.problem_base);
-            advertise(shared, route, res.headers_mut(), reports, cost, None);
-            res
-        }
-        Stop::DrainingAfterHold => {
-            log.outcome(Outcome::Draining, &shared.quota);
-            let retry_after = overload_retry_after(shared.overload_retry_after);
-            let mut res =
-                Problem::draining_after_hold(retry_after).into_response(&shared.problem_base);
+            let (outcome, problem) = match stop {
+                Stop::DrainingAfterHold => {
+                    (Outcome::Draining, Problem::draining_after_hold(retry_after))
+                }
+                _ => {
+                    let after_hold = matches!(stop, Stop::OverloadedAfterHold);
+                    (
+                        Outcome::Overloaded,
+                        Problem::overloaded(retry_after, after_hold),
+                    )
+                }
+            };
+            log.outcome(outcome, &shared.quota);
+            let mut res = problem.into_response(&shared.problem_base);
             advertise(shared, route, res.headers_mut(), reports, cost, None);
             res
         }

@@ -42,6 +42,12 @@ pub(crate) enum Member {
     Number(u64),
 }
 
+/// What a 503 to a request a `delay` limit held says of its charges (see
+/// [`Problem::overloaded`]).
+const WITHDRAWN_AFTER_HOLD: &str = "Retry after the delay in Retry-After. This request's charge \
+was withdrawn, unless another of your requests is held behind it; the RateLimit fields show \
+what you have.";
+
 impl Problem {
     pub(crate) fn new(
         status: StatusCode,
@@ -185,8 +191,7 @@ impl Problem {
     /// keeps the moment it was given), so the body promises no more than that.
     pub(crate) fn overloaded(retry_after: u64, after_hold: bool) -> Self {
         let detail = if after_hold {
-            "Retry after the delay in Retry-After. This request's charge was withdrawn, unless \
-             another of your requests is held behind it; the RateLimit fields show what you have."
+            WITHDRAWN_AFTER_HOLD
         } else {
             "Retry after the delay in Retry-After. Your quota was not charged."
         };
@@ -209,8 +214,7 @@ impl Problem {
             StatusCode::SERVICE_UNAVAILABLE,
             "shutting-down",
             "The service is shutting down",
-            "Retry after the delay in Retry-After. This request's charge was withdrawn, unless \
-             another of your requests is held behind it; the RateLimit fields show what you have.",
+            WITHDRAWN_AFTER_HOLD,
         );
         p.retry_after = Some(retry_after);
         p.extra.push(("policy", Member::Text("server-draining")));
