@@ -240,19 +240,15 @@ impl Quota {
         let mut by_route: Vec<RouteLimits> =
             (0..=unrouted).map(|_| RouteLimits::default()).collect();
         for ((l, info), &id) in config.limits.iter().zip(&limits).zip(&ids) {
-            let unrouted_too = config.gateway.count_unrouted && l.counts_unrouted();
-            let named = l.routes.as_deref();
-            let routes = named
-                .map_or(0..unrouted, |_| 0..0)
+            let mut routes: Vec<usize> = match &l.routes {
+                None => (0..unrouted).collect(),
                 // Indices past the routes name none (a validated file has none).
-                .chain(
-                    named
-                        .into_iter()
-                        .flatten()
-                        .copied()
-                        .filter(|&r| r < unrouted),
-                );
-            for r in routes.chain(unrouted_too.then_some(unrouted)) {
+                Some(named) => named.iter().copied().filter(|&r| r < unrouted).collect(),
+            };
+            if config.gateway.count_unrouted && l.counts_unrouted() {
+                routes.push(unrouted);
+            }
+            for r in routes {
                 let on_route = &mut by_route[r];
                 let entry = (id, key_of(&hasher, &info.parts, &route_parts[r], None));
                 match l.mode {
