@@ -198,8 +198,14 @@ async fn a_held_window_request_is_charged_in_the_window_it_passes_in_as_in_memor
         .with_max_delay(Duration::from_millis(2_500))
         .unwrap();
     same_sequence(vec![odd], 52, 300, 150_000, 2).await;
-    // Layered: a held window beside a held bucket and an enforced window.
-    let layers = vec![
+    let layers = held_layers();
+    same_sequence(layers, 53, 300, 120_000, 1).await;
+}
+
+/// Layered: a held window beside a held bucket and an enforced window.
+fn held_layers() -> Vec<Limit> {
+    let second = Duration::from_secs(1);
+    vec![
         fixed("held-fixed", 4, second)
             .with_max_delay(Duration::from_millis(900))
             .unwrap(),
@@ -207,8 +213,7 @@ async fn a_held_window_request_is_charged_in_the_window_it_passes_in_as_in_memor
             .with_max_delay(Duration::from_millis(400))
             .unwrap(),
         sliding("cap", 12, 3 * second),
-    ];
-    same_sequence(layers, 53, 300, 120_000, 1).await;
+    ]
 }
 
 /// A request a window held into a later window, then taken back (a 503 on arrival, a client
@@ -227,15 +232,7 @@ async fn held_requests_taken_back_leave_the_same_state_as_in_memory() {
         .with_max_delay(Duration::from_millis(1_200))
         .unwrap();
     same_sequence_taking_back(vec![sliding_held], 61, 300, 900_000, 4, (3, false)).await;
-    let layers = vec![
-        fixed("held-fixed", 4, second)
-            .with_max_delay(Duration::from_millis(900))
-            .unwrap(),
-        bucket("held-bucket", 6, second, 2)
-            .with_max_delay(Duration::from_millis(400))
-            .unwrap(),
-        sliding("cap", 12, 3 * second),
-    ];
+    let layers = held_layers();
     same_sequence_taking_back(layers, 62, 300, 120_000, 2, (4, false)).await;
 }
 
