@@ -319,7 +319,9 @@ async fn a_second_stop_signal_answers_held_requests_503() {
     let cfg = format!("{}{limits}", config(&up.url(), 8, "10s", "60s"));
     // One serving thread: requests are decided in the order they were sent.
     let mut gw = Sluice::start_with_args(&cfg, &["--threads", "1"]);
-    assert_eq!(get(gw.main, "/a", &[]).await.status, 200);
+    // Admitted, and kept by its upstream: the second signal cuts it.
+    let in_flight = Pending::send(gw.main, "/hold", "k").await;
+    up.wait_holding(1).await;
     // Held about 10 s (within the grace, so the drain alone would wait for it).
     let held = Pending::send(gw.main, "/a", "k").await;
     // And one held about 20 s.
@@ -338,6 +340,18 @@ async fn a_second_stop_signal_answers_held_requests_503() {
         );
     }
     assert_eq!(gw.wait_exit(Duration::from_secs(10)).await.code(), Some(0));
+    drop(in_flight);
+    // Their lines say what they got, a whole 503, not that the shutdown cut them as it cut
+    // the request in flight (review).
+    let lines = gw.access_logs();
+    let answered: Vec<_> = lines.iter().filter(|v| v["status"] == 503).collect();
+    assert_eq!(answered.len(), 2, "{lines:?}");
+    for line in answered {
+        assert!(line.get("cut").is_none(), "{line}");
+    }
+    let cut = lines.iter().find(|v| v["path"] == "/hold").expect("a line");
+    assert_eq!(cut["cut"], "shutdown", "{cut}");
+    up.release(1);
 }
 
 /// SIGHUP (nginx's and HAProxy's reload) is logged and ignored: its default action would end

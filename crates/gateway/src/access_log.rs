@@ -38,6 +38,8 @@ struct Line {
     /// Tells whether the request was cut at the end of the shutdown grace (see
     /// [`AccessLog::watch_cut`]).
     cut: Option<Capacity>,
+    /// The response's last byte was handed to the connection: nothing was cut.
+    ended: bool,
     /// A tunnel's bytes each way and how it ended, written when it closes.
     tunnel: Option<(u64, u64, &'static str)>,
 }
@@ -63,6 +65,7 @@ impl AccessLog {
             bytes: 0,
             body_failed: false,
             cut: None,
+            ended: false,
             tunnel: None,
         })))
     }
@@ -148,6 +151,15 @@ impl AccessLog {
         }
     }
 
+    /// The response's last byte went to the connection: the request ended whole, even if the
+    /// shutdown grace ran out just after (review: after a second signal, held requests' complete
+    /// 503s were logged `cut = "shutdown"`).
+    pub(crate) fn ended(&mut self) {
+        if let Some(l) = &mut self.0 {
+            l.ended = true;
+        }
+    }
+
     pub(crate) fn add_bytes(&mut self, n: usize) {
         if let Some(l) = &mut self.0 {
             l.bytes += n as u64;
@@ -186,7 +198,9 @@ impl Drop for AccessLog {
             .upstream_ms
             .or_else(|| l.upstream_start.map(|s| ms_since(l.start) - s))
             .map(|ms| (ms * 1000.0).round() / 1000.0);
-        let cut = l.cut.as_ref().filter(|c| c.is_cut()).map(|_| "shutdown");
+        let cut = (l.cut.as_ref())
+            .filter(|c| !l.ended && c.is_cut())
+            .map(|_| "shutdown");
         let (tunnel_up, tunnel_down, tunnel_end) = match l.tunnel {
             Some((up, down, end)) => (Some(up), Some(down), Some(end)),
             None => (None, None, None),

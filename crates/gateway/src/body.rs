@@ -116,6 +116,18 @@ pin_project! {
     }
 }
 
+impl Kind {
+    /// Nothing is left to hand to the connection.
+    fn is_over(&self) -> bool {
+        match self {
+            Kind::Full { data } => data.is_none(),
+            Kind::Upstream { body, rest, .. } => {
+                rest.is_empty() && http_body::Body::is_end_stream(body)
+            }
+        }
+    }
+}
+
 /// Why a response body failed.
 #[derive(Debug)]
 pub enum BodyError {
@@ -204,10 +216,10 @@ impl http_body::Body for Body {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        let this = self.project();
+        let mut this = self.project();
         let busy = this.extras.as_mut().and_then(|e| e.busy.as_mut());
         let split = busy.as_ref().is_some_and(|b| b.is_http2());
-        let polled = match this.kind.project() {
+        let polled = match this.kind.as_mut().project() {
             KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
             KindProj::Upstream { rest, .. } if !rest.is_empty() => {
                 let piece = rest.split_to(rest.len().min(PIECE));
@@ -267,8 +279,14 @@ impl http_body::Body for Body {
             match frame {
                 Some(Ok(f)) => {
                     if let Some(e) = extras {
-                        if let (Some(log), Some(data)) = (e.log.as_mut(), f.data_ref()) {
-                            log.add_bytes(data.len());
+                        if let Some(log) = e.log.as_mut() {
+                            if let Some(data) = f.data_ref() {
+                                log.add_bytes(data.len());
+                            }
+                            // hyper polls no further once the body says it is at its end.
+                            if this.kind.is_over() {
+                                log.ended();
+                            }
                         }
                         if let Some(busy) = e.busy.as_mut() {
                             busy.delivered();
@@ -284,6 +302,9 @@ impl http_body::Body for Body {
                 // not whenever hyper drops the body, and start the connection's header timeout.
                 None => {
                     if let Some(e) = extras {
+                        if let Some(log) = e.log.as_mut() {
+                            log.ended();
+                        }
                         e.request_over();
                     }
                 }
@@ -293,10 +314,7 @@ impl http_body::Body for Body {
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.kind {
-            Kind::Full { data } => data.is_none(),
-            Kind::Upstream { body, rest, .. } => rest.is_empty() && body.is_end_stream(),
-        }
+        self.kind.is_over()
     }
 
     fn size_hint(&self) -> SizeHint {
