@@ -1451,6 +1451,21 @@ async fn heads_refused_before_routing_still_get_problem_bodies() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // The admin listener's say so: they are not the main port's traffic (review: the two
+    // could not be told apart).
+    let reply = raw_exchange(gw.admin, b"GET /re\x01dy HTTP/1.1\r\nhost: x\r\n\r\n").await;
+    assert!(reply.starts_with("HTTP/1.1 400 "), "{reply}");
+    let admin = gw
+        .wait_log("the admin listener's line", |l| l["listener"] == "admin")
+        .await;
+    assert_eq!(admin["status"], 400, "{admin}");
+    assert_eq!(
+        gw.access_logs()
+            .iter()
+            .filter(|l| l["method"] == "-" && l.get("listener").is_none())
+            .count(),
+        4
+    );
 }
 
 /// Only a path or an http URI is routed (RFC 9112 section 3.2): `*` but for `OPTIONS`, the

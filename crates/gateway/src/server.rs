@@ -673,7 +673,8 @@ impl Conn {
             }
         };
         if let Some(status) = head.refused() {
-            unread_request_logged(status, self.peer, result.as_ref().err().map(|e| &**e));
+            let error = result.as_ref().err().map(|e| &**e);
+            unread_request_logged(status, self.peer, self.kind, error);
         }
         if let Err(e) = result {
             tracing::debug!(peer = %self.peer, error = %e, "connection ended with an error");
@@ -690,10 +691,12 @@ impl Conn {
 /// The access-log line of a request whose head HTTP/1.1 could not read, answered by hyper
 /// (400, 414 or 431, with the gateway's problem body) before any handler saw it: every answered
 /// request has a line, so that dashboards of 4xx and abuse see malformed traffic too. What it
-/// asked for is unknown, so those fields are `-`.
+/// asked for is unknown, so those fields are `-`. The admin listener's (it logs no other
+/// request) say `listener = "admin"`, so that they are not counted as the main port's traffic.
 fn unread_request_logged(
     status: u16,
     peer: SocketAddr,
+    listener: Listener,
     error: Option<&(dyn std::error::Error + Send + Sync)>,
 ) {
     tracing::info!(
@@ -704,6 +707,7 @@ fn unread_request_logged(
         status,
         client = %peer.ip(),
         request_id = "-",
+        listener = matches!(listener, Listener::Admin).then_some("admin"),
         error = error.map(tracing::field::display),
         "request"
     );
