@@ -699,14 +699,99 @@ async fn a_download_under_way_at_shutdown_arrives_whole() {
 /// stream: indexed `:method GET` and `:scheme http`, then literals for `:path` and
 /// `:authority` (HPACK, RFC 7541 appendix A).
 fn h2_get(path: &str) -> Vec<u8> {
+    h2_get_on(1, path)
+}
+
+/// [`h2_get`] on stream `stream`.
+fn h2_get_on(stream: u32, path: &str) -> Vec<u8> {
     let mut block = vec![0x82u8, 0x86, 0x44, u8::try_from(path.len()).unwrap()];
     block.extend_from_slice(path.as_bytes());
     block.extend_from_slice(&[0x41, 14]);
     block.extend_from_slice(b"h2.example.com");
     let len = u8::try_from(block.len()).unwrap();
-    let mut frame = vec![0, 0, len, 1, 0x05, 0, 0, 0, 1]; // END_STREAM | END_HEADERS
+    let mut frame = vec![0, 0, len, 1, 0x05]; // END_STREAM | END_HEADERS
+    frame.extend_from_slice(&stream.to_be_bytes());
     frame.extend_from_slice(&block);
     frame
+}
+
+/// Reads HTTP/2 frames from `s` into `frames` (type, flags, stream, payload) until `done`
+/// says so; panics after 5 s.
+async fn read_frames_until(
+    s: &mut TcpStream,
+    frames: &mut Vec<(u8, u8, u32, Vec<u8>)>,
+    buf: &mut Vec<u8>,
+    done: impl Fn(&[(u8, u8, u32, Vec<u8>)]) -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut chunk = [0u8; 16 * 1024];
+    while !done(frames) {
+        let n = match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => n,
+            other => panic!("reading frames: {other:?}; frames so far {frames:?}"),
+        };
+        buf.extend_from_slice(&chunk[..n]);
+        while buf.len() >= 9 {
+            let len = usize::from(buf[0]) << 16 | usize::from(buf[1]) << 8 | usize::from(buf[2]);
+            if buf.len() < 9 + len {
+                break;
+            }
+            let stream = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]) & 0x7fff_ffff;
+            frames.push((buf[3], buf[4], stream, buf[9..9 + len].to_vec()));
+            buf.drain(..9 + len);
+        }
+    }
+}
+
+/// An HTTP/2 client that neither answers the shutdown's `PING` nor heeds its first `GOAWAY`
+/// cannot keep the drain going with new streams to the grace's end (review): a stream it opens
+/// at once is served (the `GOAWAY` may have crossed it), one it opens seconds later is answered
+/// 503 `shutting-down` without reaching the upstream.
+#[tokio::test]
+async fn http2_streams_opened_long_after_goaway_are_turned_away() {
+    let up = MockUpstream::start().await;
+    let mut gw = Sluice::start_with_args(&config(&up.url(), 8, "30s", "30s"), &["--threads", "1"]);
+    let mut s = TcpStream::connect(gw.main).await.unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]); // SETTINGS
+    out.extend_from_slice(&[0, 0, 0, 4, 1, 0, 0, 0, 0]); // the server's SETTINGS, acked ahead
+    out.extend_from_slice(&h2_get_on(1, "/hold"));
+    s.write_all(&out).await.unwrap();
+    up.wait_holding(1).await;
+    gw.terminate();
+    let (mut frames, mut buf) = (Vec::new(), Vec::new());
+    // The first GOAWAY (7) and its PING (6, not an ack), left unanswered.
+    read_frames_until(&mut s, &mut frames, &mut buf, |f| {
+        f.iter().any(|x| x.0 == 7) && f.iter().any(|x| x.0 == 6 && x.1 & 1 == 0)
+    })
+    .await;
+    // At once: served.
+    s.write_all(&h2_get_on(3, "/echo")).await.unwrap();
+    let ended =
+        |id: u32| move |f: &[(u8, u8, u32, Vec<u8>)]| f.iter().any(|x| x.2 == id && x.1 & 1 == 1);
+    read_frames_until(&mut s, &mut frames, &mut buf, ended(3)).await;
+    let body = |id: u32, frames: &[(u8, u8, u32, Vec<u8>)]| {
+        let data = frames.iter().filter(|x| x.0 == 0 && x.2 == id);
+        String::from_utf8_lossy(&data.flat_map(|x| x.3.clone()).collect::<Vec<_>>()).into_owned()
+    };
+    assert!(!body(3, &frames).contains("shutting-down"), "{frames:?}");
+    assert_eq!(up.requests(), 2);
+    // Past the time a client has to hear the GOAWAY: turned away, nothing forwarded.
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    s.write_all(&h2_get_on(5, "/echo")).await.unwrap();
+    read_frames_until(&mut s, &mut frames, &mut buf, ended(5)).await;
+    let late = body(5, &frames);
+    assert!(late.contains("shutting-down\",\"title\""), "{late}");
+    assert!(late.contains("\"policy\":\"server-draining\""), "{late}");
+    assert_eq!(up.requests(), 2);
+    up.release(1);
+    read_frames_until(&mut s, &mut frames, &mut buf, ended(1)).await;
+    let line = gw
+        .wait_log("the late stream's line", |v| v["status"] == 503)
+        .await;
+    assert_eq!(line["decision"], "DRAINING", "{line}");
+    drop(s);
+    assert_eq!(gw.wait_exit(Duration::from_secs(10)).await.code(), Some(0));
 }
 
 /// An HTTP/2 `WINDOW_UPDATE` for the whole connection.

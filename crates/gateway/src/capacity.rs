@@ -9,6 +9,11 @@ use tokio::task::AbortHandle;
 
 use tokio::time::Instant;
 
+/// How long after draining starts an HTTP/2 client has to stop opening streams: the first
+/// `GOAWAY` and the `PING` after it take one round trip, which is far below this on any network a
+/// gateway serves.
+pub(crate) const GOODBYE_HEARD: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Counts in-flight requests against `max_in_flight`. Clones share the counts.
 #[derive(Debug, Clone)]
 pub(crate) struct Capacity {
@@ -24,6 +29,8 @@ struct Inner {
     drained: tokio::sync::Notify,
     /// When the shutdown grace ends, once draining has started.
     grace_ends: OnceLock<Instant>,
+    /// When draining started (and HTTP/2 connections were sent their first `GOAWAY`).
+    drain_started: OnceLock<Instant>,
     /// Woken when draining starts, and when its grace is ended early.
     draining_started: tokio::sync::Notify,
     /// Requests held by `delay` limits now, and the most there may be (`gateway.max_held`).
@@ -87,6 +94,7 @@ impl Capacity {
                 draining: AtomicBool::new(false),
                 drained: tokio::sync::Notify::new(),
                 grace_ends: OnceLock::new(),
+                drain_started: OnceLock::new(),
                 draining_started: tokio::sync::Notify::new(),
                 held: AtomicUsize::new(0),
                 max_held,
@@ -151,9 +159,21 @@ impl Capacity {
 
     /// Fails readiness from now on; work still in flight has until `grace_ends`.
     pub(crate) fn start_draining(&self, grace_ends: Instant) {
+        let _ = self.inner.drain_started.set(Instant::now());
         let _ = self.inner.grace_ends.set(grace_ends);
         self.inner.draining.store(true, Ordering::Release);
         self.inner.draining_started.notify_waiters();
+    }
+
+    /// Whether draining started more than [`GOODBYE_HEARD`] ago: an HTTP/2 stream opened
+    /// since comes from a client that has had the first `GOAWAY` that long and opens streams
+    /// anyway (RFC 9113 section 6.8 prohibits it), and that has not answered the `PING` after
+    /// it, without which hyper never sends the `GOAWAY` that refuses new streams.
+    pub(crate) fn goodbye_ignored(&self) -> bool {
+        self.inner
+            .drain_started
+            .get()
+            .is_some_and(|started| started.elapsed() >= GOODBYE_HEARD)
     }
 
     /// Resolves once draining has started with a grace that ends before `moment` (or was

@@ -287,6 +287,12 @@ pub(crate) async fn handle(
 
             // Quota, then capacity.
             let cost = route.map_or(1, |r| r.cost.get());
+            // A client that keeps opening HTTP/2 streams after the shutdown's GOAWAY would keep
+            // the drain going to the grace's end (review): what it opens late is turned away,
+            // as a client that heeds GOAWAY sees the stream refused.
+            if http2 && shared.capacity.goodbye_ignored() {
+                break 'walk stopped(shared, index, Stop::Draining, (&Reports::new(), cost), log);
+            }
             let capacity = match route {
                 Some(_) => &shared.capacity,
                 None => &shared.unrouted_capacity,
@@ -487,11 +493,15 @@ fn stopped(
             let retry_after = overload_retry_after(shared.overload_retry_after);
             Problem::store_unavailable(retry_after).into_response(&shared.problem_base)
         }
-        Stop::Overloaded | Stop::OverloadedAfterHold | Stop::DrainingAfterHold => {
+        Stop::Overloaded | Stop::OverloadedAfterHold | Stop::DrainingAfterHold | Stop::Draining => {
             let retry_after = overload_retry_after(shared.overload_retry_after);
             let (outcome, problem) = match stop {
-                Stop::DrainingAfterHold => {
-                    (Outcome::Draining, Problem::draining_after_hold(retry_after))
+                Stop::DrainingAfterHold | Stop::Draining => {
+                    let after_hold = matches!(stop, Stop::DrainingAfterHold);
+                    (
+                        Outcome::Draining,
+                        Problem::draining(retry_after, after_hold),
+                    )
                 }
                 _ => {
                     let after_hold = matches!(stop, Stop::OverloadedAfterHold);

@@ -206,15 +206,22 @@ impl Problem {
         p
     }
 
-    /// A held request whose hold would end after the shutdown grace: this instance is going
-    /// away (another can answer), not full; its charges withdrawn as after a hold that found
-    /// the gateway full.
-    pub(crate) fn draining_after_hold(retry_after: u64) -> Self {
+    /// This instance is going away (another can answer), not full: a held request whose hold
+    /// would end after the shutdown grace, its charges withdrawn as after a hold that found the
+    /// gateway full; or an HTTP/2 stream opened long after the connection was told to stop
+    /// (nothing charged).
+    pub(crate) fn draining(retry_after: u64, after_hold: bool) -> Self {
+        let detail = if after_hold {
+            WITHDRAWN_AFTER_HOLD
+        } else {
+            "This connection was told to stop opening streams (GOAWAY): retry on a new one, after \
+the delay in Retry-After. Your quota was not charged."
+        };
         let mut p = Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "shutting-down",
             "The service is shutting down",
-            WITHDRAWN_AFTER_HOLD,
+            detail,
         );
         p.retry_after = Some(retry_after);
         p.extra.push(("policy", Member::Text("server-draining")));

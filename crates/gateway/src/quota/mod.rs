@@ -171,6 +171,9 @@ pub(crate) enum Stop {
     /// 503: the gateway began to shut down with a grace that ends before a held request's
     /// hold would; its charges were withdrawn as for [`Stop::OverloadedAfterHold`].
     DrainingAfterHold,
+    /// 503: an HTTP/2 stream opened long after its connection was told to stop
+    /// ([`crate::capacity::Capacity::goodbye_ignored`]); nothing was asked or charged.
+    Draining,
     /// 503: the shared store cannot decide and `on_error = "deny"`; nothing was charged.
     StoreUnavailable,
 }
