@@ -100,9 +100,10 @@ struct Activity {
     start: Instant,
     /// Milliseconds since `start`.
     last_ms: AtomicU64,
-    /// Read from the client.
+    /// Written to the upstream.
     up: AtomicU64,
-    /// Read from the upstream.
+    /// Written to the client (what was read from the upstream but is still in the copy's
+    /// buffer when the tunnel ends never reached it: review).
     down: AtomicU64,
 }
 
@@ -121,12 +122,12 @@ impl Activity {
         self.last_ms.store(now, Ordering::Relaxed);
     }
 
-    /// `n` bytes were read from `side`.
-    fn read(&self, side: Side, n: usize) {
+    /// `n` bytes were written to `side`.
+    fn wrote(&self, side: Side, n: usize) {
         self.touch();
         let counter = match side {
-            Side::Client => &self.up,
-            Side::Upstream => &self.down,
+            Side::Client => &self.down,
+            Side::Upstream => &self.up,
         };
         counter.fetch_add(n as u64, Ordering::Relaxed);
     }
@@ -175,9 +176,8 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let polled = Pin::new(&mut self.io).poll_read(cx, buf);
-        let read = buf.filled().len() - before;
-        if read > 0 {
-            self.activity.read(self.side, read);
+        if buf.filled().len() > before {
+            self.activity.touch();
         }
         polled
     }
@@ -190,8 +190,10 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
         let polled = Pin::new(&mut self.io).poll_write(cx, data);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            self.activity.touch();
+        if let Poll::Ready(Ok(n)) = polled {
+            if n > 0 {
+                self.activity.wrote(self.side, n);
+            }
         }
         polled
     }
@@ -225,5 +227,25 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(2)).await;
         tokio::task::yield_now().await;
         assert!(idle.is_finished(), "120 s: 61 s without a byte");
+    }
+
+    /// Each way counts what was written to the receiving side, not what was read from the
+    /// sending one: a client that stops reading has not had what waits in the copy's buffer.
+    #[tokio::test(start_paused = true)]
+    async fn a_tunnel_counts_what_reached_each_side() {
+        use tokio::io::AsyncWriteExt;
+        let activity = Activity::new();
+        // The client's side holds 1 KiB and is never read; the upstream sends 64 KiB.
+        let (client_far, client_near) = tokio::io::duplex(1024);
+        let (mut upstream_far, upstream_near) = tokio::io::duplex(64 * 1024);
+        upstream_far.write_all(&[7u8; 64 * 1024]).await.unwrap();
+        let mut client = Watched::new(client_near, &activity, Side::Client);
+        let mut upstream = Watched::new(upstream_near, &activity, Side::Upstream);
+        let copy = tokio::io::copy_bidirectional(&mut client, &mut upstream);
+        let stalled = tokio::time::timeout(Duration::from_secs(1), copy).await;
+        assert!(stalled.is_err(), "the copy ended: {stalled:?}");
+        assert_eq!(activity.down.load(Ordering::Relaxed), 1024);
+        assert_eq!(activity.up.load(Ordering::Relaxed), 0);
+        drop((client_far, upstream_far));
     }
 }
