@@ -1035,47 +1035,57 @@ async fn a_log_whose_reader_stopped_reading_loses_lines_not_requests() {
     );
 }
 
-/// The admin listener keeps at most 64 connections: past them a new one is closed at once, so
-/// that idle admin connections cannot take the file descriptors upstream connections need
-/// (review: 400 of them had healthy upstreams answered 502). Probes come back once some close.
+/// The admin listener keeps at most 64 connections, so that idle admin connections cannot
+/// take the file descriptors upstream connections need (review: 400 of them had healthy
+/// upstreams answered 502). Past them the oldest is closed for each new one: a probe is
+/// answered at once whatever holds the others (review: refused at the cap, it waited for their
+/// header timeout).
 #[tokio::test]
 async fn the_admin_listener_keeps_a_bounded_number_of_connections() {
     let up = MockUpstream::start().await;
-    let gw = Sluice::start(&config(&up.url(), 8, "10s", "5s"));
+    let gw = Sluice::start(&config(&up.url(), 8, "30s", "5s"));
     let mut idle = Vec::new();
     for _ in 0..64 {
         idle.push(TcpStream::connect(gw.admin).await.unwrap());
     }
-    // Accepted in order: once the 64th is open, the next is closed unanswered.
-    let mut extra = TcpStream::connect(gw.admin).await.unwrap();
-    let _ = extra
-        .write_all(b"GET /ready HTTP/1.1\r\nhost: x\r\n\r\n")
-        .await;
+    // The 64 were taken and are served (a smaller cap would close the first of them).
     let mut buf = [0u8; 64];
-    let read = tokio::time::timeout(Duration::from_secs(5), extra.read(&mut buf)).await;
-    assert!(
-        matches!(read, Ok(Ok(0)) | Ok(Err(_))),
-        "closed at once: {read:?}"
-    );
-    // The 64 were taken and are served (a smaller cap would have closed the last of them).
-    let last = idle.last_mut().unwrap();
-    last.write_all(b"GET /ready HTTP/1.1\r\nhost: x\r\n\r\n")
+    let first = &mut idle[0];
+    first
+        .write_all(b"GET /ready HTTP/1.1\r\nhost: x\r\n\r\n")
         .await
         .unwrap();
-    let n = tokio::time::timeout(Duration::from_secs(5), last.read(&mut buf))
+    let n = tokio::time::timeout(Duration::from_secs(5), first.read(&mut buf))
         .await
         .unwrap()
         .unwrap();
     assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &buf[..n]);
-    assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
-    drop(idle.drain(..8));
-    let mut ready = None;
-    for _ in 0..50 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        ready = Some(get(gw.admin, "/ready", &[]).await.status);
-        if ready == Some(http::StatusCode::OK) {
-            break;
-        }
+    // Each new one, a probe's (kept open here), is answered; the oldest are closed, one for
+    // each.
+    let mut probes = Vec::new();
+    for _ in 0..3 {
+        let mut probe = TcpStream::connect(gw.admin).await.unwrap();
+        probe
+            .write_all(b"GET /live HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), probe.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &buf[..n]);
+        probes.push(probe);
     }
-    assert_eq!(ready, Some(http::StatusCode::OK));
+    for i in [0, 1, 2, 3, 63] {
+        let limit = Duration::from_millis(if i < 3 { 2000 } else { 100 });
+        let closed = read_until_closed(&mut idle[i], limit).await;
+        assert_eq!(closed.is_some(), i < 3, "connection {i}: {closed:?}");
+    }
+    gw.wait_log("the cap's warning", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("admin connections at their cap"))
+    })
+    .await;
+    assert_eq!(get(gw.main, "/api/echo", &[]).await.status, 200);
 }

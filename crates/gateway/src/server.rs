@@ -409,27 +409,66 @@ pub(crate) enum Listener {
 }
 
 /// Connections the admin listener keeps open at once: probes and scrapes need a few; past it
-/// a new one is closed at once.
+/// the oldest is closed to make room for a new one.
 pub(crate) const ADMIN_CONNECTIONS: usize = 64;
 
-/// A place among [`ADMIN_CONNECTIONS`], given back when dropped.
-struct AdminSlot(Arc<std::sync::atomic::AtomicUsize>);
+/// The admin listener's open connections, oldest first, each with what ends it.
+#[derive(Default)]
+struct AdminConns {
+    next: u64,
+    open: std::collections::VecDeque<(u64, tokio::task::AbortHandle)>,
+}
 
-impl AdminSlot {
-    fn take(open: &Arc<std::sync::atomic::AtomicUsize>) -> Option<AdminSlot> {
-        use std::sync::atomic::Ordering;
-        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-            (n < ADMIN_CONNECTIONS).then_some(n + 1)
-        })
-        .ok()?;
-        Some(AdminSlot(Arc::clone(open)))
+/// An admin connection's place among [`AdminConns`], given back when its task ends.
+struct AdminEntry {
+    conns: Arc<std::sync::Mutex<AdminConns>>,
+    id: u64,
+}
+
+impl Drop for AdminEntry {
+    fn drop(&mut self) {
+        let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(at) = conns.open.iter().position(|(id, _)| *id == self.id) {
+            conns.open.remove(at);
+        }
     }
 }
 
-impl Drop for AdminSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+/// Serves an admin connection among at most [`ADMIN_CONNECTIONS`]: at the cap the oldest is
+/// closed first. Admin requests are answered at once, so the oldest of many is idle: a
+/// probe's new connection is served whatever holds the others (review: with a refusal at the
+/// cap, 64 idle connections kept the liveness probe out until their header timeout, long
+/// enough for a kubelet to restart the container).
+fn spawn_admin(
+    conns: &Arc<std::sync::Mutex<AdminConns>>,
+    warning: &OnceASecond,
+    served: impl Future<Output = ()> + Send + 'static,
+) {
+    // Held over the spawn and the registration: the task's end, which removes its entry,
+    // cannot come between them.
+    let mut open = conns.lock().unwrap_or_else(|e| e.into_inner());
+    if open.open.len() >= ADMIN_CONNECTIONS {
+        if let Some((_, oldest)) = open.open.pop_front() {
+            oldest.abort();
+        }
+        if warning.now() {
+            tracing::warn!(
+                max = ADMIN_CONNECTIONS,
+                "admin connections at their cap: the oldest is closed for each new one"
+            );
+        }
     }
+    let id = open.next;
+    open.next += 1;
+    let entry = AdminEntry {
+        conns: Arc::clone(conns),
+        id,
+    };
+    let task = tokio::spawn(async move {
+        let _entry = entry;
+        served.await;
+    });
+    open.open.push_back((id, task.abort_handle()));
 }
 
 /// Accepts connections until `stop` resolves. Connections are registered with `graceful`
@@ -445,7 +484,7 @@ pub(crate) async fn accept_loop(
     stop: impl Future<Output = ()>,
 ) {
     let builder = Arc::new(builder());
-    let admin_open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let admin_conns = Arc::new(std::sync::Mutex::new(AdminConns::default()));
     // Its own: a flood of admin connections must not hide the main listener's warnings.
     let admin_warning = OnceASecond::new();
     tokio::pin!(stop);
@@ -494,19 +533,7 @@ pub(crate) async fn accept_loop(
                     // The admin listener's own bound: its connections take file descriptors
                     // that `max_connections` keeps for upstream connections (review: 400 idle
                     // admin connections had healthy upstreams answered 502).
-                    let Some(slot) = AdminSlot::take(&admin_open) else {
-                        if admin_warning.now() {
-                            tracing::warn!(
-                                max = ADMIN_CONNECTIONS,
-                                "admin connections at their cap: new ones are closed"
-                            );
-                        }
-                        continue; // dropped: closed
-                    };
-                    tokio::spawn(async move {
-                        let _slot = slot;
-                        served.await;
-                    });
+                    spawn_admin(&admin_conns, &admin_warning, served);
                     continue;
                 }
                 tokio::spawn(served);
