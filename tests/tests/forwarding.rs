@@ -1151,6 +1151,56 @@ async fn http2_prior_knowledge_is_served() {
     assert_eq!(body["version"], "HTTP/1.1");
 }
 
+/// An answer the gateway writes itself to an HTTP/2 `HEAD` has no body, only its length: hyper
+/// sent the body, which a client takes for a protocol error and resets the stream (review:
+/// curl got no 429, no `Retry-After`). Over both listeners, for problems, `respond` routes and
+/// health answers; a forwarded `HEAD` keeps the upstream's fields.
+#[tokio::test]
+async fn http2_head_answers_written_by_the_gateway_have_no_body() {
+    use http_body_util::BodyExt;
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), "5s"));
+    for (addr, path, status) in [
+        (gw.main, "/nowhere", 404),
+        (gw.main, "/status", 200),
+        (gw.main, "/health", 200),
+        (gw.main, "/a%zz", 400),
+        (gw.admin, "/ready", 200),
+        (gw.admin, "/nowhere", 404),
+    ] {
+        let mut sender = h2_sender(addr).await;
+        let uri = format!("http://h2.example.com{path}");
+        let get = Request::get(&uri).body(Full::<Bytes>::default()).unwrap();
+        let got = sender.send_request(get).await.unwrap();
+        let body = got.into_body().collect().await.unwrap().to_bytes();
+        assert!(!body.is_empty(), "{path}");
+        let head = Request::head(&uri).body(Full::<Bytes>::default()).unwrap();
+        let res = sender
+            .send_request(head)
+            .await
+            .unwrap_or_else(|e| panic!("HEAD {path}: {e}"));
+        assert_eq!(res.status(), status, "{path}");
+        let length = res.headers().get("content-length").cloned();
+        assert_eq!(length, Some(body.len().into()), "{path}");
+        let rest = res.into_body().collect().await;
+        let rest = rest.unwrap_or_else(|e| panic!("HEAD {path}'s end: {e}"));
+        assert!(rest.to_bytes().is_empty(), "{path}");
+    }
+    let mut sender = h2_sender(gw.main).await;
+    let head = Request::head("http://h2.example.com/api/echo")
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    let res = sender.send_request(head).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert!(res
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes()
+        .is_empty());
+}
+
 /// An HTTP/2 field value with blanks around it is malformed (RFC 9113 section 8.2.1): answered
 /// 400, not passed on for each HTTP/1.1 reader to trim or not (review: `x-foo: " a "` went on).
 #[tokio::test]

@@ -8,7 +8,7 @@ use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 
 use crate::body::Body;
-use crate::handle::{plain, readiness, Shared};
+use crate::handle::{plain, readiness, without_body_for_head, Shared};
 use crate::head_timeout::Busy;
 use crate::problem::Problem;
 
@@ -33,6 +33,9 @@ pub(crate) async fn handle(
         }
         _ => Problem::not_found().into_response(&shared.problem_base),
     };
+    if req.version() == http::Version::HTTP_2 && req.method() == Method::HEAD {
+        without_body_for_head(&mut res);
+    }
     res.body_mut().keep_busy(busy);
     Ok(res)
 }

@@ -165,6 +165,17 @@ impl Body {
         }
     }
 
+    /// Drops a body the gateway wrote itself, for an answer to `HEAD`, and says how long it
+    /// was (for its `Content-Length`). hyper leaves the body out of an HTTP/1.1 answer to
+    /// `HEAD` itself, but sends it over HTTP/2, where a `HEAD` stream with `DATA` is a
+    /// protocol error: the client got a stream reset instead of the answer (review).
+    pub(crate) fn drop_for_head(&mut self) -> Option<usize> {
+        match &mut self.kind {
+            Kind::Full { data } => data.take().map(|d| d.len()),
+            Kind::Upstream { .. } => None,
+        }
+    }
+
     /// The upstream's `body`, failed when no piece of it arrives within `timeout`.
     pub(crate) fn upstream(body: Upstreamed, timeout: Duration) -> Self {
         if let Upstreamed::Whole(data) = body {

@@ -148,6 +148,7 @@ pub(crate) async fn handle(
     mut req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
     let http2 = req.version() == http::Version::HTTP_2;
+    let head_over_http2 = http2 && req.method() == http::Method::HEAD;
     if http2 {
         busy.http2();
     } else {
@@ -457,6 +458,9 @@ pub(crate) async fn handle(
     };
     log.status(res.status());
     res.headers_mut().insert(X_REQUEST_ID.clone(), request_id);
+    if head_over_http2 {
+        without_body_for_head(&mut res);
+    }
     res.body_mut().log_on_end(log);
     res.body_mut().keep_busy(busy);
     Ok(res)
@@ -611,6 +615,15 @@ pub(crate) fn readiness(capacity: &Capacity) -> Response<Body> {
         (StatusCode::SERVICE_UNAVAILABLE, "full\n")
     };
     plain(status, text)
+}
+
+/// An answer the gateway wrote itself to an HTTP/2 `HEAD`: its body dropped, its length kept
+/// in `Content-Length` (see [`Body::drop_for_head`]).
+pub(crate) fn without_body_for_head(res: &mut Response<Body>) {
+    if let Some(len) = res.body_mut().drop_for_head() {
+        res.headers_mut()
+            .insert(http::header::CONTENT_LENGTH, HeaderValue::from(len));
+    }
 }
 
 pub(crate) fn plain(status: StatusCode, text: &'static str) -> Response<Body> {
