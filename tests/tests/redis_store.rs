@@ -769,6 +769,73 @@ window = "1h"
     );
 }
 
+/// A caller over its quota takes no place in `max_in_flight` while Redis decides its 429:
+/// others are served and readiness holds (review: with the place taken first, one spent key's
+/// flood had other callers answered 503 and `/ready` flapping). Redis is paused so that the
+/// spent caller's decision stays under way.
+#[tokio::test]
+async fn a_refusal_under_way_in_redis_takes_no_place_in_flight() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let limit = KEY_QUOTA_30.replace("quota = 30", "quota = 1") + "routes = [\"search\"]\n";
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "5s"),
+        1,
+        &limit,
+    ));
+    assert_eq!(call(gw.main, "/v1/search", "spent").await.status, 200);
+    assert_eq!(call(gw.main, "/v1/search", "spent").await.status, 429);
+    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "1500", "ALL"]).trim(), "OK");
+    let main = gw.main;
+    let refused = tokio::spawn(async move { call(main, "/v1/search", "spent").await.status });
+    // Long enough for the request to reach Redis (where it waits out the pause).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!refused.is_finished());
+    assert_eq!(get(gw.admin, "/ready", &[]).await.status, 200);
+    assert_eq!(call(gw.main, "/v1/other", "anyone").await.status, 200);
+    assert_eq!(refused.await.unwrap(), 429);
+}
+
+/// An admission whose place in `max_in_flight` was taken while Redis decided it is answered
+/// 503, and its charge is refunded: a 503 never costs the caller quota.
+#[tokio::test]
+async fn an_admission_that_finds_the_gateway_filled_meanwhile_is_refunded() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let limit = KEY_QUOTA_30.replace("quota = 30", "quota = 1") + "routes = [\"search\"]\n";
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "5s"),
+        1,
+        &limit,
+    ));
+    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "1000", "ALL"]).trim(), "OK");
+    let main = gw.main;
+    let deciding = tokio::spawn(async move { call(main, "/v1/search", "fresh").await });
+    // Long enough for the request to reach Redis; then an unlimited one takes the one place.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let holding = tokio::spawn(async move { get(main, "/v1/other/hold", &[]).await.status });
+    up.wait_holding(1).await;
+    let full = deciding.await.unwrap();
+    assert_eq!(full.status, 503, "{}", full.text());
+    assert!(
+        full.text().contains("\"policy\":\"server-capacity\""),
+        "{}",
+        full.text()
+    );
+    // The figures after the refund: the whole quota.
+    assert!(
+        full.header("ratelimit").contains("r=1"),
+        "{:?}",
+        full.headers
+    );
+    up.release(1);
+    assert_eq!(holding.await.unwrap(), 200);
+    assert_eq!(call(gw.main, "/v1/search", "fresh").await.status, 200);
+    assert_eq!(call(gw.main, "/v1/search", "fresh").await.status, 429);
+}
+
 #[tokio::test]
 async fn stalled_redis_falls_back_within_the_timeout() {
     let redis = RedisServer::start();

@@ -150,7 +150,12 @@ impl Capacity {
 
     /// Ready means: not draining and not full. Nothing else fails readiness.
     pub(crate) fn is_ready(&self) -> bool {
-        !self.is_draining() && self.in_flight() < self.inner.max
+        !self.is_draining() && self.has_room()
+    }
+
+    /// Whether a slot is free now (another may take it before this caller does).
+    pub(crate) fn has_room(&self) -> bool {
+        self.in_flight() < self.inner.max
     }
 
     pub(crate) fn in_flight(&self) -> usize {

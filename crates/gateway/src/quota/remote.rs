@@ -17,8 +17,8 @@ use sluice_store_redis::{
 use smallvec::SmallVec;
 
 use super::breaker::{Breaker, Gate};
-use super::{place_after_hold, Held, Layers, Notes, Outcome, Pass, Quota, Refused, Stop};
-use crate::capacity::{Capacity, InFlight};
+use super::{place_after_hold, Held, Layers, Notes, Outcome, Pass, Quota, Refused, Reports, Stop};
+use crate::capacity::Capacity;
 use crate::once_a_second::OnceASecond;
 
 /// How long a tripped breaker keeps requests away from Redis before one probes it, and how
@@ -108,10 +108,9 @@ impl Remote {
         capacity: &Capacity,
         notes: Notes<'_>,
     ) -> Result<Pass, Stop> {
-        let slot = capacity.try_acquire();
         if layers.enforced.is_empty() && layers.dry_run.is_empty() {
             // No limit applies to this request: nothing to ask Redis.
-            let slot = slot.ok_or(Stop::Overloaded)?;
+            let slot = capacity.try_acquire().ok_or(Stop::Overloaded)?;
             return Ok(Pass {
                 slot,
                 held: Held::default(),
@@ -120,16 +119,12 @@ impl Remote {
         }
         let Some(store) = self.store.get() else {
             self.note_fallback(&"not connected");
-            return self
-                .fallback(quota, layers, cost, capacity, slot, notes)
-                .await;
+            return self.fallback(quota, layers, cost, capacity, notes).await;
         };
         let gate = self.breaker.gate();
         if gate == Gate::Skip {
             self.note_fallback(&CircuitOpen(&self.last_failure));
-            return self
-                .fallback(quota, layers, cost, capacity, slot, notes)
-                .await;
+            return self.fallback(quota, layers, cost, capacity, notes).await;
         }
         let remote: SmallVec<[Layer<'_>; 8]> = layers
             .enforced
@@ -142,11 +137,13 @@ impl Remote {
                     .map(|(id, key)| Layer::dry_run(&self.limits[id.index()], *key)),
             )
             .collect();
-        let mode = if slot.is_some() {
-            Mode::Charge
-        } else {
-            Mode::Full
-        };
+        // No place is taken in `max_in_flight` while Redis decides: a caller over its quota,
+        // answered 429, must not fill the gateway for others (review: with the place taken
+        // first, one spent key's flood had other callers answered 503 and readiness flapping).
+        // A full instance asks Redis only whether the caller is within quota (429 or 503,
+        // nothing charged).
+        let room = capacity.has_room();
+        let mode = if room { Mode::Charge } else { Mode::Full };
         let decision = match store.decide(&remote, cost, mode).await {
             Ok(d) => {
                 self.breaker.success();
@@ -170,9 +167,7 @@ impl Remote {
                     self.breaker.success();
                 }
                 self.note_fallback(&e);
-                return self
-                    .fallback(quota, layers, cost, capacity, slot, notes)
-                    .await;
+                return self.fallback(quota, layers, cost, capacity, notes).await;
             }
         };
         match decision {
@@ -180,8 +175,24 @@ impl Remote {
                 // Check-only (a full instance) reports the figures as they stand, for the 503.
                 notes.reports.extend(figures(layers, &a.reports));
                 // Check-only said "would pass": the caller is within quota, the instance is full.
-                let Some(slot) = slot else {
+                if !room {
                     return Err(Stop::Overloaded);
+                }
+                // Its place, unless it is held first (held requests take none). Filled while
+                // Redis decided: a 503, its charges and leases taken back.
+                let slot = match a.hold.is_zero() {
+                    true => match capacity.try_acquire() {
+                        Some(slot) => Some(slot),
+                        None => {
+                            let mut refund = TakeBack::new(store, &remote, a, How::Refund);
+                            if let Some(refunded) = refund.start() {
+                                let _ = refunded.await;
+                            }
+                            figures_now(store, &remote, cost, layers, notes.reports).await;
+                            return Err(Stop::Overloaded);
+                        }
+                    },
+                    false => None,
                 };
                 let dry_refused = a.dry_run_refused.map(|i| id_of(layers, i));
                 let held = Held {
@@ -192,16 +203,15 @@ impl Remote {
                 // A `delay` limit charged it ahead, in the script: hold it, as in memory,
                 // outside `max_in_flight`, and withdraw its charges if it does not pass (its
                 // client leaves, the gateway is full when the hold ends, or drains first).
-                let slot = if a.hold.is_zero() {
+                let slot = if let Some(slot) = slot {
                     slot
                 } else {
-                    drop(slot);
                     let hold = a.hold;
                     let place = capacity.try_hold();
                     let refused = place
                         .is_none()
                         .then(|| figures(layers, &a.reports).collect());
-                    let mut withdraw = Withdraw::new(store, &remote, a);
+                    let mut withdraw = TakeBack::new(store, &remote, a, How::Withdraw);
                     if let Some(figures) = refused {
                         // At `max_held`: refused as an enforcing limit would (its charges
                         // withdrawn; its figures, as of its admission, are the 429's).
@@ -217,17 +227,7 @@ impl Remote {
                             if let Some(withdrawn) = withdraw.start() {
                                 let _ = withdrawn.await;
                             }
-                            if let Ok(d) = store.decide(&remote, cost, Mode::CheckOnly).await {
-                                let now = match &d {
-                                    RemoteDecision::Admitted(a) => Some(&a.reports[..]),
-                                    RemoteDecision::Refused(r) => Some(&r.reports[..]),
-                                    RemoteDecision::CostTooLarge { .. } => None,
-                                };
-                                if let Some(now) = now {
-                                    notes.reports.clear();
-                                    notes.reports.extend(figures(layers, now));
-                                }
-                            }
+                            figures_now(store, &remote, cost, layers, notes.reports).await;
                             return Err(stop);
                         }
                     };
@@ -264,14 +264,13 @@ impl Remote {
         layers: &Layers,
         cost: u32,
         capacity: &Capacity,
-        slot: Option<InFlight>,
         notes: Notes<'_>,
     ) -> Result<Pass, Stop> {
         match self.on_error {
             // A request only `dry_run` limits count is not refused for them (review: a limit
             // added in dry run to watch took its routes down with Redis).
             OnError::Deny if !layers.enforced.is_empty() => Err(Stop::StoreUnavailable),
-            OnError::Allow | OnError::Deny => match slot.or_else(|| capacity.try_acquire()) {
+            OnError::Allow | OnError::Deny => match capacity.try_acquire() {
                 Some(slot) => Ok(Pass {
                     slot,
                     held: Held::default(),
@@ -281,7 +280,7 @@ impl Remote {
             },
             OnError::Local => {
                 quota
-                    .admit_in_memory(layers, cost, capacity, slot, notes)
+                    .admit_in_memory(layers, cost, capacity, None, notes)
                     .await
             }
         }
@@ -372,38 +371,71 @@ fn figures<'a>(
     })
 }
 
-/// Withdraws a held request's charges in Redis when dropped ([`RedisStore::withdraw`]),
-/// unless told it passed. Made only for held requests, so it owns copies of their limits: the
-/// withdrawal is a call to Redis, made from a task of its own.
-struct Withdraw {
+/// Replaces `reports` with the caller's figures as Redis has them now (one more call, on the
+/// rare paths where a 503 follows charges taken back; the admission's figures stay if Redis
+/// cannot say).
+async fn figures_now(
+    store: &RedisStore,
+    remote: &[Layer<'_>],
+    cost: u32,
+    layers: &Layers,
+    reports: &mut Reports,
+) {
+    if let Ok(d) = store.decide(remote, cost, Mode::CheckOnly).await {
+        let now = match &d {
+            RemoteDecision::Admitted(a) => Some(&a.reports[..]),
+            RemoteDecision::Refused(r) => Some(&r.reports[..]),
+            RemoteDecision::CostTooLarge { .. } => None,
+        };
+        if let Some(now) = now {
+            reports.clear();
+            reports.extend(figures(layers, now));
+        }
+    }
+}
+
+/// How [`TakeBack`] takes an admission's charges back.
+#[derive(Debug, Clone, Copy)]
+enum How {
+    /// [`RedisStore::withdraw`]: a held request's, whose later callers queued behind it.
+    Withdraw,
+    /// [`RedisStore::refund`]: one answered 503 right after its admission.
+    Refund,
+}
+
+/// Takes an admission's charges back in Redis when dropped, unless told it passed. It owns
+/// copies of its limits: taking back is a call to Redis, made from a task of its own.
+struct TakeBack {
     store: RedisStore,
     layers: Vec<(RemoteLimit, sluice_limiter::Key, bool)>,
     admission: Option<sluice_store_redis::RemoteAdmission>,
+    how: How,
 }
 
-impl Withdraw {
+impl TakeBack {
     fn new(
         store: &RedisStore,
         layers: &[Layer<'_>],
         admission: sluice_store_redis::RemoteAdmission,
+        how: How,
     ) -> Self {
-        Withdraw {
+        TakeBack {
             store: store.clone(),
             layers: layers
                 .iter()
                 .map(|l| (l.limit.clone(), l.key, l.dry_run))
                 .collect(),
             admission: Some(admission),
+            how,
         }
     }
-}
 
-impl Withdraw {
-    /// Withdraws the charges now, in a task of its own (so that it is done even if whoever
+    /// Takes the charges back now, in a task of its own (so that it is done even if whoever
     /// waits for it goes away): the task, to wait for it.
     fn start(&mut self) -> Option<tokio::task::JoinHandle<()>> {
         let admission = self.admission.take()?;
         let (store, owned) = (self.store.clone(), std::mem::take(&mut self.layers));
+        let how = self.how;
         let handle = tokio::runtime::Handle::try_current().ok()?;
         let running = store.background_write();
         Some(handle.spawn(async move {
@@ -415,14 +447,18 @@ impl Withdraw {
                     false => Layer::enforced(limit, *key),
                 })
                 .collect();
-            if let Err(e) = store.withdraw(&layers, admission).await {
-                tracing::debug!(error = %e, "could not withdraw a held request's charges");
+            let taken = match how {
+                How::Withdraw => store.withdraw(&layers, admission).await,
+                How::Refund => store.refund(&layers, admission).await,
+            };
+            if let Err(e) = taken {
+                tracing::debug!(error = %e, ?how, "could not take an admission's charges back");
             }
         }))
     }
 }
 
-impl Drop for Withdraw {
+impl Drop for TakeBack {
     fn drop(&mut self) {
         self.start();
     }
