@@ -354,6 +354,75 @@ async fn a_second_stop_signal_answers_held_requests_503() {
     up.release(1);
 }
 
+/// `drain_delay`: at SIGTERM readiness fails at once while new connections are still accepted
+/// and served, so that a load balancer sees a 503 from its health check before the port
+/// closes; then the drain starts as without it, and new connections are refused.
+#[tokio::test]
+async fn drain_delay_fails_readiness_while_still_serving() {
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), 8, "10s", "5s").replace(
+        "shutdown_grace = \"5s\"",
+        "shutdown_grace = \"5s\"\ndrain_delay = \"2s\"",
+    );
+    let mut gw = Sluice::start_with_args(&cfg, &["--threads", "2"]);
+    assert_eq!(get(gw.admin, "/ready", &[]).await.status, 200);
+    gw.terminate();
+    let stopping = gw
+        .wait_log("the stopping line", |v| {
+            v["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("stopping: readiness fails"))
+        })
+        .await;
+    assert_eq!(stopping["delay_ms"], 2000, "{stopping}");
+    let started = Instant::now();
+    assert_eq!(get(gw.admin, "/ready", &[]).await.status, 503);
+    assert_eq!(get(gw.main, "/health", &[]).await.status, 503);
+    // New connections, on both serving threads, are served.
+    for _ in 0..4 {
+        assert_eq!(get(gw.main, "/echo", &[]).await.status, 200);
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the checks came late"
+    );
+    let draining = gw
+        .wait_log("the draining line", |v| {
+            v["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("draining"))
+        })
+        .await;
+    assert!(
+        started.elapsed() >= Duration::from_millis(1500),
+        "draining after {:?}: {draining}",
+        started.elapsed()
+    );
+    assert_eq!(gw.wait_exit(Duration::from_secs(10)).await.code(), Some(0));
+    assert!(TcpStream::connect(gw.main).await.is_err());
+}
+
+/// A second stop signal during `drain_delay` ends it and the grace at once, as it ends the
+/// grace during a drain.
+#[tokio::test]
+async fn a_second_stop_signal_ends_the_drain_delay() {
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), 8, "10s", "30s").replace(
+        "shutdown_grace = \"30s\"",
+        "shutdown_grace = \"30s\"\ndrain_delay = \"30s\"",
+    );
+    let mut gw = Sluice::start(&cfg);
+    gw.terminate();
+    gw.wait_log("the stopping line", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("stopping: readiness fails"))
+    })
+    .await;
+    gw.signal("INT");
+    assert_eq!(gw.wait_exit(Duration::from_secs(5)).await.code(), Some(0));
+}
+
 /// SIGHUP (nginx's and HAProxy's reload) is logged and ignored: its default action would end
 /// the process and cut every request in flight.
 #[tokio::test]

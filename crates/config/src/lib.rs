@@ -147,6 +147,7 @@ const DURATION_KEYS: &[&str] = &[
     "header_timeout",
     "send_timeout",
     "shutdown_grace",
+    "drain_delay",
     "min_body_rate_grace",
     "min",
     "max",

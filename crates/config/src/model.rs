@@ -53,6 +53,9 @@ pub struct Gateway {
     pub max_body_size: Option<u64>,
     /// Time in-flight requests get to finish after SIGTERM.
     pub shutdown_grace: Duration,
+    /// Time between SIGTERM and the start of the drain, during which readiness fails but the
+    /// main listener still accepts and serves (zero: the drain starts at once).
+    pub drain_delay: Duration,
     /// The range a 503's `Retry-After` is drawn from.
     pub overload_retry_after: RetryRange,
     /// Whether runs of slashes in a request's path are merged into one (see [`crate::path`]).

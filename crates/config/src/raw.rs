@@ -74,6 +74,7 @@ pub(crate) struct RawGateway {
     pub send_timeout: Option<S<String>>,
     pub max_body_size: Option<S<String>>,
     pub shutdown_grace: Option<S<String>>,
+    pub drain_delay: Option<S<String>>,
     pub overload_retry_after: Option<Table<RawRange>>,
     pub merge_slashes: Option<bool>,
     pub count_unrouted: Option<bool>,

@@ -103,6 +103,25 @@ fn min_body_rate_is_a_size_per_second_and_zero_turns_it_off() {
 }
 
 #[test]
+fn drain_delay_is_zero_by_default_and_may_be_zero() {
+    let c = parse("", Path::new("c.toml")).unwrap();
+    assert_eq!(c.gateway.drain_delay, Duration::ZERO);
+    for (text, delay) in [("0s", 0), ("5s", 5)] {
+        let toml = format!("[gateway]\ndrain_delay = \"{text}\"\n");
+        let c = parse(&toml, Path::new("c.toml")).unwrap();
+        assert_eq!(c.gateway.drain_delay, Duration::from_secs(delay));
+    }
+    let e = errors("[gateway]\ndrain_delay = \"soon\"\n");
+    assert!(
+        e[0].starts_with("c.toml:2:15: gateway.drain_delay: \"soon\" is not a duration"),
+        "{e:?}"
+    );
+    let e = errors("[gateway]\ndrain_delay = 5\n");
+    assert!(e[0].contains("gateway.drain_delay"), "{e:?}");
+    assert!(e[0].contains("\"5s\""), "{e:?}");
+}
+
+#[test]
 fn client_ip_header_is_one_of_two_and_x_forwarded_for_by_default() {
     use sluice_config::ClientIpHeader;
     let header = |v: &str| format!("[identity]\nclient_ip_header = \"{v}\"\n");
@@ -141,9 +160,9 @@ fn empty_lists_that_would_switch_something_off_silently_are_refused() {
     assert_eq!(
         errors(&text),
         [
-            "c.toml:23:11: identity.api_key: an empty list finds no key, so every limit by \"api_key\" would count nobody; leave the key out for the default [\"header:x-api-key\", \"bearer\"]",
-            "c.toml:46:11: routes[1].methods: an empty list matches no request; leave the key out for every method",
-            "c.toml:72:10: limits[2].routes: an empty list limits no route; leave the key out for every route",
+            "c.toml:24:11: identity.api_key: an empty list finds no key, so every limit by \"api_key\" would count nobody; leave the key out for the default [\"header:x-api-key\", \"bearer\"]",
+            "c.toml:47:11: routes[1].methods: an empty list matches no request; leave the key out for every method",
+            "c.toml:73:10: limits[2].routes: an empty list limits no route; leave the key out for every route",
         ]
     );
 }

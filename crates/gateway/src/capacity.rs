@@ -24,6 +24,9 @@ pub(crate) struct Capacity {
 struct Inner {
     in_flight: AtomicUsize,
     max: usize,
+    /// Set at the stop signal: readiness fails from then on (`gateway.drain_delay` before
+    /// draining starts, or as it starts).
+    stopping: AtomicBool,
     draining: AtomicBool,
     /// Woken when the last in-flight slot is released while draining.
     drained: tokio::sync::Notify,
@@ -91,6 +94,7 @@ impl Capacity {
             inner: Arc::new(Inner {
                 in_flight: AtomicUsize::new(0),
                 max,
+                stopping: AtomicBool::new(false),
                 draining: AtomicBool::new(false),
                 drained: tokio::sync::Notify::new(),
                 grace_ends: OnceLock::new(),
@@ -148,9 +152,21 @@ impl Capacity {
         })
     }
 
-    /// Ready means: not draining and not full. Nothing else fails readiness.
+    /// Ready means: not stopping (draining, or about to) and not full. Nothing else fails
+    /// readiness.
     pub(crate) fn is_ready(&self) -> bool {
-        !self.is_draining() && self.has_room()
+        !self.is_stopping() && self.has_room()
+    }
+
+    /// Fails readiness from now on, while requests are still accepted and served: the
+    /// `drain_delay` before draining starts, for load balancers to see it first.
+    pub(crate) fn stop_soon(&self) {
+        self.inner.stopping.store(true, Ordering::Release);
+    }
+
+    /// Whether readiness fails for the stop: [`Capacity::stop_soon`] or draining.
+    pub(crate) fn is_stopping(&self) -> bool {
+        self.inner.stopping.load(Ordering::Acquire)
     }
 
     /// Whether a slot is free now (another may take it before this caller does).
@@ -166,6 +182,7 @@ impl Capacity {
     pub(crate) fn start_draining(&self, grace_ends: Instant) {
         let _ = self.inner.drain_started.set(Instant::now());
         let _ = self.inner.grace_ends.set(grace_ends);
+        self.inner.stopping.store(true, Ordering::Release);
         self.inner.draining.store(true, Ordering::Release);
         self.inner.draining_started.notify_waiters();
     }

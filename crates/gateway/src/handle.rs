@@ -609,7 +609,7 @@ fn allowed(route: Option<&sluice_config::Route>) -> HeaderValue {
 pub(crate) fn readiness(capacity: &Capacity) -> Response<Body> {
     let (status, text) = if capacity.is_ready() {
         (StatusCode::OK, "ready\n")
-    } else if capacity.is_draining() {
+    } else if capacity.is_stopping() {
         (StatusCode::SERVICE_UNAVAILABLE, "draining\n")
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "full\n")

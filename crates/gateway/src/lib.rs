@@ -79,6 +79,8 @@ pub struct Gateway {
     workers: usize,
     timeouts: Timeouts,
     shutdown_grace: Duration,
+    /// Readiness fails this long before draining starts.
+    drain_delay: Duration,
 }
 
 impl Gateway {
@@ -136,6 +138,7 @@ impl Gateway {
                 send: config.gateway.send_timeout,
             },
             shutdown_grace: config.gateway.shutdown_grace,
+            drain_delay: config.gateway.drain_delay,
         })
     }
 
@@ -153,15 +156,16 @@ impl Gateway {
             .expect("a bound listener has an address")
     }
 
-    /// Serves until `shutdown` resolves. Then readiness fails at once, the main listener stops
-    /// accepting, and in-flight requests get up to `shutdown_grace` to finish. Returns whether
-    /// every request finished in time.
+    /// Serves until `shutdown` resolves. Then readiness fails at once; after `drain_delay`
+    /// (serving as usual meanwhile) the main listener stops accepting, and in-flight requests
+    /// get up to `shutdown_grace` to finish. Returns whether every request finished in time.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> bool {
         self.run_until(shutdown, std::future::pending()).await
     }
 
-    /// [`Gateway::run`], with the grace ended early when `hurry` resolves after `shutdown` (an
-    /// operator's second stop signal): what still runs is cut then, as at the grace's end.
+    /// [`Gateway::run`], with the delay and the grace ended early when `hurry` resolves after
+    /// `shutdown` (an operator's second stop signal): what still runs is cut then, as at the
+    /// grace's end.
     pub async fn run_until(
         self,
         shutdown: impl Future<Output = ()>,
@@ -174,6 +178,7 @@ impl Gateway {
             workers,
             timeouts,
             shutdown_grace,
+            drain_delay,
         } = self;
         let (stop_workers, workers_stopped) = watch::channel(false);
         let (senders, workers): (Vec<_>, Vec<_>) = (1..=workers)
@@ -214,10 +219,27 @@ impl Gateway {
 
         let sweeper = tokio::spawn(sweep(shared.clone()));
         let graceful = Drain::new();
+        tokio::pin!(hurry);
+        let mut hurried_before_draining = false;
         let drain = {
             let shared = shared.clone();
+            let (hurry, hurried_before_draining) = (&mut hurry, &mut hurried_before_draining);
             async move {
                 shutdown.await;
+                if !drain_delay.is_zero() {
+                    // Load balancers see readiness fail, and stop sending, while this instance
+                    // still serves: a connection refused at once tells them nothing (review:
+                    // behind HAProxy, the health check met a closed port, not a 503).
+                    shared.capacity.stop_soon();
+                    tracing::info!(
+                        delay_ms = drain_delay.as_millis() as u64,
+                        "stopping: readiness fails; serving on for drain_delay before draining"
+                    );
+                    tokio::select! {
+                        () = tokio::time::sleep(drain_delay) => {}
+                        () = hurry.as_mut() => *hurried_before_draining = true,
+                    }
+                }
                 shared
                     .capacity
                     .start_draining(tokio::time::Instant::now() + shutdown_grace);
@@ -250,7 +272,9 @@ impl Gateway {
             (cut, finished)
         };
         let hurried = async {
-            hurry.await;
+            if !hurried_before_draining {
+                hurry.await;
+            }
             tracing::warn!(
                 in_flight = shared.capacity.in_flight(),
                 held = shared.capacity.held(),

@@ -154,6 +154,14 @@ impl<'a> Validator<'a> {
         self.checked_duration(v, key, parse_whole_seconds(v.get_ref(), why))
     }
 
+    /// A duration of zero (`"0s"`, which turns something off) to [`MAX_DURATION`].
+    pub(crate) fn duration_or_zero(&mut self, v: &S<String>, key: &str) -> Option<Duration> {
+        match parse_duration(v.get_ref()) {
+            Ok(d) if d.is_zero() => Some(d),
+            parsed => self.checked_duration(v, key, parsed),
+        }
+    }
+
     fn checked_duration(
         &mut self,
         v: &S<String>,

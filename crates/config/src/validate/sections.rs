@@ -87,6 +87,12 @@ impl Validator<'_> {
             "gateway.shutdown_grace",
             Duration::from_secs(30),
         );
+        let drain_delay = match &raw.drain_delay {
+            None => Duration::ZERO,
+            Some(v) => self
+                .duration_or_zero(v, "gateway.drain_delay")
+                .unwrap_or_default(),
+        };
         let overload_retry_after = self.retry_range(raw);
         let min_body_rate = self.min_body_rate(raw);
         Gateway {
@@ -100,6 +106,7 @@ impl Validator<'_> {
             send_timeout,
             max_body_size,
             shutdown_grace,
+            drain_delay,
             overload_retry_after,
             merge_slashes,
             count_unrouted: raw.count_unrouted.unwrap_or(true),
