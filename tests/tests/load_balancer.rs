@@ -2,6 +2,7 @@
 //! pool; a full gateway (503, readiness failing) is taken out by both the passive rule
 //! (consecutive 5xx, like Envoy's outlier detection) and the active one (a readiness probe),
 //! and comes back when the load clears, with every caller's quota intact. Liveness stays up.
+//! A stop with `drain_delay` is seen as a failing readiness check before the port closes.
 
 use std::time::Duration;
 
@@ -159,4 +160,31 @@ async fn full_gateway_is_marked_down_by_both_rules_and_up_again_with_quota_intac
         codes.push(via(&lb, "active", "key_a").await.status.as_u16());
     }
     assert_eq!(codes, [200, 200, 200, 200, 200, 429]);
+}
+
+/// A stop with `drain_delay`: the balancer takes the instance out on its readiness check's 503
+/// (L7STS) while the instance still serves, not on a refused connection (L4CON, which is what
+/// it met when the listener closed at the signal: review), and requests sent meanwhile are
+/// answered.
+#[tokio::test]
+async fn with_a_drain_delay_the_balancer_sees_the_503_before_the_port_closes() {
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url()).replace(
+        "max_in_flight = 3",
+        "max_in_flight = 3\ndrain_delay = \"3s\"\nshutdown_grace = \"5s\"",
+    );
+    let mut gw = Sluice::start(&cfg);
+    let lb = HaProxy::start(gw.main, gw.admin.port(), &backends()).await;
+    for b in ["active", "live"] {
+        lb.wait_checked(b, WITHIN).await;
+    }
+    gw.terminate();
+    let active = lb.wait_status("active", "DOWN", WITHIN).await;
+    assert!(
+        active.1.starts_with("L7STS"),
+        "taken out on /ready's 503, not a closed port: {active:?}"
+    );
+    // Still serving (through the balancer that checks liveness only).
+    assert_eq!(via(&lb, "live", "key_a").await.status, 200);
+    assert_eq!(gw.wait_exit(Duration::from_secs(15)).await.code(), Some(0));
 }
