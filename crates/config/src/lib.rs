@@ -169,15 +169,20 @@ fn hint(key: &str, message: &str) -> Option<String> {
     if let Some(rest) = message.split("invalid type: integer `").nth(1) {
         if message.contains("expected a string") {
             let n = rest.split('`').next().unwrap_or("");
+            // Only a value the key would take is suggested (review: `= 0` was told to write
+            // "0s", then refused as not longer than zero; `= -10`, "-10s").
+            let positive = n.parse::<u64>().is_ok_and(|n| n > 0);
             if DURATION_KEYS.contains(&last) {
-                return Some(format!(
-                    "a duration is a string with a unit: write \"{n}s\""
-                ));
+                return Some(match positive || (n == "0" && last == "drain_delay") {
+                    true => format!("a duration is a string with a unit: write \"{n}s\""),
+                    false => "a duration is a string with a unit, such as \"30s\"".to_owned(),
+                });
             }
             if SIZE_KEYS.contains(&last) {
-                return Some(format!(
-                    "a size is a string with a unit: write \"{n}B\" or \"{n}KiB\""
-                ));
+                return Some(match positive || (n == "0" && last == "min_body_rate") {
+                    true => format!("a size is a string with a unit: write \"{n}B\" or \"{n}KiB\""),
+                    false => "a size is a string with a unit, such as \"1MiB\"".to_owned(),
+                });
             }
         }
     }

@@ -102,6 +102,22 @@ fn min_body_rate_is_a_size_per_second_and_zero_turns_it_off() {
     );
 }
 
+/// Any token in capitals is a method (RFC 9110 section 9.1), `-` and `_` included (review:
+/// `M-SEARCH` was "not an HTTP method (write it in capitals)").
+#[test]
+fn extension_methods_with_dashes_are_methods() {
+    let text = shipped_with("methods = [\"GET\"]", "methods = [\"M-SEARCH\", \"X_Y\"]");
+    let c = parse(&text, Path::new("c.toml")).unwrap();
+    let names: Vec<_> = c.routes[1]
+        .methods
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|m| m.as_str())
+        .collect();
+    assert_eq!(names, ["M-SEARCH", "X_Y"]);
+}
+
 #[test]
 fn drain_delay_is_zero_by_default_and_may_be_zero() {
     let c = parse("", Path::new("c.toml")).unwrap();
@@ -547,6 +563,11 @@ fn bad_values_in_other_sections_are_named() {
             "routes[1].methods: \"CONNECT\" is never routed",
         ),
         (
+            "methods = [\"GET\"]",
+            "methods = [\"GET X\"]",
+            "routes[1].methods: \"GET X\" is not an HTTP method (a method is a token",
+        ),
+        (
             "max = \"5s\"",
             "max = \"1s\"",
             "gateway.overload_retry_after: min \"2s\" is longer than max \"1s\"",
@@ -867,7 +888,7 @@ fn upstream_hosts_are_names_or_plain_addresses() {
         let e = errors(&format!("[upstreams.a]\nurl = \"http://{host}:3900\"\n"));
         assert_eq!(
             e,
-            [format!("c.toml:2:7: upstreams.a.url: \"http://{host}:3900\" has a host that is neither a name (letters, digits, '-' and '.'), a dotted IPv4 address nor a bracketed IPv6 one")]
+            [format!("c.toml:2:7: upstreams.a.url: \"http://{host}:3900\" has a host that is neither a name (letters, digits, '-', '_' and '.'), a dotted IPv4 address nor a bracketed IPv6 one")]
         );
     }
     for host in ["127.0.0.1", "[::1]", "app.internal", "app"] {
@@ -926,6 +947,19 @@ fn common_slips_are_told_what_to_write() {
         (
             "[gateway]\nmax_body_size = 1000\n",
             "c.toml:2:17: gateway.max_body_size: invalid type: integer `1000`, expected a string (a size is a string with a unit: write \"1000B\" or \"1000KiB\")",
+        ),
+        // Only values the key takes are suggested (review: "0s", "-10s").
+        (
+            "[gateway]\nheader_timeout = 0\n",
+            "c.toml:2:18: gateway.header_timeout: invalid type: integer `0`, expected a string (a duration is a string with a unit, such as \"30s\")",
+        ),
+        (
+            "[gateway]\ndrain_delay = 0\n",
+            "c.toml:2:15: gateway.drain_delay: invalid type: integer `0`, expected a string (a duration is a string with a unit: write \"0s\")",
+        ),
+        (
+            "[gateway]\nmax_body_size = -5\n",
+            "c.toml:2:17: gateway.max_body_size: invalid type: integer `-5`, expected a string (a size is a string with a unit, such as \"1MiB\")",
         ),
         (
             "[[limits]]\nname = \"a\"\nby = \"ip\"\nquota = 1\nwindow = \"1s\"\nroutes = \"api\"\n",

@@ -127,6 +127,10 @@ fn url_without_host_or_with_a_bad_port_or_path_is_refused() {
         ),
         ("redis://h:", "has a port that is not between 1 and 65535"),
         (
+            "redis://h:000065536",
+            "has a port that is not between 1 and 65535",
+        ),
+        (
             "redis://h?db=3",
             "has a query or fragment, which sluice does not read",
         ),

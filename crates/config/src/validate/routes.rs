@@ -118,15 +118,21 @@ impl Validator<'_> {
                         self.err(Some(m.span()), &key("methods"), format!("\"{v}\" is listed twice"));
                         return None;
                     }
-                    let ok = !v.is_empty() && v.bytes().all(|b| b.is_ascii_uppercase());
+                    // Methods are case-sensitive (RFC 9110 section 9.1): a lowercase letter is a
+                    // slip for the standard ones. Any other token is a method (`M-SEARCH`).
+                    let ok = !v.bytes().any(|b| b.is_ascii_lowercase());
                     match http::Method::from_bytes(v.as_bytes()) {
                         Ok(http::Method::CONNECT) => {
                             self.err(Some(m.span()), &key("methods"), "\"CONNECT\" is never routed: the gateway answers it 405 (it opens no tunnels)".to_string());
                             None
                         }
                         Ok(method) if ok => Some(method),
-                        _ => {
+                        Ok(_) => {
                             self.err(Some(m.span()), &key("methods"), format!("\"{v}\" is not an HTTP method (write it in capitals, e.g. \"GET\")"));
+                            None
+                        }
+                        Err(_) => {
+                            self.err(Some(m.span()), &key("methods"), format!("\"{v}\" is not an HTTP method (a method is a token: capitals, digits and !#$%&'*+-.^_`|~)"));
                             None
                         }
                     }

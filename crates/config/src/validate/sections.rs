@@ -473,7 +473,7 @@ impl Validator<'_> {
             Some(u) if u.scheme_str() == Some("https") => "is not supported: upstreams are reached over plain http:// (TLS to upstreams is not built yet)",
             Some(u) if u.scheme_str() != Some("http") => "is not supported: upstreams are reached over plain http://",
             Some(u) if u.host().is_none_or(str::is_empty) => "has no host",
-            Some(u) if !u.host().is_some_and(crate::host::host_ok) => "has a host that is neither a name (letters, digits, '-' and '.'), a dotted IPv4 address nor a bracketed IPv6 one",
+            Some(u) if !u.host().is_some_and(crate::host::host_ok) => "has a host that is neither a name (letters, digits, '-', '_' and '.'), a dotted IPv4 address nor a bracketed IPv6 one",
             Some(_) if userinfo => "has a user or password: an upstream URL is scheme, host and port only",
             Some(_) if port == Some("") => "has an empty port (leave out the \":\" for port 80)",
             Some(_) if port.is_some_and(|p| !p.bytes().all(|b| b.is_ascii_digit())) => {

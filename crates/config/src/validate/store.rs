@@ -233,7 +233,7 @@ fn redis_url_problem(rest: &str) -> Option<&'static str> {
         // Review: `redis://[::1]x` passed `check`, and `run` refused it.
         Some("has something after its bracketed IPv6 address that is not ':' and a port")
     } else if !host_ok(&written) {
-        Some("has a host that is neither a name (letters, digits, '-' and '.'), a dotted IPv4 address nor a bracketed IPv6 one")
+        Some("has a host that is neither a name (letters, digits, '-', '_' and '.'), a dotted IPv4 address nor a bracketed IPv6 one")
     } else if port.is_some_and(|p| !port_ok(p)) {
         Some("has a port that is not between 1 and 65535")
     } else if !(path.is_empty() || path.len() <= 9 && path.bytes().all(|b| b.is_ascii_digit())) {
@@ -274,9 +274,9 @@ fn percent_problem(userinfo: &str) -> Option<&'static str> {
 
 /// A port as written in a URL: 1 to 5 ASCII digits, 1 to 65535.
 fn port_ok(p: &str) -> bool {
-    (1..=5).contains(&p.len())
-        && p.bytes().all(|b| b.is_ascii_digit())
-        && p.parse::<u16>().is_ok_and(|p| p != 0)
+    // Leading zeros are the same port to the Redis client's URL parser, as to the upstreams'
+    // (review: `:037379` was "not between 1 and 65535").
+    !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) && p.parse::<u16>().is_ok_and(|p| p != 0)
 }
 
 /// `host:port` -> (`host`, `Some(port)`); `[::1]:6379` keeps the brackets out of the port.
