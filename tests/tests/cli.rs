@@ -292,6 +292,14 @@ fn a_log_filter_that_does_not_parse_stops_the_start() {
         err.contains("SLUICE_LOG=\"access=loud\" is not a log filter"),
         "{err}"
     );
+    // A word that reads as a level but is not one (a target's name to tracing, which would
+    // leave every level as it was: review).
+    let (code, _, err) = run_cli_with(
+        &["run", "--config", file.0.to_str().unwrap()],
+        &[("SLUICE_LOG", "warning")],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("\"warning\" is not a level (write warn)"), "{err}");
 }
 
 /// `sluice check | head -1`: the reader goes away before the description is written; the

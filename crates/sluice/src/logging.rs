@@ -11,12 +11,35 @@ use crate::LogFormat;
 pub(crate) fn filter() -> Result<EnvFilter, String> {
     match std::env::var("SLUICE_LOG") {
         Err(std::env::VarError::NotPresent) => Ok(EnvFilter::new(with_default_level(""))),
-        Ok(v) => EnvFilter::try_new(with_default_level(&v)).map_err(|e| {
-            let shown = sluice_config::printable(format!("{v:?}"));
-            format!("SLUICE_LOG={shown} is not a log filter: {e} (write e.g. info, warn, or access=warn)")
-        }),
+        Ok(v) => {
+            let shown = || sluice_config::printable(format!("{v:?}"));
+            if let Some((slip, level)) = level_slip(&v) {
+                return Err(format!("SLUICE_LOG={}: \"{slip}\" is not a level (write {level}); a bare word names a target, which would leave every level as it was", shown()));
+            }
+            EnvFilter::try_new(with_default_level(&v)).map_err(|e| {
+                format!("SLUICE_LOG={} is not a log filter: {e} (write e.g. info, warn, or access=warn)", shown())
+            })
+        }
         Err(std::env::VarError::NotUnicode(_)) => Err("SLUICE_LOG is not UTF-8 text".into()),
     }
+}
+
+/// A bare directive that reads as a level but is not one (`warning`, `err`), with the level
+/// meant: tracing's filter takes it for a target's name, so `SLUICE_LOG=warning` would start
+/// with every level as it was (review).
+fn level_slip(directives: &str) -> Option<(String, &'static str)> {
+    directives.split(',').map(str::trim).find_map(|d| {
+        let level = match d.to_ascii_lowercase().as_str() {
+            "warning" | "warnings" | "wrn" => "warn",
+            "err" | "errors" | "fatal" | "critical" | "crit" | "severe" => "error",
+            "information" | "informational" | "notice" | "inf" => "info",
+            "dbg" | "verbose" | "debugging" => "debug",
+            "all" | "trc" => "trace",
+            "none" | "quiet" | "silent" => "off",
+            _ => return None,
+        };
+        Some((d.to_owned(), level))
+    })
 }
 
 /// `directives` with `info` for every target they do not name, unless they set a level for
@@ -255,7 +278,19 @@ pub(crate) fn init(format: LogFormat) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    use super::with_default_level;
+    use super::{level_slip, with_default_level};
+
+    #[test]
+    fn words_read_as_levels_but_not_levels_are_named() {
+        assert_eq!(level_slip("warning"), Some(("warning".into(), "warn")));
+        assert_eq!(
+            level_slip("access=off, FATAL"),
+            Some(("FATAL".into(), "error"))
+        );
+        assert_eq!(level_slip("warn"), None);
+        assert_eq!(level_slip("sluice=debug,access"), None);
+        assert_eq!(level_slip("warning=debug"), None);
+    }
 
     #[test]
     fn targets_alone_keep_info_for_the_rest() {
