@@ -299,7 +299,10 @@ fn a_log_filter_that_does_not_parse_stops_the_start() {
         &[("SLUICE_LOG", "warning")],
     );
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("\"warning\" is not a level (write warn)"), "{err}");
+    assert!(
+        err.contains("\"warning\" is not a level (write warn)"),
+        "{err}"
+    );
 }
 
 /// `sluice check | head -1`: the reader goes away before the description is written; the

@@ -102,8 +102,8 @@ impl<'a> Layer<'a> {
     }
 }
 
-/// Calls in a row that time out, with none answered between, after which the connection is
-/// taken for silent and replaced.
+/// Calls in a row that time out or fail, with none answered between, after which the
+/// connection is taken for silent (or stuck) and replaced.
 const SILENT_AFTER: u32 = 3;
 /// The shortest time between two replacements: a Redis that is slow rather than unreachable
 /// (every call past the timeout) gets one new connection a second at most.
@@ -114,9 +114,12 @@ const REPLACE_EVERY: Duration = Duration::from_secs(1);
 /// redis-rs's manager reconnects after the failures it sees (a reset, a close), but a
 /// connection that falls silent (a dropped route, a firewall or NAT that forgot it, a Redis
 /// host that froze) shows it none: every call would time out until the kernel gave the
-/// connection up, minutes later. So after [`SILENT_AFTER`] calls in a row time out, a new
-/// connection is opened beside it and, once connected, takes its place; the old one closes
-/// with its last clone (calls still waiting on it time out as they would have).
+/// connection up, minutes later. And a reconnection the manager saw refused for anything but
+/// an I/O error (Redis back with another password, or fewer databases) is handed to every
+/// later call at once, for good: it reconnects after I/O errors only. So after
+/// [`SILENT_AFTER`] calls in a row time out or fail, a new connection is opened beside it and,
+/// once connected, takes its place; the old one closes with its last clone (calls still
+/// waiting on it time out as they would have).
 struct Link {
     client: redis::Client,
     config: ConnectionManagerConfig,
@@ -170,7 +173,8 @@ impl Link {
         }
     }
 
-    fn timed_out(self: &Arc<Self>) {
+    /// A call timed out or failed.
+    fn failed(self: &Arc<Self>) {
         if self.timeouts.fetch_add(1, Ordering::Relaxed) + 1 < SILENT_AFTER {
             return;
         }
@@ -960,7 +964,7 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
             // towards replacing the connection, as `RedisStore::release`'s do not (review: a
             // stall's leases, released through the batcher, counted it again).
             if sent > 0 {
-                link.timed_out();
+                link.failed();
             }
             if !given_up.is_empty() {
                 // Still waited for a while, to take back what Redis charged.
@@ -1018,6 +1022,12 @@ async fn send(link: Arc<Link>, sha: Arc<str>, options: StoreOptions, batch: Vec<
             send_refunds(&link, &sha, options, refunds).await;
         }
         Err(e) => {
+            // A manager stuck on a refused reconnection fails every call at once: counted as
+            // a timeout is, towards replacing it (review: a Redis that had come back with the
+            // password again was never used until a restart).
+            if sent > 0 {
+                link.failed();
+            }
             for call in waiting.into_iter().flatten() {
                 answer(call, Err(e.share()));
             }

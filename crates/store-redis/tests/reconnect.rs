@@ -49,6 +49,51 @@ async fn the_first_decision_after_redis_restarts_is_decided_by_it() {
     );
 }
 
+/// A reconnection Redis refused for its credentials (restarted without the password the
+/// store's url gives) does not leave the store on that refusal once Redis takes them again:
+/// the connection manager hands every later call the refusal it remembers, at once, and
+/// reconnects only after I/O errors, so the store connects anew itself (review: the gateway
+/// stayed on `on_error` until restarted).
+#[tokio::test]
+async fn a_reconnection_refused_for_credentials_is_tried_again() {
+    let mut redis = RedisServer::start();
+    let port = redis.port;
+    redis.cli(&["CONFIG", "SET", "requirepass", "sekret"]);
+    let options = StoreOptions {
+        timeout: Duration::from_millis(500),
+        ..StoreOptions::default()
+    };
+    let url = format!("redis://:sekret@127.0.0.1:{port}");
+    let store = RedisStore::connect(&url, options).await.unwrap();
+    let limit = remote(&fixed("a", 1000, SECOND));
+    let layers = [Layer::enforced(&limit, key("caller"))];
+    assert!(admitted(&store, &layers).await);
+    // Back without a password: the reconnection's AUTH is refused.
+    redis.kill();
+    let redis = RedisServer::start_on(port);
+    let mut refused = Vec::new();
+    for _ in 0..5 {
+        let e = store.decide(&layers, 1, Mode::Charge).await.unwrap_err();
+        refused.push(e.to_string());
+    }
+    // The password is back: decisions are Redis's again within seconds.
+    redis.cli(&["CONFIG", "SET", "requirepass", "sekret"]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match store.decide(&layers, 1, Mode::Charge).await {
+            Ok(d) => {
+                assert!(d.is_admitted());
+                break;
+            }
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "Redis takes the password again, but: {e} (before: {refused:?})"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A Redis that went down (connections refused) is named so: decisions time out while the
 /// connection manager waits on its reconnection, and once the store's own attempt to connect
 /// anew has failed, their error says why, not only that Redis did not answer in time. An
