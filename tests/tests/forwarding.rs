@@ -2637,3 +2637,73 @@ async fn access_lines_name_the_forwarded_client_even_for_early_refusals() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// An answer of the gateway's own to an HTTP/1.1 request whose body has not all come ends the
+/// connection and says so with `Connection: close` (RFC 9110 section 15; review: 429s, 413s
+/// and static answers to uploads closed their connections unannounced, and a client that
+/// reused one lost its next request). A body that has all come keeps the connection, and one
+/// sent with `Expect: 100-continue` is not asked for.
+#[tokio::test]
+async fn an_answer_given_before_the_body_has_come_says_the_connection_closes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = MockUpstream::start().await;
+    let cfg =
+        config(&up.url(), "5s").replace("[gateway]\n", "[gateway]\nmax_body_size = \"1KiB\"\n");
+    let gw = Sluice::start(&cfg);
+    let whole = |r: &[u8]| {
+        let text = String::from_utf8_lossy(r);
+        let Some(end) = text.find("\r\n\r\n") else {
+            return false;
+        };
+        let len = text[..end]
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+            .map_or(0, |n| n.parse::<usize>().unwrap());
+        r.len() >= end + 4 + len
+    };
+    // What, the head and the body's start, the rest sent after the answer, its status, and
+    // whether the connection ends.
+    type Case<'a> = (&'a str, &'a [u8], &'a [u8], &'a str, bool);
+    let cases: [Case; 5] = [
+        ("the rest comes later", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc", b"defghij", "200", true),
+        ("all of it came", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc", b"", "200", false),
+        ("all of it, chunked", b"POST /status HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", b"", "200", false),
+        ("declared too large", b"POST /api/echo HTTP/1.1\r\nhost: x\r\ncontent-length: 5000\r\n\r\nabc", b"", "413", true),
+        ("expecting 100-continue", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 500\r\nexpect: 100-continue\r\n\r\n", b"", "200", true),
+    ];
+    for (what, head, later, status, closes) in cases {
+        let mut conn = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+        conn.write_all(head).await.unwrap();
+        let answer = read_until(&mut conn, whole, Duration::from_secs(5), what).await;
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status} ")),
+            "{what}: {answer}"
+        );
+        assert_eq!(
+            answer.contains("\r\nconnection: close\r\n"),
+            closes,
+            "{what}: {answer}"
+        );
+        // The rest of the body, when it comes, is not taken for a next request.
+        let _ = conn.write_all(later).await;
+        let _ = conn
+            .write_all(b"GET /status HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await;
+        if closes {
+            // Closed (a reset is a close too: the gateway did not read what came after).
+            let mut next = Vec::new();
+            let read = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut next));
+            let _ = read.await.expect("closed in time");
+            assert!(
+                next.is_empty(),
+                "{what}: {}",
+                String::from_utf8_lossy(&next)
+            );
+        } else {
+            let next = read_until(&mut conn, whole, Duration::from_secs(5), what).await;
+            let next = String::from_utf8_lossy(&next);
+            assert!(next.starts_with("HTTP/1.1 200 "), "{what}: {next}");
+        }
+    }
+}

@@ -3,7 +3,9 @@
 //! Every step that answers early returns a response; nothing jumps back.
 
 use std::convert::Infallible;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 
 use bytes::Bytes;
 use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
@@ -149,6 +151,7 @@ pub(crate) async fn handle(
 ) -> Result<Response<Body>, Infallible> {
     let http2 = req.version() == http::Version::HTTP_2;
     let head_over_http2 = http2 && req.method() == http::Method::HEAD;
+    let expects_continue = req.headers().contains_key(http::header::EXPECT);
     if http2 {
         busy.http2();
     } else {
@@ -181,9 +184,11 @@ pub(crate) async fn handle(
     // allocation and a free of that size on top (1,660 instructions per forwarded request).
     // Written inline rather than as a function of its own: an inner future was one more
     // place the request and the response were copied through.
+    // The body stays here unless it is forwarded: an answer of the gateway's own to an
+    // HTTP/1.1 request whose body is still coming ends the connection, and says so.
+    let mut req = req.map(Some);
     let mut res = {
         let (shared, peer, log) = (&*shared, &peer, &mut log);
-        let mut req = req;
         'walk: {
             if too_many_headers {
                 break 'walk Problem::too_many_headers(MAX_HEADERS)
@@ -235,7 +240,10 @@ pub(crate) async fn handle(
             };
             // A body declared over the limit is refused before it costs any quota. (A request
             // answered 404 is not forwarded: its body does not matter.)
-            let size = http_body::Body::size_hint(req.body());
+            let size = req
+                .body()
+                .as_ref()
+                .map_or_else(Default::default, http_body::Body::size_hint);
             if route.is_some() && size.lower() > shared.max_body_size {
                 break 'walk Problem::body_too_large(shared.max_body_size)
                     .into_response(&shared.problem_base);
@@ -355,6 +363,8 @@ pub(crate) async fn handle(
                     if let Some(protocol) = upgrade {
                         set_upgrade(req.headers_mut(), protocol);
                     }
+                    let body = req.body_mut().take().expect("taken once, here");
+                    let req = std::mem::replace(&mut req, Request::new(None)).map(|_| body);
                     log.upstream_start();
                     busy.forwarded();
                     let sent = shared.upstreams[*u]
@@ -456,6 +466,12 @@ pub(crate) async fn handle(
             res
         }
     };
+    if let Some(body) = req.into_body() {
+        if !http2 && !rest_arrived(body, expects_continue).await {
+            res.headers_mut()
+                .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        }
+    }
     log.status(res.status());
     res.headers_mut().insert(X_REQUEST_ID.clone(), request_id);
     if head_over_http2 {
@@ -465,6 +481,54 @@ pub(crate) async fn handle(
     res.body_mut().keep_busy(busy);
     Ok(res)
 }
+
+/// Whether the rest of an HTTP/1.1 request's body the gateway answers without forwarding is
+/// here already (at most [`REST_READ`] bytes, read and dropped), so that the connection can
+/// go on. If not, hyper closes the connection once the answer is written, and the answer must
+/// say so (RFC 9110 section 15: a server answering before it read the whole request says
+/// whether it closes; review: 429s, 503s and 413s to uploads ended their connections with no
+/// `Connection: close`, and a client reusing one lost its next request). A body sent with
+/// `Expect: 100-continue` is not read: reading it would ask the client for what was refused.
+async fn rest_arrived(mut body: Incoming, expects_continue: bool) -> bool {
+    if http_body::Body::is_end_stream(&body) {
+        return true;
+    }
+    if expects_continue {
+        return false;
+    }
+    let mut budget = REST_READ;
+    // hyper hands a body's bytes over only between polls of the service: what came with the
+    // head takes a turn or two to arrive.
+    for _ in 0..REST_TURNS {
+        let over = std::future::poll_fn(|cx| loop {
+            match http_body::Body::poll_frame(Pin::new(&mut body), cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let len = frame.data_ref().map_or(0, Bytes::len);
+                    match budget.checked_sub(len) {
+                        Some(left) => budget = left,
+                        None => return Poll::Ready(Some(false)),
+                    }
+                }
+                Poll::Ready(None) => return Poll::Ready(Some(true)),
+                Poll::Ready(Some(Err(_))) => return Poll::Ready(Some(false)),
+                Poll::Pending => return Poll::Ready(None),
+            }
+        })
+        .await;
+        match over {
+            Some(over) => return over,
+            None if http_body::Body::is_end_stream(&body) => return true,
+            None => tokio::task::yield_now().await,
+        }
+    }
+    false
+}
+
+/// The most of a request's body read to keep its connection after an answer of the
+/// gateway's own.
+const REST_READ: usize = 64 * 1024;
+/// The turns given to hyper to hand over what it has read of it.
+const REST_TURNS: usize = 3;
 
 /// The answer to a request that was not admitted: 429, 503 (or 500 for an impossible cost).
 /// `reports` are the figures of a request refused for capacity: the caller's as they stand,
