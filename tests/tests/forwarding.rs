@@ -2664,10 +2664,11 @@ async fn an_answer_given_before_the_body_has_come_says_the_connection_closes() {
     // What, the head and the body's start, the rest sent after the answer, its status, and
     // whether the connection ends.
     type Case<'a> = (&'a str, &'a [u8], &'a [u8], &'a str, bool);
-    let cases: [Case; 5] = [
+    let cases: [Case; 6] = [
         ("the rest comes later", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc", b"defghij", "200", true),
         ("all of it came", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc", b"", "200", false),
-        ("all of it, chunked", b"POST /status HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", b"", "200", false),
+        ("all of it, in ten chunks", b"POST /status HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n0\r\n\r\n", b"", "200", false),
+        ("all of it, expecting something else", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\nexpect: something\r\n\r\nabc", b"", "200", false),
         ("declared too large", b"POST /api/echo HTTP/1.1\r\nhost: x\r\ncontent-length: 5000\r\n\r\nabc", b"", "413", true),
         ("expecting 100-continue", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 500\r\nexpect: 100-continue\r\n\r\n", b"", "200", true),
     ];

@@ -151,7 +151,11 @@ pub(crate) async fn handle(
 ) -> Result<Response<Body>, Infallible> {
     let http2 = req.version() == http::Version::HTTP_2;
     let head_over_http2 = http2 && req.method() == http::Method::HEAD;
-    let expects_continue = req.headers().contains_key(http::header::EXPECT);
+    // As hyper reads it: only this expectation makes it wait to be asked for the body.
+    let expects_continue = req
+        .headers()
+        .get(http::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     if http2 {
         busy.http2();
     } else {
@@ -497,9 +501,12 @@ async fn rest_arrived(mut body: Incoming, expects_continue: bool) -> bool {
         return false;
     }
     let mut budget = REST_READ;
-    // hyper hands a body's bytes over only between polls of the service: what came with the
-    // head takes a turn or two to arrive.
-    for _ in 0..REST_TURNS {
+    // hyper hands a body over a piece (a chunk) per turn of its connection, between polls of
+    // the service: the turns that bring nothing are counted, not the pieces (review: bodies
+    // of three chunks, all arrived, were taken for unfinished).
+    let mut idle_turns = 0;
+    while idle_turns < REST_TURNS {
+        let mut moved = false;
         let over = std::future::poll_fn(|cx| loop {
             match http_body::Body::poll_frame(Pin::new(&mut body), cx) {
                 Poll::Ready(Some(Ok(frame))) => {
@@ -508,6 +515,7 @@ async fn rest_arrived(mut body: Incoming, expects_continue: bool) -> bool {
                         Some(left) => budget = left,
                         None => return Poll::Ready(Some(false)),
                     }
+                    moved = true;
                 }
                 Poll::Ready(None) => return Poll::Ready(Some(true)),
                 Poll::Ready(Some(Err(_))) => return Poll::Ready(Some(false)),
@@ -518,7 +526,10 @@ async fn rest_arrived(mut body: Incoming, expects_continue: bool) -> bool {
         match over {
             Some(over) => return over,
             None if http_body::Body::is_end_stream(&body) => return true,
-            None => tokio::task::yield_now().await,
+            None => {
+                idle_turns = if moved { 0 } else { idle_turns + 1 };
+                tokio::task::yield_now().await;
+            }
         }
     }
     false
@@ -527,7 +538,7 @@ async fn rest_arrived(mut body: Incoming, expects_continue: bool) -> bool {
 /// The most of a request's body read to keep its connection after an answer of the
 /// gateway's own.
 const REST_READ: usize = 64 * 1024;
-/// The turns given to hyper to hand over what it has read of it.
+/// The turns in a row that hand over nothing before the rest is taken for still coming.
 const REST_TURNS: usize = 3;
 
 /// The answer to a request that was not admitted: 429, 503 (or 500 for an impossible cost).
