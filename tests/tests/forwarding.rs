@@ -2638,6 +2638,19 @@ async fn access_lines_name_the_forwarded_client_even_for_early_refusals() {
     }
 }
 
+/// Whether `r` holds an HTTP/1.1 answer's head and its `Content-Length` of body.
+fn whole_answer(r: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(r);
+    let Some(end) = text.find("\r\n\r\n") else {
+        return false;
+    };
+    let len = text[..end]
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .map_or(0, |n| n.parse::<usize>().unwrap());
+    r.len() >= end + 4 + len
+}
+
 /// An answer of the gateway's own to an HTTP/1.1 request whose body has not all come ends the
 /// connection and says so with `Connection: close` (RFC 9110 section 15; review: 429s, 413s
 /// and static answers to uploads closed their connections unannounced, and a client that
@@ -2650,17 +2663,6 @@ async fn an_answer_given_before_the_body_has_come_says_the_connection_closes() {
     let cfg =
         config(&up.url(), "5s").replace("[gateway]\n", "[gateway]\nmax_body_size = \"1KiB\"\n");
     let gw = Sluice::start(&cfg);
-    let whole = |r: &[u8]| {
-        let text = String::from_utf8_lossy(r);
-        let Some(end) = text.find("\r\n\r\n") else {
-            return false;
-        };
-        let len = text[..end]
-            .lines()
-            .find_map(|l| l.strip_prefix("content-length: "))
-            .map_or(0, |n| n.parse::<usize>().unwrap());
-        r.len() >= end + 4 + len
-    };
     // What, the head and the body's start, the rest sent after the answer, its status, and
     // whether the connection ends.
     type Case<'a> = (&'a str, &'a [u8], &'a [u8], &'a str, bool);
@@ -2675,7 +2677,7 @@ async fn an_answer_given_before_the_body_has_come_says_the_connection_closes() {
     for (what, head, later, status, closes) in cases {
         let mut conn = tokio::net::TcpStream::connect(gw.main).await.unwrap();
         conn.write_all(head).await.unwrap();
-        let answer = read_until(&mut conn, whole, Duration::from_secs(5), what).await;
+        let answer = read_until(&mut conn, whole_answer, Duration::from_secs(5), what).await;
         let answer = String::from_utf8_lossy(&answer);
         assert!(
             answer.starts_with(&format!("HTTP/1.1 {status} ")),
@@ -2702,9 +2704,37 @@ async fn an_answer_given_before_the_body_has_come_says_the_connection_closes() {
                 String::from_utf8_lossy(&next)
             );
         } else {
-            let next = read_until(&mut conn, whole, Duration::from_secs(5), what).await;
+            let next = read_until(&mut conn, whole_answer, Duration::from_secs(5), what).await;
             let next = String::from_utf8_lossy(&next);
             assert!(next.starts_with("HTTP/1.1 200 "), "{what}: {next}");
         }
     }
+}
+
+/// An upstream's failure answered before the client's body has all been read (here the
+/// upstream cannot be reached) ends the connection, and the answer says so (review: 502s to
+/// uploads closed their connections unannounced, and the client's next request was lost).
+#[tokio::test]
+async fn a_502_to_an_upload_still_coming_says_the_connection_closes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let gw = Sluice::start(&config(
+        &format!("http://127.0.0.1:{}", closed_port()),
+        "5s",
+    ));
+    let mut conn = tokio::net::TcpStream::connect(gw.main).await.unwrap();
+    conn.write_all(b"POST /api/x HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc")
+        .await
+        .unwrap();
+    let answer = read_until(&mut conn, whole_answer, Duration::from_secs(5), "the 502").await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 502 "), "{answer}");
+    assert!(answer.contains("\r\nconnection: close\r\n"), "{answer}");
+    let _ = conn.write_all(b"defghij").await;
+    let _ = conn
+        .write_all(b"GET /status HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await;
+    let mut next = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut next));
+    let _ = read.await.expect("closed in time");
+    assert!(next.is_empty(), "{}", String::from_utf8_lossy(&next));
 }

@@ -174,9 +174,9 @@ impl UpstreamClient {
             p.ends_connection = true;
             p
         };
-        match self.exchange(req, now, now + self.timeout).await {
-            Err(Failure::Timeout) => Err(Problem::upstream_timeout()),
-            Err(Failure::ClientStalled) => Err(ends(Problem::body_timeout())),
+        let problem = match self.exchange(req, now, now + self.timeout).await {
+            Err(Failure::Timeout) => Problem::upstream_timeout(),
+            Err(Failure::ClientStalled) => ends(Problem::body_timeout()),
             Ok(res) => {
                 let mut res = res.map(Upstreamed::Hyper);
                 // Only an upload still going can outlive the answer: most have ended by now,
@@ -187,39 +187,44 @@ impl UpstreamClient {
                 {
                     res.extensions_mut().insert(tail);
                 }
-                Ok(res)
+                return Ok(res);
             }
-            Err(Failure::Connect(e)) => Err(self.unreachable(&e)),
-            Err(Failure::Http(e)) if caused_by_timeout(&e) => Err(Problem::upstream_timeout()),
-            Err(Failure::Http(e)) if caused_by::<ClientTooSlow>(&e) => {
-                Err(ends(Problem::body_timeout()))
-            }
+            Err(Failure::Connect(e)) => self.unreachable(&e),
+            Err(Failure::Http(e)) if caused_by_timeout(&e) => Problem::upstream_timeout(),
+            Err(Failure::Http(e)) if caused_by::<ClientTooSlow>(&e) => ends(Problem::body_timeout()),
             Err(Failure::Http(e)) if caused_by::<BodyTooLarge>(&e) => {
-                Err(ends(Problem::body_too_large(max_body)))
+                ends(Problem::body_too_large(max_body))
             }
             Err(Failure::Http(e)) if caused_by::<PiecesTooSmall>(&e) => {
-                Err(ends(Problem::bad_request(format!(
+                ends(Problem::bad_request(format!(
                     "The request body came in pieces of under {TINY} bytes on average ({FLOOD_PIECES} of them back to back): send it in larger pieces."
-                ))))
+                )))
             }
             // The client's own body failed (a malformed chunk, fewer bytes than declared): the
             // caller's error, not the upstream's.
             Err(Failure::Http(e)) if caused_by::<ClientBody>(&e) => {
                 tracing::debug!(error = %display_chain(&e), "request body failed");
-                Err(ends(Problem::bad_request(
+                ends(Problem::bad_request(
                     "The request body was malformed or ended before its declared length.",
-                )))
+                ))
             }
             // A head that is not HTTP/1.x, or an invalid field: the upstream answered, badly.
             Err(Failure::Http(e)) if e.is_parse() || e.is_parse_status() || e.is_parse_too_large() => {
                 tracing::debug!(error = %display_chain(&e), "the upstream's response head is malformed");
-                Err(Problem::upstream_bad_response())
+                Problem::upstream_bad_response()
             }
             Err(Failure::Http(e)) => {
                 tracing::debug!(error = %display_chain(&e), "upstream request failed");
-                Err(Problem::upstream_unavailable())
+                Problem::upstream_unavailable()
             }
-        }
+        };
+        // An answer given before the client's body was all read (the upstream unreachable,
+        // or failing as the body went): its connection cannot go on, and the answer says so
+        // (review: 502s to uploads closed their connections unannounced).
+        let upload_over = tail
+            .as_ref()
+            .is_none_or(|t| t.moved.state.load(Ordering::Acquire) == ENDED);
+        Err(if upload_over { problem } else { ends(problem) })
     }
 
     /// Sends a request without a body or an upgrade through the gateway's own client
