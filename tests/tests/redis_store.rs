@@ -810,7 +810,7 @@ async fn an_admission_that_finds_the_gateway_filled_meanwhile_is_refunded() {
         1,
         &limit,
     ));
-    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "1000", "ALL"]).trim(), "OK");
+    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "3000", "ALL"]).trim(), "OK");
     let main = gw.main;
     let deciding = tokio::spawn(async move { call(main, "/v1/search", "fresh").await });
     // Long enough for the request to reach Redis; then an unlimited one takes the one place.

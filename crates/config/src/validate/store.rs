@@ -272,7 +272,7 @@ fn percent_problem(userinfo: &str) -> Option<&'static str> {
     None
 }
 
-/// A port as written in a URL: 1 to 5 ASCII digits, 1 to 65535.
+/// A port as written in a URL: ASCII digits (leading zeros allowed) for 1 to 65535.
 fn port_ok(p: &str) -> bool {
     // Leading zeros are the same port to the Redis client's URL parser, as to the upstreams'
     // (review: `:037379` was "not between 1 and 65535").
