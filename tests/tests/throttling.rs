@@ -1552,3 +1552,34 @@ window = "1h"
         assert_eq!(call(gw.main, "/v1/search", "k").await.status, 200);
     }
 }
+
+both_stores!(a_413_advertises_the_callers_figures_and_charges_nothing);
+/// A body declared larger than `max_body_size` is refused before any limit decides, charging
+/// nothing, but its answer advertises the caller's limits as they stand, as every other
+/// answer does (review: a 413 carried no RateLimit fields).
+async fn a_413_advertises_the_callers_figures_and_charges_nothing(store: TestStore) {
+    use http_body_util::Full;
+    let up = MockUpstream::start().await;
+    let cfg = config(&up.url(), 64, KEY_QUOTA).replace(
+        "health_path = \"/health\"",
+        "health_path = \"/health\"\nmax_body_size = \"1KiB\"",
+    );
+    let gw = InProcess::start(&store.apply(&cfg), Duration::ZERO).await;
+    let first = call(gw.main, "/v1/items", "k").await;
+    assert_eq!(first.status, 200);
+    assert_eq!(sf_list(&first, "ratelimit")["key-quota"]["r"], 4);
+    let large = http::Request::post("/v1/items")
+        .header("host", "x")
+        .header("x-api-key", "k")
+        .body(Full::new(bytes::Bytes::from(vec![b'a'; 2048])))
+        .unwrap();
+    let refused = sluice_tests::send(gw.main, large).await;
+    assert_eq!(refused.status, 413, "{}", refused.text());
+    let policy = sf_list(&refused, "ratelimit-policy");
+    assert_eq!(policy["key-quota"]["q"], 5, "{policy:?}");
+    let state = sf_list(&refused, "ratelimit");
+    assert_eq!(state["key-quota"]["r"], 4, "{state:?}");
+    assert_eq!(up.requests(), 1);
+    let next = call(gw.main, "/v1/items", "k").await;
+    assert_eq!(sf_list(&next, "ratelimit")["key-quota"]["r"], 3);
+}

@@ -248,19 +248,20 @@ pub(crate) async fn handle(
                 .body()
                 .as_ref()
                 .map_or_else(Default::default, http_body::Body::size_hint);
-            if route.is_some() && size.lower() > shared.max_body_size {
-                break 'walk Problem::body_too_large(shared.max_body_size)
-                    .into_response(&shared.problem_base);
-            }
+            // Answered once the caller is known, with its figures (below).
+            let refused_body = if route.is_some() && size.lower() > shared.max_body_size {
+                Some(Problem::body_too_large(shared.max_body_size))
             // Only an HTTP/1 body of no declared length can be chunked (HTTP/2 has no transfer
             // codings: its bodies of no declared length go upstream chunked).
-            if route.is_some()
+            } else if route.is_some()
                 && size.exact().is_none()
                 && !http2
                 && unsupported_coding(req.headers())
             {
-                break 'walk Problem::unsupported_coding().into_response(&shared.problem_base);
-            }
+                Some(Problem::unsupported_coding())
+            } else {
+                None
+            };
 
             // Identify (the client's address is, above).
             let api_key = match shared.identify.api_key(req.headers(), req.uri()) {
@@ -300,6 +301,15 @@ pub(crate) async fn handle(
 
             // Quota, then capacity.
             let cost = route.map_or(1, |r| r.cost.get());
+            // A body refused before any limit decides: nothing charged, but the caller's
+            // figures advertised, as on every other answer (review: a 413 carried none).
+            if let Some(problem) = refused_body {
+                let mut reports = Reports::new();
+                shared.quota.standing(&layers, cost, &mut reports).await;
+                let mut res = problem.into_response(&shared.problem_base);
+                advertise(shared, index, res.headers_mut(), &reports, cost, None);
+                break 'walk res;
+            }
             // A client that keeps opening HTTP/2 streams after the shutdown's GOAWAY would keep
             // the drain going to the grace's end (review): what it opens late is turned away,
             // as a client that heeds GOAWAY sees the stream refused.

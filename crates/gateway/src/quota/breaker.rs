@@ -90,6 +90,12 @@ impl Breaker {
         }
     }
 
+    /// Whether calls go to the store as usual (no failure has opened the circuit), without
+    /// claiming the probe that [`Breaker::gate`] hands out once it has.
+    pub(super) fn is_closed(&self) -> bool {
+        self.open_until_ms.load(Ordering::Acquire) == 0
+    }
+
     pub(super) fn success(&self) {
         self.failures.store(0, Ordering::Release);
         self.last_counted_ms.store(0, Ordering::Release);

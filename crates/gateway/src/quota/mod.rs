@@ -421,6 +421,20 @@ impl Quota {
         }
     }
 
+    /// The caller's figures as they stand, charging nothing and starting no block: for an
+    /// answer that refuses the request before any limit decides it (a body too large), so that
+    /// it advertises the limits as every other answer does. With the Redis store, one call
+    /// (nothing in `reports` if Redis cannot answer).
+    pub(crate) async fn standing(&self, layers: &Layers, cost: u32, reports: &mut Reports) {
+        match &self.remote {
+            None => {
+                let figures = self.limiter.figures(&layers.enforced, self.clock.now());
+                reports.extend(figures.map(|r| (r.limit, r)));
+            }
+            Some(remote) => Box::pin(remote.standing(layers, cost, reports)).await,
+        }
+    }
+
     /// At shutdown: waits (at most `until` then) for writes to the shared store still running
     /// in the background, such as the withdrawal of a held request whose client just left.
     pub(crate) async fn settle(&self, until: tokio::time::Instant) {

@@ -100,6 +100,27 @@ impl Remote {
         })
     }
 
+    /// [`Quota::standing`] from Redis: one check that charges nothing. Nothing if Redis is
+    /// not connected, its circuit is open, or it fails (a refusal's figures are not worth a
+    /// fallback's guess, nor a failure counted against the store).
+    pub(super) async fn standing(&self, layers: &Layers, cost: u32, reports: &mut Reports) {
+        if layers.enforced.is_empty() {
+            return;
+        }
+        let Some(store) = self.store.get() else {
+            return;
+        };
+        if !self.breaker.is_closed() {
+            return;
+        }
+        let remote: SmallVec<[Layer<'_>; 8]> = layers
+            .enforced
+            .iter()
+            .map(|(id, key)| Layer::enforced(&self.limits[id.index()], *key))
+            .collect();
+        figures_now(store, &remote, cost, layers, reports).await;
+    }
+
     pub(super) async fn admit(
         &self,
         quota: &Quota,
