@@ -314,7 +314,6 @@ pub(crate) async fn handle(
             // the drain going to the grace's end (review): what it opens late is turned away,
             // as a client that heeds GOAWAY sees the stream refused.
             if http2 && shared.capacity.goodbye_ignored() {
-                busy.goodbye_ignored();
                 break 'walk stopped(shared, index, Stop::Draining, (&Reports::new(), cost), log);
             }
             let capacity = match route {

@@ -133,9 +133,6 @@ pub(crate) struct HeadTimeout {
     early_resets: AtomicU64,
     /// Set when the early resets reached their share: the connection is dropped.
     flooded: AtomicBool,
-    /// Set when a stream was turned away for coming long after the shutdown's `GOAWAY`: the
-    /// drain drops the connection once its other requests are over.
-    goodbye_ignored: AtomicBool,
 }
 
 impl HeadTimeout {
@@ -162,7 +159,6 @@ impl HeadTimeout {
             streams_ended: AtomicU64::new(0),
             early_resets: AtomicU64::new(0),
             flooded: AtomicBool::new(false),
-            goodbye_ignored: AtomicBool::new(false),
         })
     }
 
@@ -210,12 +206,6 @@ impl HeadTimeout {
             0 => None,
             status => Some(status),
         }
-    }
-
-    /// Whether a stream on the connection was turned away for ignoring the shutdown's
-    /// `GOAWAY` ([`Busy::goodbye_ignored`]).
-    pub(crate) fn ignored_goodbye(&self) -> bool {
-        self.goodbye_ignored.load(Ordering::Acquire)
     }
 
     /// Whether the connection speaks HTTP/2 (its preface was read, or a request said so).
@@ -373,13 +363,6 @@ impl Busy {
 
     pub(crate) fn is_http2(&self) -> bool {
         self.http2.is_some()
-    }
-
-    /// The request was turned away for coming long after the shutdown's `GOAWAY`: its client
-    /// does not heed the goodbye, and would keep opening streams (each moving bytes) until the
-    /// grace's end, so the drain ends its connection once its other requests are over.
-    pub(crate) fn goodbye_ignored(&self) {
-        self.head.goodbye_ignored.store(true, Ordering::Release);
     }
 
     /// Its response goes to hyper: the request was not given up on.

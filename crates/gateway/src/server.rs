@@ -887,8 +887,7 @@ const DRAIN_QUIET: Duration = Duration::from_secs(3);
 
 /// Resolves once, for a whole `window`, no request has been in flight on the connection or
 /// begun, no byte has moved on it and none waited to be written (counted from the call at the
-/// earliest); or, once a stream of its was turned away for ignoring the goodbye, as soon as
-/// no request is in flight and nothing waits to be written. Looked at every quarter of `window`. Bytes waiting count only while some moved
+/// earliest). Looked at every quarter of `window`. Bytes waiting count only while some moved
 /// within the header timeout, the time a connection with no request may stay open: a client
 /// that stopped reading for good does not hold the drain (review).
 async fn quiet_for(head: &HeadTimeout, window: Duration) {
@@ -904,11 +903,6 @@ async fn quiet_for(head: &HeadTimeout, window: Duration) {
             last_move = now;
         }
         let waiting = head.write_waits() && now < last_move + head.header_timeout();
-        // A client that opens streams after the goodbye, each turned away, is not let keep
-        // the connection with them (review: one a second held it to the grace's end).
-        if head.ignored_goodbye() && !head.is_busy() && !waiting {
-            return;
-        }
         if seen != (begun, moved) || head.is_busy() || waiting {
             since = now;
         }
