@@ -2665,18 +2665,26 @@ async fn an_answer_given_before_the_body_has_come_says_the_connection_closes() {
     let gw = Sluice::start(&cfg);
     // What, the head and the body's start, the rest sent after the answer, its status, and
     // whether the connection ends.
-    type Case<'a> = (&'a str, &'a [u8], &'a [u8], &'a str, bool);
-    let cases: [Case; 6] = [
-        ("the rest comes later", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc", b"defghij", "200", true),
-        ("all of it came", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc", b"", "200", false),
-        ("all of it, in ten chunks", b"POST /status HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n0\r\n\r\n", b"", "200", false),
-        ("all of it, expecting something else", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\nexpect: something\r\n\r\nabc", b"", "200", false),
-        ("declared too large", b"POST /api/echo HTTP/1.1\r\nhost: x\r\ncontent-length: 5000\r\n\r\nabc", b"", "413", true),
-        ("expecting 100-continue", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 500\r\nexpect: 100-continue\r\n\r\n", b"", "200", true),
+    type Case<'a> = (&'a str, Vec<u8>, &'a [u8], &'a str, bool);
+    // All come, but in more pieces than are read for it.
+    let mut tiny =
+        b"POST /status HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+    for _ in 0..2_000 {
+        tiny.extend_from_slice(b"1\r\na\r\n");
+    }
+    tiny.extend_from_slice(b"0\r\n\r\n");
+    let cases: [Case; 7] = [
+        ("all of it, in 2,000 one-byte chunks", tiny, b"", "200", true),
+        ("the rest comes later", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc".to_vec(), b"defghij", "200", true),
+        ("all of it came", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc".to_vec(), b"", "200", false),
+        ("all of it, in ten chunks", b"POST /status HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n3\r\nabc\r\n0\r\n\r\n".to_vec(), b"", "200", false),
+        ("all of it, expecting something else", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\nexpect: something\r\n\r\nabc".to_vec(), b"", "200", false),
+        ("declared too large", b"POST /api/echo HTTP/1.1\r\nhost: x\r\ncontent-length: 5000\r\n\r\nabc".to_vec(), b"", "413", true),
+        ("expecting 100-continue", b"POST /status HTTP/1.1\r\nhost: x\r\ncontent-length: 500\r\nexpect: 100-continue\r\n\r\n".to_vec(), b"", "200", true),
     ];
     for (what, head, later, status, closes) in cases {
         let mut conn = tokio::net::TcpStream::connect(gw.main).await.unwrap();
-        conn.write_all(head).await.unwrap();
+        conn.write_all(&head).await.unwrap();
         let answer = read_until(&mut conn, whole_answer, Duration::from_secs(5), what).await;
         let answer = String::from_utf8_lossy(&answer);
         assert!(

@@ -497,7 +497,7 @@ pub(crate) async fn handle(
 }
 
 /// Whether the rest of an HTTP/1.1 request's body the gateway answers without forwarding is
-/// here already (at most [`REST_READ`] bytes, read and dropped), so that the connection can
+/// here already (at most [`REST_READ`] bytes in [`REST_PIECES`] pieces, read and dropped), so that the connection can
 /// go on. If not, hyper closes the connection once the answer is written, and the answer must
 /// say so (RFC 9110 section 15: a server answering before it read the whole request says
 /// whether it closes; review: 429s, 503s and 413s to uploads ended their connections with no
@@ -510,7 +510,7 @@ async fn rest_arrived(mut body: Incoming, expects_continue: bool) -> bool {
     if expects_continue {
         return false;
     }
-    let mut budget = REST_READ;
+    let (mut budget, mut pieces) = (REST_READ, REST_PIECES);
     // hyper hands a body over a piece (a chunk) per turn of its connection, between polls of
     // the service: the turns that bring nothing are counted, not the pieces (review: bodies
     // of three chunks, all arrived, were taken for unfinished).
@@ -521,9 +521,9 @@ async fn rest_arrived(mut body: Incoming, expects_continue: bool) -> bool {
             match http_body::Body::poll_frame(Pin::new(&mut body), cx) {
                 Poll::Ready(Some(Ok(frame))) => {
                     let len = frame.data_ref().map_or(0, Bytes::len);
-                    match budget.checked_sub(len) {
-                        Some(left) => budget = left,
-                        None => return Poll::Ready(Some(false)),
+                    match (budget.checked_sub(len), pieces.checked_sub(1)) {
+                        (Some(left), Some(more)) => (budget, pieces) = (left, more),
+                        _ => return Poll::Ready(Some(false)),
                     }
                     moved = true;
                 }
@@ -548,6 +548,10 @@ async fn rest_arrived(mut body: Incoming, expects_continue: bool) -> bool {
 /// The most of a request's body read to keep its connection after an answer of the
 /// gateway's own.
 const REST_READ: usize = 64 * 1024;
+/// The most pieces (chunks) of it read: each costs hyper a turn, and a body of one-byte
+/// chunks would otherwise cost 65,536 of them (review), where forwarding refuses a body of
+/// tiny pieces after 1,024.
+const REST_PIECES: usize = 1_024;
 /// The turns in a row that hand over nothing before the rest is taken for still coming.
 const REST_TURNS: usize = 3;
 
