@@ -151,11 +151,6 @@ pub(crate) async fn handle(
 ) -> Result<Response<Body>, Infallible> {
     let http2 = req.version() == http::Version::HTTP_2;
     let head_over_http2 = http2 && req.method() == http::Method::HEAD;
-    // As hyper reads it: only this expectation makes it wait to be asked for the body.
-    let expects_continue = req
-        .headers()
-        .get(http::header::EXPECT)
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     if http2 {
         busy.http2();
     } else {
@@ -480,8 +475,9 @@ pub(crate) async fn handle(
             res
         }
     };
-    if let Some(body) = req.into_body() {
-        if !http2 && !rest_arrived(body, expects_continue).await {
+    let (parts, body) = req.into_parts();
+    if let (false, Some(body)) = (http2, body) {
+        if !rest_arrived(body, &parts.headers).await {
             res.headers_mut()
                 .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
         }
@@ -497,16 +493,20 @@ pub(crate) async fn handle(
 }
 
 /// Whether the rest of an HTTP/1.1 request's body the gateway answers without forwarding is
-/// here already (at most [`REST_READ`] bytes in [`REST_PIECES`] pieces, read and dropped), so that the connection can
-/// go on. If not, hyper closes the connection once the answer is written, and the answer must
+/// here already (at most [`REST_READ`] bytes in [`REST_PIECES`] pieces, read and dropped),
+/// so that the connection can go on. If not, hyper closes the connection once the answer is written, and the answer must
 /// say so (RFC 9110 section 15: a server answering before it read the whole request says
 /// whether it closes; review: 429s, 503s and 413s to uploads ended their connections with no
 /// `Connection: close`, and a client reusing one lost its next request). A body sent with
 /// `Expect: 100-continue` is not read: reading it would ask the client for what was refused.
-async fn rest_arrived(mut body: Incoming, expects_continue: bool) -> bool {
+async fn rest_arrived(mut body: Incoming, headers: &http::HeaderMap) -> bool {
     if http_body::Body::is_end_stream(&body) {
         return true;
     }
+    // As hyper reads it: only this expectation makes it wait to be asked for the body.
+    let expects_continue = headers
+        .get(http::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     if expects_continue {
         return false;
     }
