@@ -100,6 +100,15 @@ impl Remote {
         })
     }
 
+    /// The request's enforced layers as Redis decides them.
+    fn enforced<'a>(&'a self, layers: &Layers) -> SmallVec<[Layer<'a>; 8]> {
+        layers
+            .enforced
+            .iter()
+            .map(|(id, key)| Layer::enforced(&self.limits[id.index()], *key))
+            .collect()
+    }
+
     /// [`Quota::standing`] from Redis: one check that charges nothing. Nothing if Redis is
     /// not connected, its circuit is open, or it fails (a refusal's figures are not worth a
     /// fallback's guess, nor a failure counted against the store).
@@ -113,12 +122,7 @@ impl Remote {
         if !self.breaker.is_closed() {
             return;
         }
-        let remote: SmallVec<[Layer<'_>; 8]> = layers
-            .enforced
-            .iter()
-            .map(|(id, key)| Layer::enforced(&self.limits[id.index()], *key))
-            .collect();
-        figures_now(store, &remote, cost, layers, reports).await;
+        figures_now(store, &self.enforced(layers), cost, layers, reports).await;
     }
 
     pub(super) async fn admit(
@@ -147,17 +151,13 @@ impl Remote {
             self.note_fallback(&CircuitOpen(&self.last_failure));
             return self.fallback(quota, layers, cost, capacity, notes).await;
         }
-        let remote: SmallVec<[Layer<'_>; 8]> = layers
-            .enforced
-            .iter()
-            .map(|(id, key)| Layer::enforced(&self.limits[id.index()], *key))
-            .chain(
-                layers
-                    .dry_run
-                    .iter()
-                    .map(|(id, key)| Layer::dry_run(&self.limits[id.index()], *key)),
-            )
-            .collect();
+        let mut remote = self.enforced(layers);
+        remote.extend(
+            layers
+                .dry_run
+                .iter()
+                .map(|(id, key)| Layer::dry_run(&self.limits[id.index()], *key)),
+        );
         // No place is taken in `max_in_flight` while Redis decides: a caller over its quota,
         // answered 429, must not fill the gateway for others (review: with the place taken
         // first, one spent key's flood had other callers answered 503 and readiness flapping).
