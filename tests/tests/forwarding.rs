@@ -295,18 +295,23 @@ async fn hop_by_hop_headers_are_stripped_both_ways() {
         &[
             ("connection", "x-hop"),
             ("x-hop", "1"),
-            ("te", "trailers"),
+            ("te", "gzip, trailers"),
             ("proxy-authorization", "Basic eA=="),
         ],
     )
     .await
     .json();
-    for gone in ["x-hop", "te", "proxy-authorization"] {
+    for gone in ["x-hop", "proxy-authorization"] {
         assert!(
             seen["headers"].get(gone).is_none(),
             "{gone} reached the upstream: {seen}"
         );
     }
+    // Of `TE`, only that the client takes trailer fields, for the next hop alone.
+    assert_eq!(seen["headers"]["te"], "trailers", "{seen}");
+    assert_eq!(seen["headers"]["connection"], "te", "{seen}");
+    let seen = get(gw.main, "/api/echo", &[("te", "gzip")]).await.json();
+    assert!(seen["headers"].get("te").is_none(), "{seen}");
     let reply = get(gw.main, "/api/hop", &[]).await;
     assert_eq!(reply.header("x-public"), "yes");
     assert_eq!(
@@ -1849,13 +1854,16 @@ async fn a_malformed_answer_head_is_a_bad_response_not_an_unreachable_upstream()
 }
 
 /// An upstream's chunked answer reaches the client whole, and its trailer fields (gRPC's
-/// `grpc-status`, say) reach an HTTP/2 client as trailers; an HTTP/1.1 client gets the body
-/// without them (RFC 9110 section 6.5.1 lets an intermediary drop them).
+/// `grpc-status`, say) reach an HTTP/2 client as trailers, with the `Trailer` field that
+/// named them. An HTTP/1.1 client that takes trailers (`TE: trailers`) gets those the
+/// `Trailer` field names (hyper's HTTP/1.1 side sends no others; RFC 9110 section 6.5.1 lets
+/// an intermediary drop them); one that does not gets the body alone. Before, `Trailer` was
+/// taken for a hop-by-hop field and removed, and with it every trailer over HTTP/1.1.
 #[tokio::test]
-async fn trailer_fields_of_a_chunked_answer_reach_an_http2_client() {
+async fn trailer_fields_of_a_chunked_answer_reach_the_clients_that_take_them() {
     use http_body_util::BodyExt;
     let up = raw_upstream(
-        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\ngrpc-status: 0\r\ngrpc-message: ok\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: grpc-status\r\n\r\n5\r\nhello\r\n0\r\ngrpc-status: 0\r\ngrpc-message: ok\r\n\r\n",
     )
     .await;
     let gw = Sluice::start(&config(&format!("http://{up}"), "5s"));
@@ -1865,6 +1873,7 @@ async fn trailer_fields_of_a_chunked_answer_reach_an_http2_client() {
         .unwrap();
     let res = sender.send_request(req).await.unwrap();
     assert_eq!(res.status(), 200);
+    assert_eq!(res.headers()["trailer"], "grpc-status");
     let body = res.into_body().collect().await.unwrap();
     let trailers = body.trailers().cloned().expect("trailers over HTTP/2");
     assert_eq!(trailers["grpc-status"], "0");
@@ -1876,10 +1885,57 @@ async fn trailer_fields_of_a_chunked_answer_reach_an_http2_client() {
     )
     .await;
     assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
-    assert!(
-        reply.contains("hello") && !reply.contains("grpc-status"),
-        "{reply}"
-    );
+    let (head, body) = reply.split_once("\r\n\r\n").expect("a whole answer");
+    assert!(head.contains("\r\ntrailer: grpc-status"), "{reply}");
+    assert_eq!(body, "5\r\nhello\r\n0\r\ngrpc-status: 0\r\n\r\n", "{reply}");
+    let reply = raw_exchange(
+        gw.main,
+        b"GET /api/x HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
+    assert!(reply.ends_with("5\r\nhello\r\n0\r\n\r\n"), "{reply}");
+}
+
+/// A chunked upload's trailer fields named in its `Trailer` field reach the upstream after
+/// the body (hyper's client sends only those it names), as do `Trailer` and `TE: trailers`.
+#[tokio::test]
+async fn trailer_fields_of_an_upload_reach_the_upstream() {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let seen_tx = seen_tx.clone();
+            tokio::spawn(async move {
+                // The head, then chunks up to the last (`0`) and its trailer section.
+                let ended = |got: &[u8]| {
+                    let text = String::from_utf8_lossy(got);
+                    text.split_once("\r\n\r\n").is_some_and(|(_, body)| {
+                        body.ends_with("\r\n\r\n")
+                            && (body.starts_with("0\r\n") || body.contains("\r\n0\r\n"))
+                    })
+                };
+                let got =
+                    read_until(&mut s, ended, Duration::from_secs(5), "the whole upload").await;
+                let _ = seen_tx.send(String::from_utf8_lossy(&got).into_owned());
+                let _ = s.write_all(b"HTTP/1.1 204 No Content\r\n\r\n").await;
+            });
+        }
+    });
+    let gw = Sluice::start(&config(&url, "5s"));
+    let reply = raw_exchange(
+        gw.main,
+        b"POST /api/x HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\ntrailer: x-sum\r\nte: trailers\r\nconnection: close\r\n\r\n5\r\nhello\r\n0\r\nx-sum: 42\r\nx-other: 1\r\n\r\n",
+    )
+    .await;
+    assert!(reply.starts_with("HTTP/1.1 204 "), "{reply}");
+    let upload = seen.recv().await.expect("the upload");
+    let (head, body) = upload.split_once("\r\n\r\n").expect("a head");
+    assert!(head.contains("\r\ntrailer: x-sum\r\n"), "{upload}");
+    assert!(head.contains("\r\nte: trailers\r\n"), "{upload}");
+    assert!(body.ends_with("0\r\nx-sum: 42\r\n\r\n"), "{upload}");
 }
 
 /// An upstream answer cut short reaches the client as its head and the part that came, then

@@ -275,6 +275,7 @@ impl http_body::Body for Body {
                                 http::header::CONTENT_TYPE,
                                 http::header::CONTENT_RANGE,
                                 http::header::HOST,
+                                http::header::TRAILER,
                             ] {
                                 fields.remove(name);
                             }

@@ -16,7 +16,7 @@ use std::time::Duration;
 use tokio::time::{Instant, Sleep};
 
 use bytes::{Bytes, BytesMut};
-use http::header::{HeaderName, HeaderValue, CONNECTION, COOKIE, HOST, UPGRADE};
+use http::header::{HeaderName, HeaderValue, CONNECTION, COOKIE, HOST, TE, UPGRADE};
 use http::uri::{Authority, PathAndQuery};
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use http_body::{Body as _, Frame, SizeHint};
@@ -1397,18 +1397,26 @@ fn display_chain(e: &(dyn StdError + 'static)) -> String {
 /// Removes hop-by-hop headers, including every header the `Connection` header names. One
 /// pass over the names, without hashing or copying, in the usual cases: none at all (a
 /// request), or a `Connection` header alone naming nothing else (`keep-alive`, `close`: most
-/// responses).
-pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) {
-    let (mut found, mut connection) = (0usize, false);
+/// responses). Whether a `TE` removed said `trailers`: the sender takes trailer fields, which
+/// a request's next hop may be told again (see [`prepare_request`]).
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) -> bool {
+    let (mut found, mut connection, mut te) = (0usize, false, false);
     for name in headers.keys() {
         if is_hop_by_hop(name) {
             found += 1;
             connection |= *name == CONNECTION;
+            te |= *name == TE;
         }
     }
     if found == 0 {
-        return;
+        return false;
     }
+    let takes_trailers = te
+        && headers
+            .get_all(TE)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+            .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers"));
     if connection {
         // The headers it names, other than `close` (names none), `keep-alive` (removed
         // below anyway), `host` and those in `keep` (the request was routed and counted by
@@ -1434,7 +1442,7 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) {
         }
         headers.remove(CONNECTION);
         if found == 1 {
-            return;
+            return takes_trailers;
         }
     }
     let rest: smallvec::SmallVec<[HeaderName; 4]> = headers
@@ -1445,6 +1453,7 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) {
     for name in rest {
         headers.remove(name);
     }
+    takes_trailers
 }
 
 /// `Max-Forwards` on a `TRACE` or `OPTIONS` (RFC 9110 section 7.6.2): decremented on its
@@ -1524,7 +1533,9 @@ pub(crate) fn canonical_content_length(headers: &mut HeaderMap) {
 
 /// Hop-by-hop headers (RFC 9110 section 7.6.1), `Proxy-Connection` (pre-standard) and
 /// `HTTP2-Settings`, which belongs to an `h2c` upgrade (RFC 7540 section 3.2.1) that is never
-/// forwarded. Names are lower case; a `match` on them compiles to a switch on the length and
+/// forwarded. Not `Trailer` (RFC 2616 listed it; RFC 9110 section 6.6.2 does not): it names
+/// the trailer fields to come, end to end, and hyper's HTTP/1.1 side passes on only the
+/// trailer fields it names. Names are lower case; a `match` on them compiles to a switch on the length and
 /// one comparison, where comparing with a list of `HeaderName`s cost ~70 instructions a header.
 pub(crate) fn is_hop_by_hop(name: &HeaderName) -> bool {
     matches!(
@@ -1535,7 +1546,6 @@ pub(crate) fn is_hop_by_hop(name: &HeaderName) -> bool {
             | "proxy-authorization"
             | "proxy-connection"
             | "te"
-            | "trailer"
             | "transfer-encoding"
             | "upgrade"
             | "http2-settings"
@@ -1582,9 +1592,15 @@ pub(crate) fn switched_as_asked(asked: &HeaderValue, got: Option<&HeaderValue>) 
 }
 
 /// Puts back the two hop-by-hop headers of a protocol switch, which the upstream (on a
-/// request) or the client (on a `101` response) must see.
+/// request) or the client (on a `101` response) must see, with the `TE` a request may still
+/// carry (see [`prepare_request`]).
 pub(crate) fn set_upgrade(headers: &mut HeaderMap, protocol: HeaderValue) {
-    headers.insert(CONNECTION, HeaderValue::from_static("upgrade"));
+    let connection = if headers.contains_key(TE) {
+        "upgrade, te"
+    } else {
+        "upgrade"
+    };
+    headers.insert(CONNECTION, HeaderValue::from_static(connection));
     headers.insert(UPGRADE, protocol);
 }
 
@@ -1629,7 +1645,15 @@ pub(crate) fn prepare_request<B>(
     if req.version() == http::Version::HTTP_2 {
         join_cookies(req.headers_mut());
     }
-    strip_hop_by_hop(req.headers_mut(), &identity.names);
+    // A client that takes trailer fields (gRPC's, say) is said to the upstream to take them
+    // again: the gateway passes them on (to an HTTP/1.1 client, those named in `Trailer`,
+    // as hyper does). `TE` is for the next hop only, so `Connection` names it (RFC 9110
+    // section 10.1.4).
+    if strip_hop_by_hop(req.headers_mut(), &identity.names) {
+        let headers = req.headers_mut();
+        headers.insert(TE, HeaderValue::from_static("trailers"));
+        headers.insert(CONNECTION, HeaderValue::from_static("te"));
+    }
     // A target's authority (an absolute-form HTTP/1 target, HTTP/2's `:authority`) replaces
     // `Host` (RFC 9112 section 3.2.2, RFC 9113 section 8.3.1): [`bad_host`] has held the two
     // to one host, but `Host` may leave out a port the target names.
@@ -2703,7 +2727,7 @@ mod tests {
             .header("x-secret", "1")
             .header("x-other", "1")
             .header("keep-alive", "timeout=5")
-            .header("te", "trailers")
+            .header("te", "gzip")
             .header("trailer", "x-sum")
             .header("transfer-encoding", "chunked")
             .header("upgrade", "websocket")
@@ -2724,7 +2748,6 @@ mod tests {
             "x-other",
             "keep-alive",
             "te",
-            "trailer",
             "transfer-encoding",
             "upgrade",
             "proxy-authorization",
@@ -2737,6 +2760,52 @@ mod tests {
         assert_eq!(h["x-kept"], "yes");
         assert_eq!(h["tee"], "kept too");
         assert_eq!(h["upgrades"], "kept too");
+        // End to end (RFC 9110 section 6.6.2): it names the trailer fields to come.
+        assert_eq!(h["trailer"], "x-sum");
+    }
+
+    /// A client that takes trailer fields says so to the upstream through the gateway, as
+    /// `TE: trailers` for the next hop alone; any other coding it takes is the gateway's
+    /// business, not the upstream's.
+    #[test]
+    fn te_trailers_goes_on_for_the_next_hop_alone() {
+        for (te, forwarded) in [
+            (&["trailers"][..], Some("trailers")),
+            (&["gzip, Trailers"], Some("trailers")),
+            (&["gzip", " trailers "], Some("trailers")),
+            (&["gzip;q=0.5, deflate"], None),
+            (&["trailersx"], None),
+        ] {
+            let mut req = Request::builder()
+                .uri("/")
+                .header("connection", "keep-alive, te");
+            for v in te {
+                req = req.header("te", *v);
+            }
+            let mut req = req.body(()).unwrap();
+            prepare(&mut req, peer("192.0.2.1", false), &[]);
+            let h = req.headers();
+            let got: Vec<_> = h.get_all("te").iter().collect();
+            match forwarded {
+                Some(v) => {
+                    assert_eq!(got, [v], "{te:?}");
+                    let connection: Vec<_> = h.get_all("connection").iter().collect();
+                    assert_eq!(connection, ["te"], "{te:?}");
+                }
+                None => {
+                    assert!(got.is_empty(), "{te:?}");
+                    assert!(!h.contains_key("connection"), "{te:?}");
+                }
+            }
+            // A protocol switch names both.
+            set_upgrade(req.headers_mut(), HeaderValue::from_static("websocket"));
+            let connection = if forwarded.is_some() {
+                "upgrade, te"
+            } else {
+                "upgrade"
+            };
+            assert_eq!(req.headers()["connection"], connection, "{te:?}");
+        }
     }
 
     #[test]

@@ -115,8 +115,9 @@ enum Chunk {
     /// Expecting the CRLF after a chunk's data.
     DataEnd,
     /// After the last chunk: trailer fields until an empty line, passed on as the body's
-    /// trailers (HTTP/2 clients get them; hyper's HTTP/1.1 server side drops them). Holds how
-    /// many of the buffered bytes are whole lines already looked at.
+    /// trailers (HTTP/2 clients get them; hyper's HTTP/1.1 server side sends those the
+    /// `Trailer` field names, to a client that sent `TE: trailers`). Holds how many of the
+    /// buffered bytes are whole lines already looked at.
     Trailers(usize),
 }
 
