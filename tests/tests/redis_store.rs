@@ -836,6 +836,55 @@ async fn an_admission_that_finds_the_gateway_filled_meanwhile_is_refunded() {
     assert_eq!(call(gw.main, "/v1/search", "fresh").await.status, 429);
 }
 
+/// The same 503, when Redis charged the request and then cannot take the charge back, says
+/// that the charge stands, not that nothing was charged: the caller's next request is
+/// refused by it. Redis is paused while it decides; a change of its ACL, queued behind the
+/// decision, then refuses the scripts the refund needs.
+#[tokio::test]
+async fn a_refund_redis_refuses_is_not_said_to_leave_the_quota_uncharged() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let limit = KEY_QUOTA_30.replace("quota = 30", "quota = 1") + "routes = [\"search\"]\n";
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "5s"),
+        1,
+        &limit,
+    ));
+    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "3000", "ALL"]).trim(), "OK");
+    let main = gw.main;
+    let deciding = tokio::spawn(async move { call(main, "/v1/search", "fresh").await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let holding = tokio::spawn(async move { get(main, "/v1/other/hold", &[]).await.status });
+    up.wait_holding(1).await;
+    // Waits out the pause too, and runs right after the decision.
+    let mut acl = redis
+        .cli_command(&["ACL", "SETUSER", "default", "-@scripting"])
+        .spawn()
+        .expect("run redis-cli");
+    let full = deciding.await.unwrap();
+    assert!(acl.wait().unwrap().success());
+    assert_eq!(full.status, 503, "{}", full.text());
+    let text = full.text();
+    assert!(text.contains("\"policy\":\"server-capacity\""), "{text}");
+    assert!(!text.contains("not charged"), "{text}");
+    assert!(text.contains("still counts against your quota"), "{text}");
+    // The figures are the admission's: the charge shows.
+    assert!(
+        full.header("ratelimit").contains("r=0"),
+        "{:?}",
+        full.headers
+    );
+    assert_eq!(
+        redis.cli(&["ACL", "SETUSER", "default", "+@all"]).trim(),
+        "OK"
+    );
+    up.release(1);
+    assert_eq!(holding.await.unwrap(), 200);
+    let next = call(gw.main, "/v1/search", "fresh").await;
+    assert_eq!(next.status, 429, "{}", next.text());
+}
+
 #[tokio::test]
 async fn stalled_redis_falls_back_within_the_timeout() {
     let redis = RedisServer::start();

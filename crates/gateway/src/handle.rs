@@ -28,7 +28,7 @@ use crate::forward::{
 use crate::head_error::HeadErrors;
 use crate::head_timeout::Busy;
 use crate::identify::{Identify, KeyError, MAX_KEY_BYTES};
-use crate::problem::Problem;
+use crate::problem::{Charges, Problem};
 use crate::quota::{Caller, KeyHeader, Notes, Outcome, Quota, Reports, Stop};
 use crate::refusal::quota_exceeded;
 use crate::request_id::{RequestIds, X_REQUEST_ID};
@@ -586,23 +586,27 @@ fn stopped(
             let retry_after = overload_retry_after(shared.overload_retry_after);
             Problem::store_unavailable(retry_after).into_response(&shared.problem_base)
         }
-        Stop::Overloaded | Stop::OverloadedAfterHold | Stop::DrainingAfterHold | Stop::Draining => {
+        Stop::Overloaded
+        | Stop::OverloadedAfterHold
+        | Stop::DrainingAfterHold
+        | Stop::Draining
+        | Stop::NotTakenBack { .. } => {
             let retry_after = overload_retry_after(shared.overload_retry_after);
+            let charges = match stop {
+                Stop::OverloadedAfterHold | Stop::DrainingAfterHold => Charges::WithdrawnAfterHold,
+                Stop::NotTakenBack { .. } => Charges::NotTakenBack,
+                _ => Charges::None,
+            };
             let (outcome, problem) = match stop {
-                Stop::DrainingAfterHold | Stop::Draining => {
-                    let after_hold = matches!(stop, Stop::DrainingAfterHold);
-                    (
-                        Outcome::Draining,
-                        Problem::draining(retry_after, after_hold),
-                    )
+                Stop::DrainingAfterHold
+                | Stop::Draining
+                | Stop::NotTakenBack { draining: true } => {
+                    (Outcome::Draining, Problem::draining(retry_after, charges))
                 }
-                _ => {
-                    let after_hold = matches!(stop, Stop::OverloadedAfterHold);
-                    (
-                        Outcome::Overloaded,
-                        Problem::overloaded(retry_after, after_hold),
-                    )
-                }
+                _ => (
+                    Outcome::Overloaded,
+                    Problem::overloaded(retry_after, charges),
+                ),
             };
             log.outcome(outcome, &shared.quota);
             let mut res = problem.into_response(&shared.problem_base);

@@ -48,6 +48,32 @@ const WITHDRAWN_AFTER_HOLD: &str = "Retry after the delay in Retry-After. This r
 was withdrawn, unless another of your requests is held behind it; the RateLimit fields show \
 what you have.";
 
+const NOT_TAKEN_BACK: &str = "Retry after the delay in Retry-After. The gateway could not take \
+back what this request was charged (the shared quota store did not answer), so it still counts \
+against your quota.";
+
+/// What a 503 cost the caller's quota, as its body says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Charges {
+    /// Nothing was charged, or what was is taken back.
+    None,
+    /// A held request's charges were withdrawn, but for a token bucket's that a later request
+    /// of the caller is held behind.
+    WithdrawnAfterHold,
+    /// The shared store charged the request and could not take the charge back.
+    NotTakenBack,
+}
+
+impl Charges {
+    fn detail(self, none: &'static str) -> &'static str {
+        match self {
+            Charges::None => none,
+            Charges::WithdrawnAfterHold => WITHDRAWN_AFTER_HOLD,
+            Charges::NotTakenBack => NOT_TAKEN_BACK,
+        }
+    }
+}
+
 impl Problem {
     pub(crate) fn new(
         status: StatusCode,
@@ -186,15 +212,13 @@ impl Problem {
     }
 
     /// The gateway is full. Names no queue depth or limit: that would tell callers how hard to push.
-    /// `after_hold`: found full when a `delay` limit's hold ended, the request's charges
-    /// withdrawn, except a token bucket's that a later request of the caller is held behind (it
-    /// keeps the moment it was given), so the body promises no more than that.
-    pub(crate) fn overloaded(retry_after: u64, after_hold: bool) -> Self {
-        let detail = if after_hold {
-            WITHDRAWN_AFTER_HOLD
-        } else {
-            "Retry after the delay in Retry-After. Your quota was not charged."
-        };
+    /// `charges`: what it cost the caller. Found full when a `delay` limit's hold ended, the
+    /// request's charges are withdrawn, except a token bucket's that a later request of the
+    /// caller is held behind (it keeps the moment it was given), so the body promises no more
+    /// than that; and when the shared store could not take a charge back, it says so.
+    pub(crate) fn overloaded(retry_after: u64, charges: Charges) -> Self {
+        let detail =
+            charges.detail("Retry after the delay in Retry-After. Your quota was not charged.");
         let mut p = Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "server-overloaded",
@@ -210,13 +234,11 @@ impl Problem {
     /// would end after the shutdown grace, its charges withdrawn as after a hold that found the
     /// gateway full; or an HTTP/2 stream opened long after the connection was told to stop
     /// (nothing charged).
-    pub(crate) fn draining(retry_after: u64, after_hold: bool) -> Self {
-        let detail = if after_hold {
-            WITHDRAWN_AFTER_HOLD
-        } else {
+    pub(crate) fn draining(retry_after: u64, charges: Charges) -> Self {
+        let detail = charges.detail(
             "This connection was told to stop opening streams (GOAWAY): retry on a new one, after \
-the delay in Retry-After. Your quota was not charged."
-        };
+the delay in Retry-After. Your quota was not charged.",
+        );
         let mut p = Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "shutting-down",
@@ -453,7 +475,8 @@ mod tests {
     #[test]
     fn overload_body_matches_the_contract() {
         let json: Value =
-            serde_json::from_slice(&Problem::overloaded(3, false).to_json("https://x/p/")).unwrap();
+            serde_json::from_slice(&Problem::overloaded(3, Charges::None).to_json("https://x/p/"))
+                .unwrap();
         assert_eq!(json["type"], "https://x/p/server-overloaded");
         assert_eq!(json["status"], 503);
         assert_eq!(json["policy"], "server-capacity");
@@ -464,17 +487,32 @@ mod tests {
         );
         // After a hold, a token bucket's charge can stay (a later request is held behind it):
         // the body does not promise what may not be so.
-        let json: Value =
-            serde_json::from_slice(&Problem::overloaded(3, true).to_json("https://x/p/")).unwrap();
+        let json: Value = serde_json::from_slice(
+            &Problem::overloaded(3, Charges::WithdrawnAfterHold).to_json("https://x/p/"),
+        )
+        .unwrap();
         assert_eq!(json["policy"], "server-capacity");
         let detail = json["detail"].as_str().unwrap();
         assert!(!detail.contains("not charged"), "{detail}");
         assert!(detail.contains("unless another of your requests is held behind it"));
+        // A charge the shared store could not take back: said to stand, in either 503.
+        for p in [
+            Problem::overloaded(3, Charges::NotTakenBack),
+            Problem::draining(3, Charges::NotTakenBack),
+        ] {
+            let json: Value = serde_json::from_slice(&p.to_json("https://x/p/")).unwrap();
+            let detail = json["detail"].as_str().unwrap();
+            assert!(!detail.contains("not charged"), "{detail}");
+            assert!(
+                detail.contains("still counts against your quota"),
+                "{detail}"
+            );
+        }
     }
 
     #[test]
     fn response_carries_type_cache_and_retry_headers() {
-        let res = Problem::overloaded(4, false).into_response("urn:x:");
+        let res = Problem::overloaded(4, Charges::None).into_response("urn:x:");
         assert_eq!(res.status(), 503);
         assert_eq!(res.headers()[CONTENT_TYPE], "application/problem+json");
         assert_eq!(res.headers()[CACHE_CONTROL], "no-store");

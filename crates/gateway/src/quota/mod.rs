@@ -171,6 +171,10 @@ pub(crate) enum Stop {
     /// 503: the gateway began to shut down with a grace that ends before a held request's
     /// hold would; its charges were withdrawn as for [`Stop::OverloadedAfterHold`].
     DrainingAfterHold,
+    /// 503: the gateway was full (a [`Stop::Overloaded`] or [`Stop::OverloadedAfterHold`]),
+    /// or began to shut down ([`Stop::DrainingAfterHold`]: `true`), and the shared store could
+    /// not take back what it charged the request.
+    NotTakenBack { draining: bool },
     /// 503: an HTTP/2 stream opened long after its connection was told to stop
     /// ([`crate::capacity::Capacity::goodbye_ignored`]); nothing was asked or charged.
     Draining,

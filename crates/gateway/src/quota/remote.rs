@@ -206,8 +206,9 @@ impl Remote {
                         Some(slot) => Some(slot),
                         None => {
                             let mut refund = TakeBack::new(store, &remote, a, How::Refund);
-                            if let Some(refunded) = refund.start() {
-                                let _ = refunded.await;
+                            if !refund.finish().await {
+                                // The admission's figures stay: they show the charge.
+                                return Err(Stop::NotTakenBack { draining: false });
                             }
                             figures_now(store, &remote, cost, layers, notes.reports).await;
                             return Err(Stop::Overloaded);
@@ -244,9 +245,11 @@ impl Remote {
                         Err(stop) => {
                             // A 503 tells the caller what it has, its charges withdrawn: one more
                             // call, on this rare path, to read the figures after the withdrawal
-                            // (the admission's stay if Redis cannot say).
-                            if let Some(withdrawn) = withdraw.start() {
-                                let _ = withdrawn.await;
+                            // (the admission's stay if Redis cannot say). One that could not be
+                            // withdrawn says so, with the admission's figures.
+                            if !withdraw.finish().await {
+                                let draining = matches!(stop, Stop::DrainingAfterHold);
+                                return Err(Stop::NotTakenBack { draining });
                             }
                             figures_now(store, &remote, cost, layers, notes.reports).await;
                             return Err(stop);
@@ -451,9 +454,22 @@ impl TakeBack {
         }
     }
 
+    /// Takes the charges back now and waits for it: whether Redis took them back (or there
+    /// was nothing to take). Done in a task of its own, which goes on if this wait is dropped.
+    async fn finish(&mut self) -> bool {
+        if self.admission.is_none() {
+            return true;
+        }
+        match self.start() {
+            Some(task) => task.await.unwrap_or(false),
+            None => false,
+        }
+    }
+
     /// Takes the charges back now, in a task of its own (so that it is done even if whoever
-    /// waits for it goes away): the task, to wait for it.
-    fn start(&mut self) -> Option<tokio::task::JoinHandle<()>> {
+    /// waits for it goes away): the task, to wait for it, which tells whether Redis took them
+    /// back.
+    fn start(&mut self) -> Option<tokio::task::JoinHandle<bool>> {
         let admission = self.admission.take()?;
         let (store, owned) = (self.store.clone(), std::mem::take(&mut self.layers));
         let how = self.how;
@@ -472,9 +488,10 @@ impl TakeBack {
                 How::Withdraw => store.withdraw(&layers, admission).await,
                 How::Refund => store.refund(&layers, admission).await,
             };
-            if let Err(e) = taken {
+            if let Err(e) = &taken {
                 tracing::debug!(error = %e, ?how, "could not take an admission's charges back");
             }
+            taken.is_ok()
         }))
     }
 }
