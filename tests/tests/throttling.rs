@@ -1247,6 +1247,53 @@ async fn a_held_request_s_figures_count_from_its_forwarding_on_redis() {
     held_figures_count_from_forwarding(gw.main).await;
 }
 
+/// Two requests a 2 s window (aligned to the epoch), held up to 3 s.
+const WINDOW_DELAY_LIMIT: &str = "[[limits]]\nname = \"slow\"\nby = \"api_key\"\nalgorithm = \"fixed_window\"\nquota = 2\nwindow = \"2s\"\nmode = \"delay\"\nmax_delay = \"3s\"\n";
+
+/// A request held into the next window is charged there, and its answer shows that window's
+/// figures as it goes out: one of two left, until that window ends (review: on Redis it
+/// showed `r=0;t=0`, the figures of the window it was decided in, counted from its forwarding).
+async fn held_into_the_next_window(main: std::net::SocketAddr) {
+    // Not within 500 ms of a window's end: the first two must share one window.
+    loop {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap();
+        if now.as_millis() % 2000 < 1500 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for r in [1, 0] {
+        let reply = call(main, "/v1/items", "k").await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(sf_list(&reply, "ratelimit")["slow"]["r"], r);
+    }
+    let started = tokio::time::Instant::now();
+    let held = call(main, "/v1/items", "k").await;
+    assert_eq!(held.status, 200);
+    assert!(started.elapsed() >= Duration::from_millis(300), "not held");
+    let slow = &sf_list(&held, "ratelimit")["slow"];
+    assert_eq!(slow["r"], 1, "{slow:?}");
+    assert!((1..=2).contains(&slow["t"]), "{slow:?}");
+}
+
+#[tokio::test]
+async fn a_request_held_into_the_next_window_shows_its_figures_in_memory() {
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), 8, WINDOW_DELAY_LIMIT));
+    held_into_the_next_window(gw.main).await;
+}
+
+#[tokio::test]
+async fn a_request_held_into_the_next_window_shows_its_figures_on_redis() {
+    let up = MockUpstream::start().await;
+    let store = TestStore::Redis(RedisServer::start());
+    let cfg = store.apply(&config(&up.url(), 8, WINDOW_DELAY_LIMIT));
+    let gw = InProcess::start(&cfg, Duration::ZERO).await;
+    held_into_the_next_window(gw.main).await;
+}
+
 both_stores!(a_held_request_takes_no_place_in_flight_while_it_waits);
 /// A caller sending faster than its rate is slowed, and the gateway is not filled by it: its
 /// held request takes no place in `max_in_flight` while it waits, so that others are served

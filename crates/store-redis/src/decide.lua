@@ -590,7 +590,11 @@ local function decide(k, p)
     end
   end
   -- A held request's reply ends with three figures per layer: the state a window charged
-  -- ahead replaced, for a refund or a withdrawal to put back (-1 -1 -1: none).
+  -- ahead replaced, for a refund or a withdrawal to put back (-1 -1 -1: none); then two per
+  -- layer: for a window whose state is a later one (charged ahead), its figures as the
+  -- request passes, at the end of its hold: what that window leaves, and when that grows,
+  -- counted from now (-1 -1: the decision's figures stand, counted from the pass by the
+  -- gateway). Those of the decision say the window it was decided in is spent.
   if out[1] == 1 and out[3] > 0 then
     local o = 6 + 5 * n
     for i = 1, n do
@@ -598,6 +602,19 @@ local function decide(k, p)
       if r then out[o + 1], out[o + 2], out[o + 3] = r[1], r[2], r[3]
       else out[o + 1], out[o + 2], out[o + 3] = -1, -1, -1 end
       o = o + 3
+    end
+    local hold = out[3]
+    for i = 1, n do
+      local L = layers[i]
+      local later = L[18]
+      out[o + 1], out[o + 2] = -1, -1
+      if later and hold >= later then
+        -- That window began `el` before the pass.
+        local el = hold - later
+        local left, t = figures({ L[1], L[2], L[3], L[4], L[20], 0, 0, 0, 0, L[19], L[11], el })
+        out[o + 1], out[o + 2] = left, t and hold + t or -1
+      end
+      o = o + 2
     end
     return pack('<' .. string.rep('d', o), spread(out, 1, o)), n, tags + 1, layers
   end

@@ -69,11 +69,40 @@ pub struct RemoteAdmission {
     /// Per layer: the charge's tag for a refund (a window's index; a bucket's TAT in whole us),
     /// or `None` if not charged.
     pub(crate) tags: Vec<Option<u64>>,
-    /// Per layer, for a held request only (else empty): the state a window charged ahead
-    /// replaced (`-1`s: none), to put back when taken back if nobody was charged since.
-    pub(crate) replaced: Vec<[i64; 3]>,
+    /// Per layer, for a held request only (else empty).
+    pub(crate) held: Vec<HeldLayer>,
     /// The request's concurrency leases, if it holds any.
     pub lease: Option<Lease>,
+}
+
+/// What a held request's admission says of one layer beyond its figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HeldLayer {
+    /// The state a window charged ahead replaced (`-1`s: none), to put back when taken back
+    /// if nobody was charged since.
+    pub(crate) replaced: [i64; 3],
+    /// For a window charged ahead (its state a later window's), its `remaining` and `reset` as
+    /// the request passes, the reset counted from the decision; `None` where the decision's
+    /// figures stand. See [`RemoteAdmission::reports_at_pass`].
+    pub(crate) at_pass: Option<(u32, Option<Duration>)>,
+}
+
+impl RemoteAdmission {
+    /// The reports as the request passes, at the end of its hold: a window charged ahead (its
+    /// state a later window's) shows the window the request is charged in, what it leaves and
+    /// when that grows, where [`RemoteAdmission::reports`] show the window the request was
+    /// decided in, spent. The other layers' are the decision's. Resets count from the
+    /// decision, as in `reports`.
+    pub fn reports_at_pass(&self) -> Vec<LayerReport> {
+        let mut reports = self.reports.clone();
+        for (report, held) in reports.iter_mut().zip(&self.held) {
+            if let Some((remaining, reset)) = held.at_pass {
+                report.remaining = remaining;
+                report.reset = reset;
+            }
+        }
+        reports
+    }
 }
 
 /// A refused request: nothing was charged.

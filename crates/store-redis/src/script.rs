@@ -33,7 +33,9 @@
 //! `[remaining, reset, tag, own_wait, blocked_until]`; an admitted request that is held
 //! (wait above 0) then has 3 more per layer: the state its charge replaced, if the layer is a
 //! window charged ahead (`[window index, count or previous count, current count]`), else
-//! `[-1, -1, -1]`.
+//! `[-1, -1, -1]`; then 2 more per layer: for a window whose state is a later one, its
+//! figures as the request passes (`[remaining, reset]`, the reset counted from the decision),
+//! else `[-1, -1]`.
 //! - outcome: 1 admitted, 0 refused, 2 cost too large (the header only), 3 refunded (refund
 //!   mode: nothing else), 4 failed: `[4, layer]`, that layer's key holds another type in Redis
 //!   (read with `redis.pcall`, so the request fails alone, before writing anything); 5
@@ -70,7 +72,7 @@ use std::time::Duration;
 
 use sluice_limiter::{Nanos, RefusalReason};
 
-use crate::decision::{LayerReport, RemoteAdmission, RemoteDecision, RemoteRefusal};
+use crate::decision::{HeldLayer, LayerReport, RemoteAdmission, RemoteDecision, RemoteRefusal};
 use crate::store::Layer;
 use crate::StoreError;
 
@@ -84,10 +86,12 @@ const HEADER: usize = 6;
 const PER_LAYER: usize = 5;
 /// Figures per layer after the others, in a held admission's reply.
 const REPLACED: usize = 3;
+/// Integers per layer after those, in a held admission's reply: its figures as it passes.
+const AT_PASS: usize = 2;
 
 /// What a refund or withdrawal sends of the admission: each layer's tag, and what a held
 /// request's window charges replaced (empty if it was not held).
-pub(crate) type Charges<'a> = (&'a [Option<u64>], &'a [[i64; 3]]);
+pub(crate) type Charges<'a> = (&'a [Option<u64>], &'a [HeldLayer]);
 
 /// One request's part of an `EVALSHA`: its keys and its arguments (see the module's doc).
 #[derive(Debug, Default)]
@@ -140,7 +144,8 @@ impl Part {
             part.arg(&layer.limit.spec[usize::from(layer.dry_run)]);
         }
         if let Some((tags, replaced)) = tags {
-            let replaced = (0..tags.len()).flat_map(|i| *replaced.get(i).unwrap_or(&[-1; 3]));
+            let replaced =
+                (0..tags.len()).flat_map(|i| replaced.get(i).map_or([-1; 3], |h| h.replaced));
             let tags = tags.iter().map(|tag| tag.map_or(-1, |t| t as i64));
             part.charges(tags, replaced);
         }
@@ -182,7 +187,7 @@ impl Part {
         let n = std::str::from_utf8(count).ok()?.parse::<usize>().ok()?;
         let held = figures.get(2).is_some_and(|&h| h > 0);
         let per_layer = if held {
-            PER_LAYER + REPLACED
+            PER_LAYER + REPLACED + AT_PASS
         } else {
             PER_LAYER
         };
@@ -350,7 +355,7 @@ pub(crate) fn decision(
     // A held admission's reply ends with what its windows' charges replaced.
     let held = reply.first() == Some(&1) && reply.get(2).is_some_and(|&h| h > 0);
     let per_layer = if held {
-        PER_LAYER + REPLACED
+        PER_LAYER + REPLACED + AT_PASS
     } else {
         PER_LAYER
     };
@@ -358,8 +363,18 @@ pub(crate) fn decision(
         return Err(StoreError::Reply(format!("{} integers", reply.len())));
     }
     let tail = HEADER + PER_LAYER * layers.len();
-    let replaced = (reply[tail..].chunks_exact(REPLACED))
-        .map(|r| [r[0], r[1], r[2]])
+    let at_pass = if held {
+        tail + REPLACED * layers.len()
+    } else {
+        tail
+    };
+    let replaced = reply[tail..at_pass].chunks_exact(REPLACED);
+    let at_pass = reply[at_pass..].chunks_exact(AT_PASS);
+    let held = (replaced.zip(at_pass))
+        .map(|(r, f)| HeldLayer {
+            replaced: [r[0], r[1], r[2]],
+            at_pass: (f[0] >= 0).then(|| (u32::try_from(f[0]).unwrap_or(0), micros(f[1]))),
+        })
         .collect();
     let now = Nanos(u64::try_from(reply[5]).unwrap_or(0).saturating_mul(1_000));
     let mut reports = Vec::with_capacity(layers.len());
@@ -386,7 +401,7 @@ pub(crate) fn decision(
             now,
             cost,
             tags,
-            replaced,
+            held,
             lease: None,
         })),
         0 => Ok(RemoteDecision::Refused(RemoteRefusal {
@@ -525,7 +540,8 @@ mod tests {
         let admitted = |hold: i64| {
             let mut reply = vec![1, 0, hold, 0, 0, 8_000_000, 4, 0, 1, -2, 0];
             if hold > 0 {
-                reply.extend([-1, -1, -1]); // a held admission's: nothing replaced
+                // A held admission's: nothing replaced, the decision's figures stand.
+                reply.extend([-1, -1, -1, -1, -1]);
             }
             reply
         };

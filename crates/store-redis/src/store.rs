@@ -604,7 +604,7 @@ impl RedisStore {
             lease.store = None; // the refund removes it; no release on drop
             lease_id.clone_from(&lease.slots.id);
         }
-        let tags = Some((admission.tags.as_slice(), admission.replaced.as_slice()));
+        let tags = Some((admission.tags.as_slice(), admission.held.as_slice()));
         let part = Part::new(layers, mode, admission.cost, &lease_id, (now, None), tags);
         match self.call(part, None).await?.0.first() {
             Some(3) => Ok(()),

@@ -229,6 +229,7 @@ impl Remote {
                     slot
                 } else {
                     let hold = a.hold;
+                    let at_pass = a.reports_at_pass();
                     let place = capacity.try_hold();
                     let refused = place
                         .is_none()
@@ -257,8 +258,11 @@ impl Remote {
                     };
                     withdraw.admission = None; // it passes: the charges stay
                     drop(place);
-                    // Its figures are its admission's, a hold ago: their times are counted
-                    // from its forwarding instead (without another call to Redis).
+                    // Its figures are its admission's as it passes (a window charged ahead
+                    // shows the window it passes in), a hold ago: their times are counted from
+                    // its forwarding instead (without another call to Redis).
+                    notes.reports.clear();
+                    notes.reports.extend(figures(layers, &at_pass));
                     for (_, r) in notes.reports.iter_mut() {
                         r.reset = r.reset.map(|t| t.saturating_sub(hold));
                     }
