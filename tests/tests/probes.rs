@@ -517,6 +517,69 @@ async fn held_requests_that_would_outlast_the_grace_get_503_when_draining_starts
     assert_eq!(gw.wait_exit(Duration::from_secs(15)).await.code(), Some(0));
 }
 
+/// A client that leaves in the middle of a response body (an HTTP/1.1 connection closed, an
+/// HTTP/2 stream reset) is logged with the status it was sent, the bytes handed over, and
+/// `cut = "client"`; a body taken whole, or one never begun (`HEAD`), with no `cut`. Before,
+/// a download abandoned halfway read as a whole `200` (review).
+#[tokio::test]
+async fn the_access_log_marks_a_response_its_client_left_mid_body() {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Empty};
+    const SIZE: usize = 8 << 20;
+    let up = MockUpstream::start().await;
+    let gw = Sluice::start(&config(&up.url(), 8, "10s", "1s"));
+    let path = format!("/download?bytes={SIZE}");
+    let line_for = |id: &'static str| {
+        let gw = &gw;
+        async move {
+            gw.wait_log(id, |v| v["target"] == "access" && v["request_id"] == id)
+                .await
+        }
+    };
+    // HTTP/1.1: the head and a little of the body, then the connection closes.
+    let mut conn = TcpStream::connect(gw.main).await.unwrap();
+    let head = format!("GET {path} HTTP/1.1\r\nhost: a\r\nx-request-id: h1-left\r\n\r\n");
+    conn.write_all(head.as_bytes()).await.unwrap();
+    let mut got = vec![0u8; 64 * 1024];
+    let n = conn.read(&mut got).await.unwrap();
+    assert!(String::from_utf8_lossy(&got[..n]).starts_with("HTTP/1.1 200"));
+    drop(conn);
+    let left = line_for("h1-left").await;
+    assert_eq!(left["status"], 200, "{left}");
+    assert_eq!(left["cut"], "client", "{left}");
+    assert!(left["bytes"].as_u64().unwrap() < SIZE as u64, "{left}");
+    // HTTP/2: one frame of the body, then the stream is reset (the body dropped).
+    let mut sender = sluice_tests::client::h2_sender::<Empty<Bytes>>(gw.main).await;
+    let req = http::Request::get(format!("http://a{path}"))
+        .header("x-request-id", "h2-left")
+        .body(Empty::new())
+        .unwrap();
+    let res = sender.send_request(req).await.unwrap();
+    assert_eq!(res.status(), 200);
+    let mut body = res.into_body();
+    body.frame().await.expect("a frame").unwrap();
+    drop(body);
+    let left = line_for("h2-left").await;
+    assert_eq!(left["status"], 200, "{left}");
+    assert_eq!(left["cut"], "client", "{left}");
+    assert!(left["bytes"].as_u64().unwrap() < SIZE as u64, "{left}");
+    // Whole, and never begun: no cut.
+    for (method, id) in [("GET", "whole"), ("HEAD", "head")] {
+        let mut conn = TcpStream::connect(gw.main).await.unwrap();
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nhost: a\r\nx-request-id: {id}\r\nconnection: close\r\n\r\n"
+        );
+        conn.write_all(head.as_bytes()).await.unwrap();
+        let mut reply = Vec::new();
+        conn.read_to_end(&mut reply).await.unwrap();
+        assert!(reply.starts_with(b"HTTP/1.1 200"), "{method}");
+        let line = line_for(id).await;
+        assert!(line.get("cut").is_none(), "{line}");
+        let bytes = if method == "GET" { SIZE as u64 } else { 0 };
+        assert_eq!(line["bytes"], bytes, "{line}");
+    }
+}
+
 /// The access log tells a request whose client left while its upstream had not answered
 /// (`499`, with the time the upstream had taken so far) from one cut because the shutdown
 /// grace ran out (`499` too, nothing having been answered, with `cut = "shutdown"`).

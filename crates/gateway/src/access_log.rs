@@ -198,9 +198,18 @@ impl Drop for AccessLog {
             .upstream_ms
             .or_else(|| l.upstream_start.map(|s| ms_since(l.start) - s))
             .map(|ms| (ms * 1000.0).round() / 1000.0);
-        let cut = (l.cut.as_ref())
-            .filter(|c| !l.ended && c.is_cut())
-            .map(|_| "shutdown");
+        // Cut at the shutdown grace's end; or, its body begun and not ended, without the
+        // upstream's body failing: the client went away (an HTTP/1.1 connection closed, an
+        // HTTP/2 stream reset) or was dropped for not reading (`send_timeout`), mid-body.
+        let cut = if l.ended {
+            None
+        } else if l.cut.as_ref().is_some_and(Capacity::is_cut) {
+            Some("shutdown")
+        } else if l.bytes > 0 && !l.body_failed && l.tunnel.is_none() {
+            Some("client")
+        } else {
+            None
+        };
         let (tunnel_up, tunnel_down, tunnel_end) = match l.tunnel {
             Some((up, down, end)) => (Some(up), Some(down), Some(end)),
             None => (None, None, None),
