@@ -591,10 +591,11 @@ local function decide(k, p)
   end
   -- A held request's reply ends with three figures per layer: the state a window charged
   -- ahead replaced, for a refund or a withdrawal to put back (-1 -1 -1: none); then two per
-  -- layer: for a window whose state is a later one (charged ahead), its figures as the
-  -- request passes, at the end of its hold: what that window leaves, and when that grows,
-  -- counted from now (-1 -1: the decision's figures stand, counted from the pass by the
-  -- gateway). Those of the decision say the window it was decided in is spent.
+  -- layer: for a window, its figures as the request passes, at the end of its hold, from its
+  -- state as this call leaves it: what the window the request passes in leaves, and when that
+  -- grows, counted from now (-1 -1, a bucket or concurrency: the decision's figures stand,
+  -- their times counted from the pass by the gateway). The decision's say that a window
+  -- charged ahead leaves nothing now, and may be of a window over by the pass.
   if out[1] == 1 and out[3] > 0 then
     local o = 6 + 5 * n
     for i = 1, n do
@@ -604,15 +605,18 @@ local function decide(k, p)
       o = o + 3
     end
     local hold = out[3]
+    local t = now + hold
     for i = 1, n do
       local L = layers[i]
-      local later = L[18]
+      local algo = L[2]
       out[o + 1], out[o + 2] = -1, -1
-      if later and hold >= later then
-        -- That window began `el` before the pass.
-        local el = hold - later
-        local left, t = figures({ L[1], L[2], L[3], L[4], L[20], 0, 0, 0, 0, L[19], L[11], el })
-        out[o + 1], out[o + 2] = left, t and hold + t or -1
+      if algo == 'f' or algo == 's' then
+        local w = L[11]
+        local index = (t - t % w) / w
+        local p, u = 0, L[4] -- a later window's state: this one is spent, as decide reads it
+        if L[7] <= index then p, u = counts_in(algo, L[7], L[8], L[9], index) end
+        local left, reset = figures({ L[1], algo, L[3], L[4], u, 0, 0, 0, 0, p, w, t - index * w })
+        out[o + 1], out[o + 2] = left, reset and hold + reset or -1
       end
       o = o + 2
     end
