@@ -15,6 +15,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::HeaderName;
 use http_body::{Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
@@ -112,6 +113,9 @@ pin_project! {
             idle: Option<Pin<Box<Sleep>>>,
             // What is left of a piece being handed to an HTTP/2 connection in `PIECE`s.
             rest: Bytes,
+            // The fields the response's `Connection` named, removed from its trailers too
+            // (empty, and not allocated, for nearly every response).
+            named: Box<[HeaderName]>,
         },
     }
 }
@@ -190,9 +194,19 @@ impl Body {
                 timeout,
                 idle: None,
                 rest: Bytes::new(),
+                named: Box::default(),
             },
             extras: None,
         }
+    }
+
+    /// Removes `named` (the fields the response's `Connection` named, see
+    /// [`crate::forward::Stripped`]) from its trailer fields too.
+    pub(crate) fn without_in_trailers(mut self, named: &[HeaderName]) -> Self {
+        if let Kind::Upstream { named: kept, .. } = &mut self.kind {
+            *kept = named.into();
+        }
+        self
     }
 
     /// Keeps the in-flight slot and the quota admission (with its concurrency slots) until
@@ -241,6 +255,7 @@ impl http_body::Body for Body {
                 timeout,
                 idle,
                 rest,
+                named,
             } => match body.poll_frame(cx) {
                 Poll::Pending => {
                     // Waiting for the upstream: the body's timeout, not the client's.
@@ -269,6 +284,9 @@ impl http_body::Body for Body {
                         Some(Ok(f)) if f.is_trailers() => {
                             let mut fields = f.into_trailers().unwrap_or_default();
                             crate::forward::strip_hop_by_hop(&mut fields, &[]);
+                            for name in named.iter() {
+                                fields.remove(name);
+                            }
                             for name in [
                                 http::header::CONTENT_LENGTH,
                                 http::header::CONTENT_ENCODING,

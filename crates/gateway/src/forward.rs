@@ -1397,9 +1397,8 @@ fn display_chain(e: &(dyn StdError + 'static)) -> String {
 /// Removes hop-by-hop headers, including every header the `Connection` header names. One
 /// pass over the names, without hashing or copying, in the usual cases: none at all (a
 /// request), or a `Connection` header alone naming nothing else (`keep-alive`, `close`: most
-/// responses). Whether a `TE` removed said `trailers`: the sender takes trailer fields, which
-/// a request's next hop may be told again (see [`prepare_request`]).
-pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) -> bool {
+/// responses).
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) -> Stripped {
     let (mut found, mut connection, mut te) = (0usize, false, false);
     for name in headers.keys() {
         if is_hop_by_hop(name) {
@@ -1408,10 +1407,11 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) -> 
             te |= *name == TE;
         }
     }
+    let mut stripped = Stripped::default();
     if found == 0 {
-        return false;
+        return stripped;
     }
-    let takes_trailers = te
+    stripped.takes_trailers = te
         && headers
             .get_all(TE)
             .iter()
@@ -1423,7 +1423,7 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) -> 
         // them: the upstream must see what the gateway saw, or a caller could be counted
         // under one key and served under another), and `x-request-id` (the gateway's own,
         // which the upstream's logs are matched by: review); an invalid name names nothing.
-        let named: smallvec::SmallVec<[HeaderName; 2]> = headers
+        stripped.named = headers
             .get_all(CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
@@ -1437,12 +1437,12 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) -> 
             .filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok())
             .filter(|n| !keep.contains(n))
             .collect();
-        for name in named {
+        for name in &stripped.named {
             headers.remove(name);
         }
         headers.remove(CONNECTION);
         if found == 1 {
-            return takes_trailers;
+            return stripped;
         }
     }
     let rest: smallvec::SmallVec<[HeaderName; 4]> = headers
@@ -1453,7 +1453,18 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep: &[HeaderName]) -> 
     for name in rest {
         headers.remove(name);
     }
-    takes_trailers
+    stripped
+}
+
+/// What [`strip_hop_by_hop`] found that outlives the header section.
+#[derive(Debug, Default)]
+pub(crate) struct Stripped {
+    /// A `TE` said `trailers`: the sender takes trailer fields, which a request's next hop
+    /// may be told again (see [`prepare_request`]).
+    pub(crate) takes_trailers: bool,
+    /// The fields `Connection` named (other than those always removed): connection-specific
+    /// in the trailer section too (RFC 9110 section 6.5.1), where they are removed as well.
+    pub(crate) named: smallvec::SmallVec<[HeaderName; 2]>,
 }
 
 /// `Max-Forwards` on a `TRACE` or `OPTIONS` (RFC 9110 section 7.6.2): decremented on its
@@ -1647,9 +1658,10 @@ pub(crate) fn prepare_request<B>(
     }
     // A client that takes trailer fields (gRPC's, say) is said to the upstream to take them
     // again: the gateway passes them on (to an HTTP/1.1 client, those named in `Trailer`,
-    // as hyper does). `TE` is for the next hop only, so `Connection` names it (RFC 9110
-    // section 10.1.4).
-    if strip_hop_by_hop(req.headers_mut(), &identity.names) {
+    // as hyper does; an HTTP/1.0 client can take none). `TE` is for the next hop only, so
+    // `Connection` names it (RFC 9110 section 10.1.4).
+    let stripped = strip_hop_by_hop(req.headers_mut(), &identity.names);
+    if stripped.takes_trailers && req.version() != http::Version::HTTP_10 {
         let headers = req.headers_mut();
         headers.insert(TE, HeaderValue::from_static("trailers"));
         headers.insert(CONNECTION, HeaderValue::from_static("te"));
@@ -1670,9 +1682,11 @@ pub(crate) fn prepare_request<B>(
     // hashing: most carry none, and each lookup by name hashes it.
     let (mut xff_sent, mut xfp_sent, mut spoofable) = (false, false, false);
     let (mut underscores, mut claims, mut length_sent) = (false, false, false);
+    let mut trailer = false;
     for name in headers.keys() {
         match name.as_str() {
             "content-length" => length_sent = true,
+            "trailer" => trailer = true,
             "x-forwarded-for" => xff_sent = true,
             "x-forwarded-proto" => xfp_sent = true,
             "x-forwarded-host" | "forwarded" | "x-real-ip" => spoofable = true,
@@ -1707,6 +1721,13 @@ pub(crate) fn prepare_request<B>(
     }
     if length_sent {
         canonical_content_length(headers);
+    }
+    if trailer {
+        // A request's trailer fields are not passed on (hyper's client sends only those
+        // `Trailer` names): they could say what the gateway removed or counted the request
+        // by, after it decided (`X-Api-Key`, `X-Forwarded-For`, a field `Connection` named),
+        // to an upstream that merges them into the header section (review).
+        headers.remove(http::header::TRAILER);
     }
     if underscores {
         drop_lookalikes(headers, &identity.names, !peer.trusted);
@@ -2760,8 +2781,9 @@ mod tests {
         assert_eq!(h["x-kept"], "yes");
         assert_eq!(h["tee"], "kept too");
         assert_eq!(h["upgrades"], "kept too");
-        // End to end (RFC 9110 section 6.6.2): it names the trailer fields to come.
-        assert_eq!(h["trailer"], "x-sum");
+        // Not hop-by-hop (RFC 9110 section 6.6.2), but a request's trailer fields are not
+        // passed on: neither is the field that names them.
+        assert!(!h.contains_key("trailer"));
     }
 
     /// A client that takes trailer fields says so to the upstream through the gateway, as
@@ -2806,6 +2828,16 @@ mod tests {
             };
             assert_eq!(req.headers()["connection"], connection, "{te:?}");
         }
+        // An HTTP/1.0 client can take no trailer fields (review).
+        let mut req = Request::builder()
+            .version(http::Version::HTTP_10)
+            .uri("/")
+            .header("te", "trailers")
+            .body(())
+            .unwrap();
+        prepare(&mut req, peer("192.0.2.1", false), &[]);
+        assert!(!req.headers().contains_key("te"));
+        assert!(!req.headers().contains_key("connection"));
     }
 
     #[test]

@@ -450,12 +450,17 @@ pub(crate) async fn handle(
                             } else {
                                 http::Version::HTTP_11
                             };
-                            strip_hop_by_hop(&mut parts.headers, &[]);
+                            let stripped = strip_hop_by_hop(&mut parts.headers, &[]);
                             one_content_length(parts.status, &mut parts.headers);
                             // RateLimit-Policy, RateLimit, X-Request-Id: one growth at most.
                             parts.headers.reserve(3);
                             let timeout = shared.upstreams[*u].timeout();
-                            Response::from_parts(parts, Body::upstream(body, timeout))
+                            let body = Body::upstream(body, timeout);
+                            let body = match stripped.named.is_empty() {
+                                true => body,
+                                false => body.without_in_trailers(&stripped.named),
+                            };
+                            Response::from_parts(parts, body)
                         }
                         (Err(problem), _) => {
                             let close = problem.ends_connection && !http2;
