@@ -48,9 +48,9 @@ const WITHDRAWN_AFTER_HOLD: &str = "Retry after the delay in Retry-After. This r
 was withdrawn, unless another of your requests is held behind it; the RateLimit fields show \
 what you have.";
 
-const NOT_TAKEN_BACK: &str = "Retry after the delay in Retry-After. The gateway could not take \
-back what this request was charged (the shared quota store did not answer), so it still counts \
-against your quota.";
+const NOT_TAKEN_BACK: &str = "Retry after the delay in Retry-After. The gateway could not \
+confirm that what this request was charged was taken back (the shared quota store failed or did \
+not answer in time), so it may still count against your quota.";
 
 /// What a 503 cost the caller's quota, as its body says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +60,8 @@ pub(crate) enum Charges {
     /// A held request's charges were withdrawn, but for a token bucket's that a later request
     /// of the caller is held behind.
     WithdrawnAfterHold,
-    /// The shared store charged the request and could not take the charge back.
+    /// The shared store charged the request, and taking the charge back failed or timed out
+    /// (a call that timed out may still be carried out: the charge may or may not stand).
     NotTakenBack,
 }
 
@@ -504,7 +505,7 @@ mod tests {
             let detail = json["detail"].as_str().unwrap();
             assert!(!detail.contains("not charged"), "{detail}");
             assert!(
-                detail.contains("still counts against your quota"),
+                detail.contains("may still count against your quota"),
                 "{detail}"
             );
         }

@@ -493,7 +493,13 @@ impl TakeBack {
                 How::Refund => store.refund(&layers, admission).await,
             };
             if let Err(e) = &taken {
-                tracing::debug!(error = %e, ?how, "could not take an admission's charges back");
+                // Said to the caller by a refund's 503; to the operator here (a withdrawal's
+                // client has gone), at most once a second.
+                static WARNED: std::sync::LazyLock<crate::once_a_second::OnceASecond> =
+                    std::sync::LazyLock::new(crate::once_a_second::OnceASecond::new);
+                if WARNED.now() {
+                    tracing::warn!(error = %e, ?how, "the quota store could not take back what a request was charged: it may still count against its caller");
+                }
             }
             taken.is_ok()
         }))
