@@ -38,6 +38,8 @@ struct Line {
     /// Tells whether the request was cut at the end of the shutdown grace (see
     /// [`AccessLog::watch_cut`]).
     cut: Option<Capacity>,
+    /// The connection asked for the response's body (its head is on its way).
+    body_begun: bool,
     /// The response's last byte was handed to the connection: nothing was cut.
     ended: bool,
     /// A tunnel's bytes each way and how it ended, written when it closes.
@@ -65,6 +67,7 @@ impl AccessLog {
             bytes: 0,
             body_failed: false,
             cut: None,
+            body_begun: false,
             ended: false,
             tunnel: None,
         })))
@@ -160,6 +163,13 @@ impl AccessLog {
         }
     }
 
+    /// The connection asked for the response's body: its head was sent, or is on its way.
+    pub(crate) fn body_begun(&mut self) {
+        if let Some(l) = &mut self.0 {
+            l.body_begun = true;
+        }
+    }
+
     pub(crate) fn add_bytes(&mut self, n: usize) {
         if let Some(l) = &mut self.0 {
             l.bytes += n as u64;
@@ -198,14 +208,16 @@ impl Drop for AccessLog {
             .upstream_ms
             .or_else(|| l.upstream_start.map(|s| ms_since(l.start) - s))
             .map(|ms| (ms * 1000.0).round() / 1000.0);
-        // Cut at the shutdown grace's end; or, its body begun and not ended, without the
+        // Cut at the shutdown grace's end; or, its body asked for and not ended, without the
         // upstream's body failing: the client went away (an HTTP/1.1 connection closed, an
-        // HTTP/2 stream reset) or was dropped for not reading (`send_timeout`), mid-body.
+        // HTTP/2 stream reset) or was dropped for not reading (`send_timeout`), mid-body or
+        // before its first byte (a long poll given up). A body never asked for (`HEAD`, 204,
+        // 304, an empty one) is no cut.
         let cut = if l.ended {
             None
         } else if l.cut.as_ref().is_some_and(Capacity::is_cut) {
             Some("shutdown")
-        } else if l.bytes > 0 && !l.body_failed && l.tunnel.is_none() {
+        } else if l.body_begun && !l.body_failed && l.tunnel.is_none() {
             Some("client")
         } else {
             None

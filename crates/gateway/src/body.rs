@@ -242,6 +242,9 @@ impl http_body::Body for Body {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let mut this = self.project();
+        if let Some(log) = this.extras.as_mut().and_then(|e| e.log.as_mut()) {
+            log.body_begun();
+        }
         let busy = this.extras.as_mut().and_then(|e| e.busy.as_mut());
         let split = busy.as_ref().is_some_and(|b| b.is_http2());
         let polled = match this.kind.as_mut().project() {
@@ -313,8 +316,11 @@ impl http_body::Body for Body {
                             if let Some(data) = f.data_ref() {
                                 log.add_bytes(data.len());
                             }
-                            // hyper polls no further once the body says it is at its end.
-                            if this.kind.is_over() {
+                            // hyper polls no further once the body says it is at its end,
+                            // nor after trailers, which are always the last frame (review: a
+                            // chunked body through hyper's client, whose end-of-stream stays
+                            // unsaid after its trailers, was logged cut).
+                            if this.kind.is_over() || f.is_trailers() {
                                 log.ended();
                             }
                         }
