@@ -591,11 +591,12 @@ local function decide(k, p)
   end
   -- A held request's reply ends with three figures per layer: the state a window charged
   -- ahead replaced, for a refund or a withdrawal to put back (-1 -1 -1: none); then two per
-  -- layer: for a window, its figures as the request passes, at the end of its hold, from its
-  -- state as this call leaves it: what the window the request passes in leaves, and when that
-  -- grows, counted from now (-1 -1, a bucket or concurrency: the decision's figures stand,
-  -- their times counted from the pass by the gateway). The decision's say that a window
-  -- charged ahead leaves nothing now, and may be of a window over by the pass.
+  -- layer: its figures as the request passes, at the end of its hold, from its state as this
+  -- call leaves it: what is left then (of the window the request passes in; of a bucket, what
+  -- refilled meanwhile too), and when that grows, counted from now (-1 -1, concurrency: the
+  -- decision's figures stand, their times counted from the pass by the gateway). The
+  -- decision's say that a window charged ahead leaves nothing now, may be of a window over
+  -- by the pass, and leave out what a bucket refills during the hold.
   if out[1] == 1 and out[3] > 0 then
     local o = 6 + 5 * n
     for i = 1, n do
@@ -616,6 +617,10 @@ local function decide(k, p)
         local p, u = 0, L[4] -- a later window's state: this one is spent, as decide reads it
         if L[7] <= index then p, u = counts_in(algo, L[7], L[8], L[9], index) end
         local left, reset = figures({ L[1], algo, L[3], L[4], u, 0, 0, 0, 0, p, w, t - index * w })
+        out[o + 1], out[o + 2] = left, reset and hold + reset or -1
+      elseif algo == 'g' then
+        local u = math.max(L[5] - hold * L[11], 0)
+        local left, reset = figures({ L[1], algo, L[3], L[4], u, 0, 0, 0, 0, 0, L[11], L[12] })
         out[o + 1], out[o + 2] = left, reset and hold + reset or -1
       end
       o = o + 2
