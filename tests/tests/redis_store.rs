@@ -888,6 +888,59 @@ async fn a_refund_redis_refuses_is_not_said_to_leave_the_quota_uncharged() {
     assert_eq!(next.status, 429, "{}", next.text());
 }
 
+/// A held request that finds the gateway full when its hold ends, and whose charge Redis
+/// cannot take back (paused then), is answered 503 with the admission's figures, their
+/// times counted from the answer, not from the decision a hold earlier (review: `t=4` for a
+/// window that ended 2 s after the answer).
+#[tokio::test]
+async fn a_withdrawal_that_fails_after_a_hold_counts_its_figures_from_the_answer() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let limit = "[[limits]]\nname = \"win\"\nby = \"api_key\"\nalgorithm = \"fixed_window\"\nquota = 1\nwindow = \"2s\"\nmode = \"delay\"\nmax_delay = \"3s\"\nroutes = [\"search\"]\n";
+    let gw = start(&config(
+        &up.url(),
+        &redis_store(&redis.url(), "deny", "200ms"),
+        1,
+        limit,
+    ));
+    // Early in a window: the second request is held about 2 s, to the next one.
+    loop {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap();
+        if now.as_millis() % 2000 < 300 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(call(gw.main, "/v1/search", "k").await.status, 200);
+    let main = gw.main;
+    let held = tokio::spawn(async move { call(main, "/v1/search", "k").await });
+    // Decided and held (taking no place), then the one place is taken, and Redis is paused
+    // over the end of the hold.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let holding = tokio::spawn(async move { get(main, "/v1/other/hold", &[]).await.status });
+    up.wait_holding(1).await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "1500", "ALL"]).trim(), "OK");
+    let answer = held.await.unwrap();
+    assert_eq!(answer.status, 503, "{}", answer.text());
+    assert!(
+        answer.text().contains("may still count against your quota"),
+        "{}",
+        answer.text()
+    );
+    // The window charged ends about 2 s after the answer.
+    let rate = answer.header("ratelimit");
+    let t: u64 = (rate.split_once(";t=").map(|(_, t)| t))
+        .and_then(|t| t.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no t in {rate:?}"));
+    assert!((1..=2).contains(&t), "{rate:?}");
+    up.release(1);
+    assert_eq!(holding.await.unwrap(), 200);
+}
+
 #[tokio::test]
 async fn stalled_redis_falls_back_within_the_timeout() {
     let redis = RedisServer::start();

@@ -241,14 +241,21 @@ impl Remote {
                         return Err(quota.no_room_to_hold(figures, hold));
                     }
                     notes.log.outcome(outcome, quota);
+                    let decided = tokio::time::Instant::now();
                     let slot = match place_after_hold(capacity, hold).await {
                         Ok(slot) => slot,
                         Err(stop) => {
                             // A 503 tells the caller what it has, its charges withdrawn: one more
                             // call, on this rare path, to read the figures after the withdrawal
-                            // (the admission's stay if Redis cannot say). One that could not be
-                            // withdrawn says so, with the admission's figures.
-                            if !withdraw.finish().await {
+                            // (the admission's stay if Redis cannot say, their times counted
+                            // from now: review). One that could not be withdrawn says so, with
+                            // the admission's figures.
+                            let taken_back = withdraw.finish().await;
+                            let waited = decided.elapsed();
+                            for (_, r) in notes.reports.iter_mut() {
+                                r.reset = r.reset.map(|t| t.saturating_sub(waited));
+                            }
+                            if !taken_back {
                                 let draining = matches!(stop, Stop::DrainingAfterHold);
                                 return Err(Stop::NotTakenBack { draining });
                             }
