@@ -32,6 +32,22 @@ max_delay = "{max_delay}"
     )
 }
 
+/// Waits until the wall clock is `from_ms` to `to_ms` into a window of `window_ms` aligned to
+/// the Unix epoch, as the gateway's fixed and sliding windows are (and Redis's clock, on the
+/// same machine): for a test whose requests must fall in one window, or be held into the next
+/// one for a known part of a window.
+pub async fn in_window(window_ms: u128, from_ms: u128, to_ms: u128) {
+    loop {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("the clock is past 1970");
+        if (from_ms..to_ms).contains(&(now.as_millis() % window_ms)) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 /// A loopback port that was free a moment ago (bound, then released): for an upstream that
 /// must refuse connections.
 pub fn closed_port() -> u16 {

@@ -904,15 +904,7 @@ async fn a_withdrawal_that_fails_after_a_hold_counts_its_figures_from_the_answer
         limit,
     ));
     // Early in a window: the second request is held about 2 s, to the next one.
-    loop {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap();
-        if now.as_millis() % 2000 < 300 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    sluice_tests::in_window(2000, 0, 300).await;
     assert_eq!(call(gw.main, "/v1/search", "k").await.status, 200);
     let main = gw.main;
     let held = tokio::spawn(async move { call(main, "/v1/search", "k").await });

@@ -1255,15 +1255,7 @@ const WINDOW_DELAY_LIMIT: &str = "[[limits]]\nname = \"slow\"\nby = \"api_key\"\
 /// showed `r=0;t=0`, the figures of the window it was decided in, counted from its forwarding).
 async fn held_into_the_next_window(main: std::net::SocketAddr) {
     // Not within 500 ms of a window's end: the first two must share one window.
-    loop {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap();
-        if now.as_millis() % 2000 < 1500 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    sluice_tests::in_window(2000, 0, 1500).await;
     for r in [1, 0] {
         let reply = call(main, "/v1/items", "k").await;
         assert_eq!(reply.status, 200);
@@ -1287,15 +1279,7 @@ const TWO_DELAY_LIMITS: &str = "[[limits]]\nname = \"sw\"\nby = \"api_key\"\nalg
 /// (review: on Redis a sliding window of two showed `r=4`).
 async fn held_past_a_window(main: std::net::SocketAddr) {
     // The first two in one window, not near its end.
-    loop {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap();
-        if now.as_millis() % 1000 < 600 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    sluice_tests::in_window(1000, 0, 600).await;
     for _ in 0..2 {
         assert_eq!(call(main, "/v1/items", "k").await.status, 200);
     }
@@ -1330,22 +1314,16 @@ const WINDOW_AND_BUCKET: &str = "[[limits]]\nname = \"win\"\nby = \"api_key\"\na
 /// what it has then: what refilled during the hold counts (review: on Redis `r=1;t=0`, its
 /// figures of a hold earlier, where memory mode says `r=2;t=1`).
 async fn a_bucket_beside_a_hold(main: std::net::SocketAddr) {
-    // Early in a window: the second request is held about 2 s, to the next one.
-    loop {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap();
-        if now.as_millis() % 2000 < 300 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // 0.2-0.5 s into a window: the second request is held 1.5-1.8 s, to the next one, and
+    // the bucket still owes that much (not nothing: what it shows then must not hang on the
+    // few milliseconds the forwarding takes).
+    sluice_tests::in_window(2000, 200, 500).await;
     let first = call(main, "/v1/items", "k").await;
     assert_eq!(first.status, 200);
     let started = tokio::time::Instant::now();
     let held = call(main, "/v1/items", "k").await;
     assert_eq!(held.status, 200);
-    assert!(started.elapsed() >= Duration::from_millis(1500), "not held");
+    assert!(started.elapsed() >= Duration::from_millis(1300), "not held");
     let tb = &sf_list(&held, "ratelimit")["tb"];
     assert_eq!((&tb["r"], &tb["t"]), (&2.into(), &1.into()), "{tb:?}");
 }
