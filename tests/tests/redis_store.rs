@@ -797,12 +797,15 @@ async fn a_refusal_under_way_in_redis_takes_no_place_in_flight() {
     assert_eq!(refused.await.unwrap(), 429);
 }
 
-/// An admission whose place in `max_in_flight` was taken while Redis decided it is answered
-/// 503, and its charge is refunded: a 503 never costs the caller quota.
-#[tokio::test]
-async fn an_admission_that_finds_the_gateway_filled_meanwhile_is_refunded() {
-    let redis = RedisServer::start();
-    let up = MockUpstream::start().await;
+/// A gateway with one place in flight and a quota of one on `/v1/search`, sent a request
+/// there while Redis is paused: while Redis decides it, an unlimited request takes the one
+/// place. `queued`, if any, is a redis-cli command that waits out the pause and runs right
+/// after the decision. The gateway, the answer, and the request holding the place.
+async fn decided_while_filled(
+    redis: &RedisServer,
+    up: &MockUpstream,
+    queued: Option<&[&str]>,
+) -> (Sluice, Reply, tokio::task::JoinHandle<http::StatusCode>) {
     let limit = KEY_QUOTA_30.replace("quota = 30", "quota = 1") + "routes = [\"search\"]\n";
     let gw = start(&config(
         &up.url(),
@@ -817,7 +820,21 @@ async fn an_admission_that_finds_the_gateway_filled_meanwhile_is_refunded() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let holding = tokio::spawn(async move { get(main, "/v1/other/hold", &[]).await.status });
     up.wait_holding(1).await;
-    let full = deciding.await.unwrap();
+    let mut queued = queued.map(|args| redis.cli_command(args).spawn().expect("run redis-cli"));
+    let answer = deciding.await.unwrap();
+    if let Some(cli) = &mut queued {
+        assert!(cli.wait().unwrap().success());
+    }
+    (gw, answer, holding)
+}
+
+/// An admission whose place in `max_in_flight` was taken while Redis decided it is answered
+/// 503, and its charge is refunded: a 503 never costs the caller quota.
+#[tokio::test]
+async fn an_admission_that_finds_the_gateway_filled_meanwhile_is_refunded() {
+    let redis = RedisServer::start();
+    let up = MockUpstream::start().await;
+    let (gw, full, holding) = decided_while_filled(&redis, &up, None).await;
     assert_eq!(full.status, 503, "{}", full.text());
     assert!(
         full.text().contains("\"policy\":\"server-capacity\""),
@@ -844,26 +861,8 @@ async fn an_admission_that_finds_the_gateway_filled_meanwhile_is_refunded() {
 async fn a_refund_redis_refuses_is_not_said_to_leave_the_quota_uncharged() {
     let redis = RedisServer::start();
     let up = MockUpstream::start().await;
-    let limit = KEY_QUOTA_30.replace("quota = 30", "quota = 1") + "routes = [\"search\"]\n";
-    let gw = start(&config(
-        &up.url(),
-        &redis_store(&redis.url(), "deny", "5s"),
-        1,
-        &limit,
-    ));
-    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "3000", "ALL"]).trim(), "OK");
-    let main = gw.main;
-    let deciding = tokio::spawn(async move { call(main, "/v1/search", "fresh").await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let holding = tokio::spawn(async move { get(main, "/v1/other/hold", &[]).await.status });
-    up.wait_holding(1).await;
-    // Waits out the pause too, and runs right after the decision.
-    let mut acl = redis
-        .cli_command(&["ACL", "SETUSER", "default", "-@scripting"])
-        .spawn()
-        .expect("run redis-cli");
-    let full = deciding.await.unwrap();
-    assert!(acl.wait().unwrap().success());
+    let acl = ["ACL", "SETUSER", "default", "-@scripting"];
+    let (gw, full, holding) = decided_while_filled(&redis, &up, Some(&acl)).await;
     assert_eq!(full.status, 503, "{}", full.text());
     let text = full.text();
     assert!(text.contains("\"policy\":\"server-capacity\""), "{text}");
