@@ -201,7 +201,8 @@ impl Body {
     }
 
     /// Removes `named` (the fields the response's `Connection` named, see
-    /// [`crate::forward::Stripped`]) from its trailer fields too.
+    /// [`crate::forward::Stripped`]) from its trailer fields too. Nearly always empty, which
+    /// allocates nothing.
     pub(crate) fn without_in_trailers(mut self, named: &[HeaderName]) -> Self {
         if let Kind::Upstream { named: kept, .. } = &mut self.kind {
             *kept = named.into();

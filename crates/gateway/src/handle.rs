@@ -455,11 +455,8 @@ pub(crate) async fn handle(
                             // RateLimit-Policy, RateLimit, X-Request-Id: one growth at most.
                             parts.headers.reserve(3);
                             let timeout = shared.upstreams[*u].timeout();
-                            let body = Body::upstream(body, timeout);
-                            let body = match stripped.named.is_empty() {
-                                true => body,
-                                false => body.without_in_trailers(&stripped.named),
-                            };
+                            let body =
+                                Body::upstream(body, timeout).without_in_trailers(&stripped.named);
                             Response::from_parts(parts, body)
                         }
                         (Err(problem), _) => {

@@ -610,17 +610,19 @@ local function decide(k, p)
     for i = 1, n do
       local L = layers[i]
       local algo = L[2]
-      out[o + 1], out[o + 2] = -1, -1
+      local at -- the layer as it will be read at the pass
       if algo == 'f' or algo == 's' then
         local w = L[11]
         local index = (t - t % w) / w
         local p, u = 0, L[4] -- a later window's state: this one is spent, as decide reads it
         if L[7] <= index then p, u = counts_in(algo, L[7], L[8], L[9], index) end
-        local left, reset = figures({ L[1], algo, L[3], L[4], u, 0, 0, 0, 0, p, w, t - index * w })
-        out[o + 1], out[o + 2] = left, reset and hold + reset or -1
+        at = { L[1], algo, L[3], L[4], u, 0, 0, 0, 0, p, w, t - index * w }
       elseif algo == 'g' then
-        local u = math.max(L[5] - hold * L[11], 0)
-        local left, reset = figures({ L[1], algo, L[3], L[4], u, 0, 0, 0, 0, 0, L[11], L[12] })
+        at = { L[1], algo, L[3], L[4], math.max(L[5] - hold * L[11], 0), 0, 0, 0, 0, 0, L[11], L[12] }
+      end
+      out[o + 1], out[o + 2] = -1, -1
+      if at then
+        local left, reset = figures(at)
         out[o + 1], out[o + 2] = left, reset and hold + reset or -1
       end
       o = o + 2

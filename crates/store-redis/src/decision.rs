@@ -81,18 +81,19 @@ pub(crate) struct HeldLayer {
     /// The state a window charged ahead replaced (`-1`s: none), to put back when taken back
     /// if nobody was charged since.
     pub(crate) replaced: [i64; 3],
-    /// For a window charged ahead (its state a later window's), its `remaining` and `reset` as
-    /// the request passes, the reset counted from the decision; `None` where the decision's
-    /// figures stand. See [`RemoteAdmission::reports_at_pass`].
+    /// For a fixed or sliding window or a token bucket, its `remaining` and `reset` as the
+    /// request passes, from the state the decision left, the reset counted from the decision;
+    /// `None` (concurrency) where the decision's figures stand. See
+    /// [`RemoteAdmission::reports_at_pass`].
     pub(crate) at_pass: Option<(u32, Option<Duration>)>,
 }
 
 impl RemoteAdmission {
-    /// The reports as the request passes, at the end of its hold: a window charged ahead (its
-    /// state a later window's) shows the window the request is charged in, what it leaves and
-    /// when that grows, where [`RemoteAdmission::reports`] show the window the request was
-    /// decided in, spent. The other layers' are the decision's. Resets count from the
-    /// decision, as in `reports`.
+    /// The reports as the request passes, at the end of its hold: a window shows the window
+    /// the request passes in and a token bucket what refilled during the hold, where
+    /// [`RemoteAdmission::reports`] are as of the decision (a window charged ahead shown
+    /// spent). Concurrency limits' are the decision's. Resets count from the decision, as in
+    /// `reports`.
     pub fn reports_at_pass(&self) -> Vec<LayerReport> {
         let mut reports = self.reports.clone();
         for (report, held) in reports.iter_mut().zip(&self.held) {

@@ -33,9 +33,9 @@
 //! `[remaining, reset, tag, own_wait, blocked_until]`; an admitted request that is held
 //! (wait above 0) then has 3 more per layer: the state its charge replaced, if the layer is a
 //! window charged ahead (`[window index, count or previous count, current count]`), else
-//! `[-1, -1, -1]`; then 2 more per layer: for a window whose state is a later one, its
+//! `[-1, -1, -1]`; then 2 more per layer: for a fixed or sliding window or a token bucket, its
 //! figures as the request passes (`[remaining, reset]`, the reset counted from the decision),
-//! else `[-1, -1]`.
+//! else (concurrency) `[-1, -1]`.
 //! - outcome: 1 admitted, 0 refused, 2 cost too large (the header only), 3 refunded (refund
 //!   mode: nothing else), 4 failed: `[4, layer]`, that layer's key holds another type in Redis
 //!   (read with `redis.pcall`, so the request fails alone, before writing anything); 5
