@@ -1853,6 +1853,23 @@ async fn a_malformed_answer_head_is_a_bad_response_not_an_unreachable_upstream()
     }
 }
 
+/// `GET /api/x` over HTTP/2, answered 200 with trailer fields: the head, the body and the
+/// trailers.
+async fn h2_get_with_trailers(
+    addr: std::net::SocketAddr,
+) -> (http::response::Parts, Bytes, http::HeaderMap) {
+    use http_body_util::BodyExt;
+    let mut sender = h2_sender(addr).await;
+    let req = Request::get("http://a/api/x")
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    let (head, body) = sender.send_request(req).await.unwrap().into_parts();
+    assert_eq!(head.status, 200);
+    let body = body.collect().await.unwrap();
+    let trailers = body.trailers().cloned().expect("trailers over HTTP/2");
+    (head, body.to_bytes(), trailers)
+}
+
 /// An upstream's chunked answer reaches the client whole, and its trailer fields (gRPC's
 /// `grpc-status`, say) reach an HTTP/2 client as trailers, with the `Trailer` field that
 /// named them. An HTTP/1.1 client that takes trailers (`TE: trailers`) gets those the
@@ -1861,24 +1878,16 @@ async fn a_malformed_answer_head_is_a_bad_response_not_an_unreachable_upstream()
 /// taken for a hop-by-hop field and removed, and with it every trailer over HTTP/1.1.
 #[tokio::test]
 async fn trailer_fields_of_a_chunked_answer_reach_the_clients_that_take_them() {
-    use http_body_util::BodyExt;
     let up = raw_upstream(
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: grpc-status\r\n\r\n5\r\nhello\r\n0\r\ngrpc-status: 0\r\ngrpc-message: ok\r\n\r\n",
     )
     .await;
     let gw = Sluice::start(&config(&format!("http://{up}"), "5s"));
-    let mut sender = h2_sender(gw.main).await;
-    let req = Request::get("http://a/api/x")
-        .body(Full::<Bytes>::default())
-        .unwrap();
-    let res = sender.send_request(req).await.unwrap();
-    assert_eq!(res.status(), 200);
-    assert_eq!(res.headers()["trailer"], "grpc-status");
-    let body = res.into_body().collect().await.unwrap();
-    let trailers = body.trailers().cloned().expect("trailers over HTTP/2");
+    let (head, body, trailers) = h2_get_with_trailers(gw.main).await;
+    assert_eq!(head.headers["trailer"], "grpc-status");
     assert_eq!(trailers["grpc-status"], "0");
     assert_eq!(trailers["grpc-message"], "ok");
-    assert_eq!(body.to_bytes(), "hello");
+    assert_eq!(body, "hello");
     let reply = raw_exchange(
         gw.main,
         b"GET /api/x HTTP/1.1\r\nhost: a\r\nte: trailers\r\nconnection: close\r\n\r\n",
@@ -1945,21 +1954,13 @@ async fn trailer_fields_of_an_upload_are_not_passed_on() {
 /// (RFC 9110 sections 6.5.1 and 7.6.1; review).
 #[tokio::test]
 async fn trailer_fields_the_upstreams_connection_names_are_removed() {
-    use http_body_util::BodyExt;
     let up = raw_upstream(
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: x-secret\r\nx-secret: h\r\ntrailer: grpc-status, x-secret\r\n\r\n5\r\nhello\r\n0\r\ngrpc-status: 0\r\nx-secret: s\r\n\r\n",
     )
     .await;
     let gw = Sluice::start(&config(&format!("http://{up}"), "5s"));
-    let mut sender = h2_sender(gw.main).await;
-    let req = Request::get("http://a/api/x")
-        .body(Full::<Bytes>::default())
-        .unwrap();
-    let res = sender.send_request(req).await.unwrap();
-    assert_eq!(res.status(), 200);
-    assert!(!res.headers().contains_key("x-secret"));
-    let body = res.into_body().collect().await.unwrap();
-    let trailers = body.trailers().cloned().expect("trailers over HTTP/2");
+    let (head, _, trailers) = h2_get_with_trailers(gw.main).await;
+    assert!(!head.headers.contains_key("x-secret"));
     assert_eq!(trailers["grpc-status"], "0");
     assert!(!trailers.contains_key("x-secret"), "{trailers:?}");
     let reply = raw_exchange(

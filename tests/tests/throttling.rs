@@ -55,6 +55,31 @@ macro_rules! both_stores {
     };
 }
 
+/// Runs a case taking the gateway's main address once per store, on the real clock: memory
+/// mode in a `sluice` process (the in-process gateway's clock stands still), Redis in
+/// process (Redis's clock, `TIME`, runs), each with `limits` and eight places in flight.
+macro_rules! both_stores_on_the_real_clock {
+    ($case:ident, $limits:expr) => {
+        mod $case {
+            use super::*;
+            #[tokio::test]
+            async fn memory() {
+                let up = MockUpstream::start().await;
+                let gw = Sluice::start(&config(&up.url(), 8, $limits));
+                super::$case(gw.main).await
+            }
+            #[tokio::test]
+            async fn redis() {
+                let up = MockUpstream::start().await;
+                let store = TestStore::Redis(RedisServer::start());
+                let cfg = store.apply(&config(&up.url(), 8, $limits));
+                let gw = InProcess::start(&cfg, Duration::ZERO).await;
+                super::$case(gw.main).await
+            }
+        }
+    };
+}
+
 fn config(upstream: &str, max_in_flight: u32, extra: &str) -> String {
     format!(
         r#"
@@ -1229,23 +1254,7 @@ async fn held_figures_count_from_forwarding(main: std::net::SocketAddr) {
     assert!((1..=2).contains(&slow["t"]), "{slow:?}");
 }
 
-/// In memory, on the real clock (the in-process gateway's clock stands still).
-#[tokio::test]
-async fn a_held_request_s_figures_count_from_its_forwarding_in_memory() {
-    let up = MockUpstream::start().await;
-    let gw = Sluice::start(&config(&up.url(), 8, SLOW_DELAY_LIMIT));
-    held_figures_count_from_forwarding(gw.main).await;
-}
-
-/// On Redis, whose clock (`TIME`) runs.
-#[tokio::test]
-async fn a_held_request_s_figures_count_from_its_forwarding_on_redis() {
-    let up = MockUpstream::start().await;
-    let store = TestStore::Redis(RedisServer::start());
-    let cfg = store.apply(&config(&up.url(), 8, SLOW_DELAY_LIMIT));
-    let gw = InProcess::start(&cfg, Duration::ZERO).await;
-    held_figures_count_from_forwarding(gw.main).await;
-}
+both_stores_on_the_real_clock!(held_figures_count_from_forwarding, SLOW_DELAY_LIMIT);
 
 /// Two requests a 2 s window (aligned to the epoch), held up to 3 s.
 const WINDOW_DELAY_LIMIT: &str = "[[limits]]\nname = \"slow\"\nby = \"api_key\"\nalgorithm = \"fixed_window\"\nquota = 2\nwindow = \"2s\"\nmode = \"delay\"\nmax_delay = \"3s\"\n";
@@ -1270,6 +1279,8 @@ async fn held_into_the_next_window(main: std::net::SocketAddr) {
     assert!((1..=2).contains(&slow["t"]), "{slow:?}");
 }
 
+both_stores_on_the_real_clock!(held_into_the_next_window, WINDOW_DELAY_LIMIT);
+
 /// A sliding window that would hold a request 0.5-1.5 s, and a token bucket that holds it
 /// 3 s: the request passes two windows after the one the window charged it in.
 const TWO_DELAY_LIMITS: &str = "[[limits]]\nname = \"sw\"\nby = \"api_key\"\nalgorithm = \"sliding_window\"\nquota = 2\nwindow = \"1s\"\nmode = \"delay\"\nmax_delay = \"2s\"\n\n[[limits]]\nname = \"tb\"\nby = \"api_key\"\nquota = 2\nwindow = \"6s\"\nmode = \"delay\"\nmax_delay = \"4s\"\n";
@@ -1291,21 +1302,7 @@ async fn held_past_a_window(main: std::net::SocketAddr) {
     assert_eq!((&sw["r"], &sw["t"]), (&2.into(), &0.into()), "{sw:?}");
 }
 
-#[tokio::test]
-async fn a_window_a_longer_hold_carries_past_shows_the_window_it_passes_in_memory() {
-    let up = MockUpstream::start().await;
-    let gw = Sluice::start(&config(&up.url(), 8, TWO_DELAY_LIMITS));
-    held_past_a_window(gw.main).await;
-}
-
-#[tokio::test]
-async fn a_window_a_longer_hold_carries_past_shows_the_window_it_passes_in_on_redis() {
-    let up = MockUpstream::start().await;
-    let store = TestStore::Redis(RedisServer::start());
-    let cfg = store.apply(&config(&up.url(), 8, TWO_DELAY_LIMITS));
-    let gw = InProcess::start(&cfg, Duration::ZERO).await;
-    held_past_a_window(gw.main).await;
-}
+both_stores_on_the_real_clock!(held_past_a_window, TWO_DELAY_LIMITS);
 
 /// One request a 2 s window, held up to 3 s, beside a bucket of 3 refilling one a second.
 const WINDOW_AND_BUCKET: &str = "[[limits]]\nname = \"win\"\nby = \"api_key\"\nalgorithm = \"fixed_window\"\nquota = 1\nwindow = \"2s\"\nmode = \"delay\"\nmax_delay = \"3s\"\n\n[[limits]]\nname = \"tb\"\nby = \"api_key\"\nquota = 3\nwindow = \"3s\"\n";
@@ -1328,37 +1325,7 @@ async fn a_bucket_beside_a_hold(main: std::net::SocketAddr) {
     assert_eq!((&tb["r"], &tb["t"]), (&2.into(), &1.into()), "{tb:?}");
 }
 
-#[tokio::test]
-async fn a_bucket_beside_a_hold_shows_what_refilled_in_memory() {
-    let up = MockUpstream::start().await;
-    let gw = Sluice::start(&config(&up.url(), 8, WINDOW_AND_BUCKET));
-    a_bucket_beside_a_hold(gw.main).await;
-}
-
-#[tokio::test]
-async fn a_bucket_beside_a_hold_shows_what_refilled_on_redis() {
-    let up = MockUpstream::start().await;
-    let store = TestStore::Redis(RedisServer::start());
-    let cfg = store.apply(&config(&up.url(), 8, WINDOW_AND_BUCKET));
-    let gw = InProcess::start(&cfg, Duration::ZERO).await;
-    a_bucket_beside_a_hold(gw.main).await;
-}
-
-#[tokio::test]
-async fn a_request_held_into_the_next_window_shows_its_figures_in_memory() {
-    let up = MockUpstream::start().await;
-    let gw = Sluice::start(&config(&up.url(), 8, WINDOW_DELAY_LIMIT));
-    held_into_the_next_window(gw.main).await;
-}
-
-#[tokio::test]
-async fn a_request_held_into_the_next_window_shows_its_figures_on_redis() {
-    let up = MockUpstream::start().await;
-    let store = TestStore::Redis(RedisServer::start());
-    let cfg = store.apply(&config(&up.url(), 8, WINDOW_DELAY_LIMIT));
-    let gw = InProcess::start(&cfg, Duration::ZERO).await;
-    held_into_the_next_window(gw.main).await;
-}
+both_stores_on_the_real_clock!(a_bucket_beside_a_hold, WINDOW_AND_BUCKET);
 
 both_stores!(a_held_request_takes_no_place_in_flight_while_it_waits);
 /// A caller sending faster than its rate is slowed, and the gateway is not filled by it: its
