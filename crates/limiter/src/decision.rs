@@ -112,7 +112,7 @@ impl Drop for SlotGuard {
     fn drop(&mut self) {
         self.table.existing(self.key, |state| {
             // Not a plain decrement: a zero count must not wrap.
-            state.update(|n| n.checked_sub(1));
+            state.update(|n| n.checked_sub(1))
         });
     }
 }

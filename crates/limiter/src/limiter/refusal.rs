@@ -84,7 +84,7 @@ impl Limiter {
                             let until = now.saturating_add((*block_for).max(wait.unwrap_or(0)));
                             let until_state = u128::from(until);
                             blocks.update(layer.key, now, |s| {
-                                s.update(|end| (until_state > end).then_some(until_state));
+                                s.update(|end| (until_state > end).then_some(until_state))
                             });
                             layer.block(until);
                             (Some(until - now), RefusalReason::Exhausted)

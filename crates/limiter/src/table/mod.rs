@@ -1,68 +1,177 @@
-//! A keyed table: sharded, bounded, swept.
+//! A keyed table: sharded, bounded, swept, and read without a lock.
 //!
 //! Why not dashmap: a `DashMap<Key, AtomicU128>` stores the same 32-byte entries plus a control
 //! byte in power-of-two tables at 7/8 load, so at 1,000,000 keys it sits just past a doubling
-//! (917,504 = 7/8 of 2^20) and holds 2^21 buckets: 69 bytes per key, against 27.4 (64-bit
-//! states) or 36.6 (128-bit) here. It also cannot sample random entries for eviction. See
-//! `examples/bytes_per_key.rs` for the figures.
+//! (917,504 = 7/8 of 2^20) and holds 2^21 buckets: 69 bytes per key, against about 31 (64-bit
+//! states) or 41 (128-bit) here. It also cannot sample random entries for eviction, and every
+//! lookup takes its shard's read lock: two atomic read-modify-writes on a line all threads
+//! share, as many as the charge itself. See `examples/bytes_per_key.rs` for the figures.
 //!
-//! Requests take a shard's read lock and update their key's state by compare-and-swap; only a
-//! new key, an eviction or a sweep takes the shard's write lock.
+//! A request finds its key without a lock and charges the state by compare-and-swap, so a
+//! decision on a known key does one atomic read-modify-write. The arrays it reads are
+//! published per table as one snapshot (an `Arc` of each shard's array) that each thread keeps
+//! a copy of, checked against the table's generation by a plain load; the copy is refreshed,
+//! under a read lock, only when some shard's array was replaced. A new key, an eviction, a
+//! sweep or a rebuild takes its shard's lock; how arrays stay safe to read meanwhile is in
+//! `slots`. Whatever a lock-free look cannot settle (a key absent, or an entry frozen or
+//! evicted under it) is settled again under the shard's lock.
+//!
+//! A thread's copy keeps the arrays it last saw alive until its next decision on the table (or
+//! another table's reuse of the same place in its cache): a rebuilt or dropped table's old
+//! arrays are freed when every thread that read them has moved on.
 //!
 //! A state is one atomic word: 64 bits where the algorithm's states provably fit (a token bucket
 //! whose time unit is the nanosecond, a concurrency count, a block's end), else 128. The narrow
-//! word is a plain `lock cmpxchg` (about half the cost of `cmpxchg16b`) and a 24-byte slot.
+//! word is a plain `lock cmpxchg` (about half the cost of `cmpxchg16b`) and a 24-byte slot. The
+//! word's two highest values are marks, never states: frozen (copied into a new array) and
+//! dead (evicted).
 
 mod slots;
 
 use portable_atomic::AtomicU128;
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::RwLock;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::thread::LocalKey;
 
 use crate::algo::{Algo, Rule};
 use crate::Key;
-use slots::{slots_for, Slots};
+use slots::{max_slots, probe, Probe, Slot, Slots};
 
-/// An atomic state word, read and written as a `u128` whatever its width.
-pub(crate) trait Cell: Default + std::fmt::Debug + Send + Sync {
-    fn load(&self) -> u128;
-    fn get(&mut self) -> u128;
-    fn set(&mut self, state: u128);
+/// A state word's marks: what a lock-free reader must not take for a state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mark {
+    /// Being copied (or already copied) into a new array: the entry lives there now.
+    Frozen,
+    /// Evicted: the entry is gone.
+    Dead,
 }
 
-/// A narrow word holds states below 2^64 only; the rules that use it never make larger ones
-/// (see `Rule::fits_narrow`), and a larger value saturates instead of wrapping.
-fn narrow(state: u128) -> u64 {
-    u64::try_from(state).unwrap_or(u64::MAX)
+/// The entry a lock-free reader held was frozen or evicted under it: nothing was changed;
+/// look again under the shard's lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Moved;
+
+/// An atomic state word, read and written as a `u128` whatever its width. Its two highest
+/// values are the marks; a state is never one of them (a larger one saturates below them).
+pub(crate) trait Cell: Default + std::fmt::Debug + Send + Sync + Sized + 'static {
+    /// The highest state the word holds.
+    const LIVE_MAX: u128;
+    /// The word as stored: a state or a mark.
+    fn load(&self) -> u128;
+    /// Stores a state (saturated below the marks).
+    fn store(&self, state: u128);
+    fn swap(&self, word: u128) -> u128;
+    fn compare_exchange_weak(&self, current: u128, new: u128) -> Result<(), u128>;
+    fn compare_exchange(&self, current: u128, new: u128) -> Result<(), u128>;
+    /// This width's copies of the tables' snapshots on the calling thread.
+    fn cache() -> &'static LocalKey<Cache<Self>>;
+
+    #[inline]
+    fn mark_of(word: u128) -> Option<Mark> {
+        match word {
+            w if w <= Self::LIVE_MAX => None,
+            w if w == Self::LIVE_MAX + 1 => Some(Mark::Dead),
+            _ => Some(Mark::Frozen),
+        }
+    }
+
+    #[inline]
+    fn mark(&self) -> Option<Mark> {
+        Self::mark_of(self.load())
+    }
+
+    /// The state, if the word holds one.
+    #[inline]
+    fn live(&self) -> Option<u128> {
+        let word = self.load();
+        (word <= Self::LIVE_MAX).then_some(word)
+    }
+
+    /// Marks the word frozen; the state it held, or `None` if it was dead.
+    fn freeze(&self) -> Option<u128> {
+        let word = self.swap(Self::LIVE_MAX + 2);
+        debug_assert_ne!(Self::mark_of(word), Some(Mark::Frozen), "frozen twice");
+        (word <= Self::LIVE_MAX).then_some(word)
+    }
+
+    /// Marks the word dead if it still holds `state`.
+    fn kill(&self, state: u128) -> bool {
+        self.compare_exchange(state, Self::LIVE_MAX + 1).is_ok()
+    }
 }
 
 impl Cell for AtomicU64 {
+    const LIVE_MAX: u128 = u64::MAX as u128 - 2;
     #[inline]
     fn load(&self) -> u128 {
         u128::from(AtomicU64::load(self, Ordering::Acquire))
     }
-    fn get(&mut self) -> u128 {
-        u128::from(*self.get_mut())
+    fn store(&self, state: u128) {
+        AtomicU64::store(self, narrow(state), Ordering::Release);
     }
-    fn set(&mut self, state: u128) {
-        *self.get_mut() = narrow(state);
+    fn swap(&self, word: u128) -> u128 {
+        let word = u64::try_from(word).unwrap_or(u64::MAX);
+        u128::from(AtomicU64::swap(self, word, Ordering::AcqRel))
+    }
+    #[inline]
+    fn compare_exchange_weak(&self, current: u128, new: u128) -> Result<(), u128> {
+        let (acq_rel, acquire) = (Ordering::AcqRel, Ordering::Acquire);
+        // A current above 64 bits is never stored: it cannot match (mapped to a mark, which a
+        // caller never passes as current).
+        let current = u64::try_from(current).unwrap_or(u64::MAX);
+        AtomicU64::compare_exchange_weak(self, current, narrow(new), acq_rel, acquire)
+            .map(drop)
+            .map_err(u128::from)
+    }
+    fn compare_exchange(&self, current: u128, new: u128) -> Result<(), u128> {
+        let current = u64::try_from(current).unwrap_or(u64::MAX);
+        let new = u64::try_from(new).unwrap_or(u64::MAX);
+        AtomicU64::compare_exchange(self, current, new, Ordering::AcqRel, Ordering::Acquire)
+            .map(drop)
+            .map_err(u128::from)
+    }
+    fn cache() -> &'static LocalKey<Cache<Self>> {
+        &NARROW_CACHE
     }
 }
 
 impl Cell for AtomicU128 {
+    const LIVE_MAX: u128 = u128::MAX - 2;
     #[inline]
     fn load(&self) -> u128 {
         AtomicU128::load(self, Ordering::Acquire)
     }
-    fn get(&mut self) -> u128 {
-        *self.get_mut()
+    fn store(&self, state: u128) {
+        AtomicU128::store(self, state.min(Self::LIVE_MAX), Ordering::Release);
     }
-    fn set(&mut self, state: u128) {
-        *self.get_mut() = state;
+    fn swap(&self, word: u128) -> u128 {
+        AtomicU128::swap(self, word, Ordering::AcqRel)
+    }
+    #[inline]
+    fn compare_exchange_weak(&self, current: u128, new: u128) -> Result<(), u128> {
+        let new = new.min(Self::LIVE_MAX);
+        AtomicU128::compare_exchange_weak(self, current, new, Ordering::AcqRel, Ordering::Acquire)
+            .map(drop)
+    }
+    fn compare_exchange(&self, current: u128, new: u128) -> Result<(), u128> {
+        AtomicU128::compare_exchange(self, current, new, Ordering::AcqRel, Ordering::Acquire)
+            .map(drop)
+    }
+    fn cache() -> &'static LocalKey<Cache<Self>> {
+        &WIDE_CACHE
     }
 }
 
-/// One key's state word in a table of either width.
+/// A narrow word holds states up to [`AtomicU64`]'s `LIVE_MAX` only; the rules that use it
+/// never make larger ones (see `Rule::fits_narrow`), and a larger value saturates instead of
+/// wrapping (or reading as a mark).
+fn narrow(state: u128) -> u64 {
+    u64::try_from(state.min(<AtomicU64 as Cell>::LIVE_MAX)).unwrap_or(u64::MAX - 2)
+}
+
+/// One key's state word in a table of either width, as a request sees it: a mark met on the
+/// way is [`Moved`].
 #[derive(Clone, Copy)]
 pub(crate) enum State<'a> {
     Narrow(&'a AtomicU64),
@@ -70,38 +179,56 @@ pub(crate) enum State<'a> {
 }
 
 impl State<'_> {
+    /// The highest state a narrow word holds (the token bucket's own loop checks for it).
+    pub(crate) const NARROW_LIVE_MAX: u64 = u64::MAX - 2;
+
     #[inline]
-    pub(crate) fn load(self) -> u128 {
-        match self {
-            State::Narrow(s) => Cell::load(s),
-            State::Wide(s) => Cell::load(s),
+    pub(crate) fn load(self) -> Result<u128, Moved> {
+        let (word, live_max) = match self {
+            State::Narrow(s) => (Cell::load(s), AtomicU64::LIVE_MAX),
+            State::Wide(s) => (Cell::load(s), AtomicU128::LIVE_MAX),
+        };
+        if word <= live_max {
+            Ok(word)
+        } else {
+            Err(Moved)
         }
     }
 
-    /// A weak compare-and-swap: `Err` carries the value found.
+    /// A weak compare-and-swap of one state for another: `Ok(Err(found))` when another state
+    /// was found, `Err(Moved)` when a mark was.
     #[inline]
-    pub(crate) fn compare_exchange_weak(self, current: u128, new: u128) -> Result<(), u128> {
-        let (acq_rel, acquire) = (Ordering::AcqRel, Ordering::Acquire);
-        match self {
-            State::Narrow(s) => s
-                .compare_exchange_weak(narrow(current), narrow(new), acq_rel, acquire)
-                .map(drop)
-                .map_err(u128::from),
-            State::Wide(s) => s
-                .compare_exchange_weak(current, new, acq_rel, acquire)
-                .map(drop),
+    pub(crate) fn compare_exchange_weak(
+        self,
+        current: u128,
+        new: u128,
+    ) -> Result<Result<(), u128>, Moved> {
+        let (result, live_max) = match self {
+            State::Narrow(s) => (
+                Cell::compare_exchange_weak(s, current, new),
+                AtomicU64::LIVE_MAX,
+            ),
+            State::Wide(s) => (
+                Cell::compare_exchange_weak(s, current, new),
+                AtomicU128::LIVE_MAX,
+            ),
+        };
+        match result {
+            Err(found) if found > live_max => Err(Moved),
+            other => Ok(other),
         }
     }
 
     /// Replaces the state with `f(state)` until that sticks; `None` leaves it as it is.
-    pub(crate) fn update(self, mut f: impl FnMut(u128) -> Option<u128>) {
-        let mut current = self.load();
+    pub(crate) fn update(self, mut f: impl FnMut(u128) -> Option<u128>) -> Result<(), Moved> {
+        let mut current = self.load()?;
         while let Some(new) = f(current) {
-            match self.compare_exchange_weak(current, new) {
-                Ok(()) => return,
-                Err(actual) => current = actual,
+            match self.compare_exchange_weak(current, new)? {
+                Ok(()) => return Ok(()),
+                Err(found) => current = found,
             }
         }
+        Ok(())
     }
 }
 
@@ -155,15 +282,44 @@ pub struct TableStats {
     pub walks: u64,
     /// Keys removed because they had returned to the fresh state: by sweeps, or to make room.
     pub swept: u64,
-    /// Bytes held by the slot arrays.
+    /// Bytes held by the slot arrays now published (not old ones that threads still read).
     pub bytes: usize,
 }
 
 #[derive(Debug)]
 #[repr(align(64))] // one cache line per shard lock: no false sharing between shards
 struct Shard<S> {
-    slots: RwLock<Slots<S>>,
+    slots: Mutex<Slots<S>>,
     cap: usize,
+}
+
+/// Every shard's array, as published to lock-free readers.
+type Snapshot<S> = Arc<[Arc<[Slot<S>]>]>;
+
+/// A thread's copy of one table's snapshot.
+#[derive(Debug)]
+pub(crate) struct Cached<S> {
+    table: u64,
+    generation: u64,
+    arrays: Snapshot<S>,
+}
+
+/// A thread's copies, by the tables' places ([`Words::place`]).
+pub(crate) type Cache<S> = RefCell<Vec<Option<Cached<S>>>>;
+
+thread_local! {
+    static NARROW_CACHE: Cache<AtomicU64> = const { RefCell::new(Vec::new()) };
+    static WIDE_CACHE: Cache<AtomicU128> = const { RefCell::new(Vec::new()) };
+}
+
+/// Tables' places in the threads' caches: small numbers, reused when a table drops, so that a
+/// cache is a short vector indexed directly.
+static PLACES: Mutex<(usize, Vec<usize>)> = Mutex::new((0, Vec::new()));
+/// Distinguishes tables, so that a place reused by a new table never reads the old one's copy.
+static NEXT_TABLE: AtomicU64 = AtomicU64::new(1);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A bounded map from [`Key`] to one state word of either width.
@@ -194,18 +350,30 @@ impl Table {
     }
 
     /// Runs `f` on `key`'s state, creating the entry (fresh) if absent; when the shard is full,
-    /// an entry whose forgetting costs least at `now` (of a sample) makes room.
+    /// an entry whose forgetting costs least at `now` (of a sample) makes room. `f` may be run
+    /// a second time, under the shard's lock, if it returns [`Moved`] (having changed nothing);
+    /// under the lock it never does.
     #[inline]
-    pub(crate) fn update<R>(&self, key: Key, now: u64, f: impl FnOnce(State<'_>) -> R) -> R {
+    pub(crate) fn update<R>(
+        &self,
+        key: Key,
+        now: u64,
+        mut f: impl FnMut(State<'_>) -> Result<R, Moved>,
+    ) -> R {
         match self {
             Table::Narrow(t) => t.update(key, now, |s| f(State::Narrow(s))),
             Table::Wide(t) => t.update(key, now, |s| f(State::Wide(s))),
         }
     }
 
-    /// Runs `f` on `key`'s state if the key is present.
+    /// Runs `f` on `key`'s state if the key is present (again under the lock after [`Moved`],
+    /// as [`Table::update`]).
     #[inline]
-    pub(crate) fn existing<R>(&self, key: Key, f: impl FnOnce(State<'_>) -> R) -> Option<R> {
+    pub(crate) fn existing<R>(
+        &self,
+        key: Key,
+        mut f: impl FnMut(State<'_>) -> Result<R, Moved>,
+    ) -> Option<R> {
         match self {
             Table::Narrow(t) => t.existing(key, |s| f(State::Narrow(s))),
             Table::Wide(t) => t.existing(key, |s| f(State::Wide(s))),
@@ -232,8 +400,15 @@ impl Table {
 
 /// A table of one word width.
 #[derive(Debug)]
-pub(crate) struct Words<S> {
+pub(crate) struct Words<S: Cell> {
+    /// This table among all (see [`NEXT_TABLE`]).
+    id: u64,
+    /// Its place in the threads' caches (see [`PLACES`]).
+    place: usize,
     shards: Box<[Shard<S>]>,
+    /// What lock-free readers read, and its generation (raised on every change).
+    published: RwLock<Snapshot<S>>,
+    generation: AtomicU64,
     expiry: Expiry,
     sweep_interval: u64,
     next_walk: AtomicU64,
@@ -248,17 +423,41 @@ fn shard_count(max_keys: usize) -> usize {
     1 << wanted.ilog2()
 }
 
+impl<S: Cell> Drop for Words<S> {
+    fn drop(&mut self) {
+        lock(&PLACES).1.push(self.place);
+    }
+}
+
 impl<S: Cell> Words<S> {
     fn new(max_keys: usize, expiry: Expiry, sweep_interval: u64) -> Self {
         let count = shard_count(max_keys);
-        let shards = (0..count)
+        let shards: Box<[Shard<S>]> = (0..count)
             .map(|i| Shard {
-                slots: RwLock::new(Slots::new(0x5eed ^ ((i as u64) << 32))),
+                slots: Mutex::new(Slots::new(0x5eed ^ ((i as u64) << 32))),
                 cap: max_keys / count + usize::from(i < max_keys % count),
             })
             .collect();
+        let arrays: Snapshot<S> = shards
+            .iter()
+            .map(|s| Arc::clone(lock(&s.slots).array()))
+            .collect();
+        let place = {
+            let mut places = lock(&PLACES);
+            match places.1.pop() {
+                Some(place) => place,
+                None => {
+                    places.0 += 1;
+                    places.0 - 1
+                }
+            }
+        };
         Words {
+            id: NEXT_TABLE.fetch_add(1, Ordering::Relaxed),
+            place,
             shards,
+            published: RwLock::new(arrays),
+            generation: AtomicU64::new(0),
             expiry,
             sweep_interval: sweep_interval.max(1),
             next_walk: AtomicU64::new(0),
@@ -269,31 +468,106 @@ impl<S: Cell> Words<S> {
     }
 
     #[inline]
-    fn shard(&self, key: Key) -> &Shard<S> {
+    fn shard(&self, key: Key) -> usize {
         // The first word's low bits (its high bits pick the slot within the shard): the
-        // first word is ready three SipHash rounds before the second, so the shard's lock
-        // need not wait for the whole key.
-        &self.shards[key.0[0] as usize & (self.shards.len() - 1)]
+        // first word is ready three SipHash rounds before the second, so the look need not
+        // wait for the whole key.
+        key.0[0] as usize & (self.shards.len() - 1)
+    }
+
+    /// Runs `f` on the published arrays, from this thread's copy when it is current.
+    #[inline]
+    fn with_arrays<R>(&self, f: impl FnOnce(&[Arc<[Slot<S>]>]) -> R) -> R {
+        let mut f = Some(f);
+        let hit = S::cache().try_with(|cache| {
+            let cache = cache.try_borrow().ok()?;
+            let copy = cache.get(self.place)?.as_ref()?;
+            let current =
+                copy.table == self.id && copy.generation == self.generation.load(Ordering::Acquire);
+            current.then(|| f.take().map(|f| f(&copy.arrays[..])))?
+        });
+        match (hit, f) {
+            (Ok(Some(r)), _) => r,
+            (_, Some(f)) => self.with_fresh_arrays(f),
+            (_, None) => unreachable!("f runs only on a hit"),
+        }
+    }
+
+    /// [`Words::with_arrays`] when this thread's copy is missing or stale: takes the current
+    /// snapshot, keeps a copy if it can (not while another table's look borrows the cache,
+    /// nor while the thread exits), and runs `f` on it.
+    #[cold]
+    #[inline(never)]
+    fn with_fresh_arrays<R>(&self, f: impl FnOnce(&[Arc<[Slot<S>]>]) -> R) -> R {
+        let (generation, arrays) = {
+            let published = self
+                .published
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            (
+                self.generation.load(Ordering::Acquire),
+                Arc::clone(&published),
+            )
+        };
+        let _ = S::cache().try_with(|cache| {
+            if let Ok(mut cache) = cache.try_borrow_mut() {
+                if cache.len() <= self.place {
+                    cache.resize_with(self.place + 1, || None);
+                }
+                cache[self.place] = Some(Cached {
+                    table: self.id,
+                    generation,
+                    arrays: Arc::clone(&arrays),
+                });
+            }
+        });
+        f(&arrays[..])
+    }
+
+    /// Publishes shard `shard`'s new array (its lock held by the caller, who passes it).
+    fn publish(&self, shard: usize, array: &Arc<[Slot<S>]>) {
+        let mut published = self
+            .published
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut arrays: Vec<Arc<[Slot<S>]>> = published.iter().cloned().collect();
+        arrays[shard] = Arc::clone(array);
+        *published = arrays.into();
+        self.generation.fetch_add(1, Ordering::Release);
     }
 
     #[inline]
-    fn update<R>(&self, key: Key, now: u64, f: impl FnOnce(&S) -> R) -> R {
+    fn update<R>(&self, key: Key, now: u64, mut f: impl FnMut(&S) -> Result<R, Moved>) -> R {
         let shard = self.shard(key);
-        {
-            let slots = shard.slots.read().unwrap_or_else(|e| e.into_inner());
-            if let Some(i) = slots.find(key.0) {
-                return f(&slots.slot(i).state);
+        let done = self.with_arrays(|arrays| {
+            let slots = &arrays[shard];
+            match probe(slots, key.0) {
+                Probe::Live(i) => f(&slots[i].state).ok(),
+                Probe::Absent | Probe::Frozen => None,
             }
+        });
+        match done {
+            Some(r) => r,
+            None => self.update_locked(shard, key, now, f),
         }
-        let mut slots = shard.slots.write().unwrap_or_else(|e| e.into_inner());
+    }
+
+    /// [`Words::update`] under the shard's lock: for a new key, or one moved under the reader.
+    #[inline(never)]
+    fn update_locked<R>(
+        &self,
+        shard: usize,
+        key: Key,
+        now: u64,
+        mut f: impl FnMut(&S) -> Result<R, Moved>,
+    ) -> R {
+        let Shard { slots, cap } = &self.shards[shard];
+        let mut slots = lock(slots);
         let i = match slots.find(key.0) {
             Some(i) => i,
             None => {
-                if slots.len() >= shard.cap {
-                    if let Some((victim, (expiry, _))) =
-                        slots.pick_victim(|s| self.expiry.rank(s, now))
-                    {
-                        slots.remove_at(victim);
+                if slots.len() >= *cap {
+                    if let Some((expiry, _)) = slots.evict(|s| self.expiry.rank(s, now)) {
                         // One already fresh, not yet swept, took nothing with it: it
                         // counts as swept.
                         let count = if expiry > now {
@@ -304,20 +578,45 @@ impl<S: Cell> Words<S> {
                         count.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                slots.insert(key.0, slots_for(shard.cap))
+                let (i, rebuilt) = slots.insert(key.0, max_slots(*cap));
+                if rebuilt {
+                    self.publish(shard, slots.array());
+                }
+                i
             }
         };
-        f(&slots.slot(i).state)
+        match f(&slots.slot(i).state) {
+            Ok(r) => r,
+            // Only a rebuild freezes and only an eviction kills, both under this lock.
+            Err(Moved) => unreachable!("an entry moved under its shard's lock"),
+        }
     }
 
     #[inline]
-    fn existing<R>(&self, key: Key, f: impl FnOnce(&S) -> R) -> Option<R> {
-        let slots = self
-            .shard(key)
-            .slots
-            .read()
-            .unwrap_or_else(|e| e.into_inner());
-        slots.find(key.0).map(|i| f(&slots.slot(i).state))
+    fn existing<R>(&self, key: Key, mut f: impl FnMut(&S) -> Result<R, Moved>) -> Option<R> {
+        let shard = self.shard(key);
+        let done = self.with_arrays(|arrays| {
+            let slots = &arrays[shard];
+            match probe(slots, key.0) {
+                Probe::Live(i) => f(&slots[i].state).ok().map(Some),
+                // Absent from the array this thread read: the key may since have been
+                // inserted, but was absent when the look began (an array's keys only grow
+                // until it is replaced, and its replacement starts with the same ones).
+                Probe::Absent => Some(None),
+                Probe::Frozen => None,
+            }
+        });
+        match done {
+            Some(r) => r,
+            None => {
+                let slots = lock(&self.shards[shard].slots);
+                let i = slots.find(key.0)?;
+                match f(&slots.slot(i).state) {
+                    Ok(r) => Some(r),
+                    Err(Moved) => unreachable!("an entry moved under its shard's lock"),
+                }
+            }
+        }
     }
 
     fn sweep(&self, now: u64) -> bool {
@@ -332,9 +631,13 @@ impl<S: Cell> Words<S> {
             return false;
         }
         let mut removed = 0;
-        for shard in self.shards.iter() {
-            let mut slots = shard.slots.write().unwrap_or_else(|e| e.into_inner());
-            removed += slots.retain(|s| self.expiry.at(s) > now);
+        for (i, shard) in self.shards.iter().enumerate() {
+            let mut slots = lock(&shard.slots);
+            let (gone, rebuilt) = slots.retain(|s| self.expiry.at(s) > now);
+            removed += gone;
+            if rebuilt {
+                self.publish(i, slots.array());
+            }
         }
         self.swept.fetch_add(removed as u64, Ordering::Relaxed);
         self.walks.fetch_add(1, Ordering::Relaxed);
@@ -344,7 +647,7 @@ impl<S: Cell> Words<S> {
     fn stats(&self) -> TableStats {
         let (mut keys, mut slots_total) = (0, 0);
         for shard in self.shards.iter() {
-            let slots = shard.slots.read().unwrap_or_else(|e| e.into_inner());
+            let slots = lock(&shard.slots);
             keys += slots.len();
             slots_total += slots.capacity();
         }
@@ -353,7 +656,7 @@ impl<S: Cell> Words<S> {
             evictions: self.evictions.load(Ordering::Relaxed),
             walks: self.walks.load(Ordering::Relaxed),
             swept: self.swept.load(Ordering::Relaxed),
-            bytes: slots_total * std::mem::size_of::<slots::Slot<S>>()
+            bytes: slots_total * std::mem::size_of::<Slot<S>>()
                 + self.shards.len() * std::mem::size_of::<Shard<S>>(),
         }
     }
@@ -364,8 +667,8 @@ mod tests {
     use super::*;
     use crate::KeyHasher;
 
-    fn put(state: State<'_>, value: u128) {
-        state.update(|_| Some(value));
+    fn put(state: State<'_>, value: u128) -> Result<(), Moved> {
+        state.update(|_| Some(value))
     }
 
     /// Both widths of table, for tests that hold for either.
@@ -492,20 +795,101 @@ mod tests {
     }
 
     #[test]
-    fn narrow_words_hold_what_wide_ones_do_below_two_to_the_64() {
+    fn narrow_words_hold_what_wide_ones_do_below_the_marks() {
         let [wide, narrow] = tables(100, 1);
         let k = keys(1).next().unwrap();
+        let top = u128::from(State::NARROW_LIVE_MAX);
         for t in [&wide, &narrow] {
-            t.update(k, 0, |s| put(s, u128::from(u64::MAX)));
-            assert_eq!(t.load(k), u128::from(u64::MAX));
+            t.update(k, 0, |s| put(s, top));
+            assert_eq!(t.load(k), top);
             // A compare-and-swap against a stale value fails and reports the current one.
             let stale = t.update(k, 0, |s| s.compare_exchange_weak(7, 8));
-            assert_eq!(stale, Err(u128::from(u64::MAX)));
+            assert_eq!(stale, Err(top));
         }
-        // Beyond 64 bits a narrow word saturates rather than wrapping.
+        // Beyond, a narrow word saturates below its marks rather than wrapping or reading as
+        // a mark; so does a wide one at its own top.
         narrow.update(k, 0, |s| put(s, u128::from(u64::MAX) + 5));
-        assert_eq!(narrow.load(k), u128::from(u64::MAX));
+        assert_eq!(narrow.load(k), top);
+        wide.update(k, 0, |s| put(s, u128::MAX));
+        assert_eq!(wide.load(k), AtomicU128::LIVE_MAX);
         assert_eq!(std::mem::size_of::<slots::Slot<AtomicU64>>(), 24);
         assert_eq!(std::mem::size_of::<slots::Slot<AtomicU128>>(), 32);
+    }
+
+    /// A key already in the table is charged without its shard's lock: another thread holds
+    /// the lock throughout.
+    #[test]
+    fn a_known_key_is_charged_without_its_shards_lock() {
+        fn check<S: Cell>(w: &Words<S>) {
+            let k = keys(1).next().unwrap();
+            w.update(k, 0, |s| {
+                Cell::store(s, 1);
+                Ok(())
+            });
+            std::thread::scope(|scope| {
+                let _held = lock(&w.shards[w.shard(k)].slots);
+                let (done, finished) = std::sync::mpsc::channel();
+                scope.spawn(move || {
+                    let before = w.update(k, 0, |s| {
+                        let before = s.live().ok_or(Moved)?;
+                        s.compare_exchange(before, before + 1).map_err(|_| Moved)?;
+                        Ok(before)
+                    });
+                    done.send(before).unwrap();
+                });
+                let before = finished.recv_timeout(std::time::Duration::from_secs(10));
+                assert_eq!(before, Ok(1), "the charge waited for the lock");
+            });
+            assert_eq!(w.existing(k, |s| s.live().ok_or(Moved)), Some(2));
+        }
+        check(&Words::<AtomicU64>::new(100, Expiry::Deadline, 1));
+        check(&Words::<AtomicU128>::new(100, Expiry::Deadline, 1));
+    }
+
+    /// Threads charging one key while another floods the table with new keys (growing it,
+    /// evicting, clearing out the dead) and sweeps it (rebuilding it smaller): every rebuild
+    /// freezes the arrays the threads read, and no charge is lost or made twice.
+    #[test]
+    fn charges_racing_rebuilds_evictions_and_sweeps_are_all_kept() {
+        const THREADS: u128 = 4;
+        const EACH: u128 = 20_000;
+        for t in tables(4_096, 1) {
+            let hot = KeyHasher::with_secret(b"hot").key(&[b"hot"]);
+            // Far from expiring: never the cheapest to evict nor fresh at a sweep.
+            t.update(hot, 0, |s| put(s, 1_000_000));
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            std::thread::scope(|scope| {
+                let flood = scope.spawn(|| {
+                    let mut rounds = 0u64;
+                    let mut flood = keys(u64::MAX);
+                    while !stop.load(Ordering::Relaxed) {
+                        for k in flood.by_ref().take(3_000) {
+                            t.update(k, 0, |s| put(s, 1));
+                        }
+                        rounds += 1;
+                        // Deadline 1 is fresh at 2: the sweep removes the flood and rebuilds.
+                        assert!(t.sweep(2 * rounds));
+                    }
+                    rounds
+                });
+                let workers: Vec<_> = (0..THREADS)
+                    .map(|_| {
+                        scope.spawn(|| {
+                            for _ in 0..EACH {
+                                t.update(hot, 0, |s| s.update(|n| Some(n + 1)));
+                            }
+                        })
+                    })
+                    .collect();
+                for w in workers {
+                    w.join().unwrap();
+                }
+                stop.store(true, Ordering::Relaxed);
+                let rounds = flood.join().unwrap();
+                assert!(rounds >= 2, "the flood rebuilt the table {rounds} times");
+            });
+            assert_eq!(t.load(hot), 1_000_000 + THREADS * EACH);
+            assert!(t.stats().evictions > 0 || t.stats().swept > 0);
+        }
     }
 }

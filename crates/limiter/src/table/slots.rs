@@ -4,9 +4,24 @@
 //! Keys are already uniform keyed hashes, so a key's first word picks its home slot directly
 //! (multiply-shift onto any table size, no power-of-two rounding). So capacity need not double:
 //! past [`DOUBLING_UNTIL`] slots it grows by a quarter, and it is clamped to what the shard's cap
-//! needs at 7/8 load. A full table costs `24 * 8/7 = 27.4` (narrow states) or `32 * 8/7 = 36.6`
-//! (wide) bytes per key, and a table just grown at most a quarter more (34.3 or 45.7), where a
-//! hash map that doubles pays up to twice its full cost.
+//! needs at 7/8 load, plus an eighth for evicted entries (below). A full table costs
+//! `24 * 8/7 * 9/8 = 30.9` (narrow states) or `32 * 8/7 * 9/8 = 41.1` (wide) bytes per key, and
+//! a table just grown at most a quarter more, where a hash map that doubles pays up to twice
+//! its full cost.
+//!
+//! Requests read an array without any lock (see `Table`), so an array's slots are never reused
+//! or moved while it is in use:
+//! - a key, once written into a free slot, stays in that slot for the array's life;
+//! - an evicted entry stays in place, its state marked dead, until the next rebuild;
+//! - a rebuild (growth, shrinking, or clearing out the dead) copies the entries into a new
+//!   array, freezing each old state as it takes it, so that a request that still holds the old
+//!   array fails its compare-and-swap instead of charging a copy nobody reads again.
+//!
+//! So a request that found its key can only charge that key's state, and only while the state
+//! is live: there is no moment at which a slot holds another key's state.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use super::Cell;
 
@@ -18,7 +33,7 @@ const MIN_SLOTS: usize = 16;
 const SAMPLES: usize = 5;
 /// Slots looked at, one run from a random place, when every sampled entry was pinned. Not the
 /// whole shard: with every entry pinned (more callers in flight than `max_keys`) each new
-/// caller would walk them all under the shard's write lock (review: 16,000 callers in flight
+/// caller would walk them all under the shard's lock (review: 16,000 callers in flight
 /// took 1.9 s to admit). A shard whose run holds only pinned entries grows instead.
 const PINNED_SCAN: usize = 256;
 /// Below this many slots a shard doubles (small tables cost little and should not rebuild
@@ -26,25 +41,101 @@ const PINNED_SCAN: usize = 256;
 /// under a fifth. Rebuilding costs about four moves per entry over the table's growth instead
 /// of doubling's one; a rebuild happens on the insert that needs room, as in any growing map.
 const DOUBLING_UNTIL: usize = 256;
+/// Victims tried in turn when the one chosen was charged before it could be marked dead.
+const EVICTION_TRIES: usize = 16;
 
 /// One entry: the key and its algorithm state.
 #[derive(Debug, Default)]
 pub(crate) struct Slot<S> {
-    key: [u64; 2],
+    key: [AtomicU64; 2],
     pub(crate) state: S,
 }
 
-/// The slots of one shard.
+impl<S> Slot<S> {
+    /// The slot's key ([`FREE`] if none). The first word is read first, with `Acquire`: the
+    /// writer stores it last, with `Release`, so a reader that sees it sees the rest.
+    #[inline]
+    fn key(&self) -> [u64; 2] {
+        let first = self.key[0].load(Ordering::Acquire);
+        [first, self.key[1].load(Ordering::Relaxed)]
+    }
+
+    fn claim(&self, key: [u64; 2]) {
+        self.key[1].store(key[1], Ordering::Relaxed);
+        self.key[0].store(key[0], Ordering::Release);
+    }
+}
+
+/// What a lock-free look for a key found in an array.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Probe {
+    /// The key's live entry, at this index.
+    Live(usize),
+    /// The key's entry is being copied into a new array: ask the shard's lock.
+    Frozen,
+    /// No live entry (there may be dead ones).
+    Absent,
+}
+
+#[inline]
+fn home(len: usize, key: [u64; 2]) -> usize {
+    ((u128::from(key[0]) * len as u128) >> 64) as usize
+}
+
+#[inline]
+fn next(len: usize, i: usize) -> usize {
+    if i + 1 == len {
+        0
+    } else {
+        i + 1
+    }
+}
+
+/// Looks for `key` in `slots` without a lock. Terminates: an array always keeps a free slot.
+#[inline]
+pub(crate) fn probe<S: Cell>(slots: &[Slot<S>], key: [u64; 2]) -> Probe {
+    if slots.is_empty() {
+        return Probe::Absent;
+    }
+    let mut i = home(slots.len(), key);
+    loop {
+        let slot = &slots[i];
+        let found = slot.key();
+        if found == key {
+            match slot.state.mark() {
+                None => return Probe::Live(i),
+                Some(super::Mark::Frozen) => return Probe::Frozen,
+                // Evicted: the key may have been inserted again further on.
+                Some(super::Mark::Dead) => {}
+            }
+        } else if found == FREE {
+            return Probe::Absent;
+        }
+        i = next(slots.len(), i);
+    }
+}
+
+/// The slots of one shard, as its lock's holder sees them.
 #[derive(Debug)]
 pub(crate) struct Slots<S> {
-    slots: Box<[Slot<S>]>,
+    slots: Arc<[Slot<S>]>,
+    /// Live entries.
     len: usize,
+    /// Evicted entries still in place (see the module's docs).
+    dead: usize,
     rng: u64,
 }
 
 /// Slots needed to hold `entries` at no more than 7/8 load, with one slot always free.
 pub(crate) fn slots_for(entries: usize) -> usize {
     (entries.saturating_mul(8) / 7 + 1).max(entries + 1)
+}
+
+/// Slots a shard capped at `cap` entries grows to at most (unless its entries are pinned):
+/// its cap at 7/8 load, and an eighth more for entries evicted since the last rebuild, so
+/// that a full shard is rebuilt once per an eighth of its cap evicted, not at every eviction.
+pub(crate) fn max_slots(cap: usize) -> usize {
+    slots_for(cap.saturating_add(cap / 8 + 1))
 }
 
 /// The capacity a table of `slots` grows to when it needs room.
@@ -59,8 +150,9 @@ fn grown(slots: usize) -> usize {
 impl<S: Cell> Slots<S> {
     pub(crate) fn new(seed: u64) -> Self {
         Slots {
-            slots: Box::default(),
+            slots: Arc::new([]),
             len: 0,
+            dead: 0,
             rng: seed | 1,
         }
     }
@@ -73,36 +165,18 @@ impl<S: Cell> Slots<S> {
         self.slots.len()
     }
 
-    #[inline]
-    fn home(&self, key: [u64; 2]) -> usize {
-        ((u128::from(key[0]) * self.slots.len() as u128) >> 64) as usize
+    /// The current array, as readers without the lock are to see it.
+    pub(crate) fn array(&self) -> &Arc<[Slot<S>]> {
+        &self.slots
     }
 
-    #[inline]
-    fn next(&self, i: usize) -> usize {
-        if i + 1 == self.slots.len() {
-            0
-        } else {
-            i + 1
-        }
-    }
-
-    /// The slot holding `key`. Terminates: there is always a free slot.
+    /// The slot holding `key`'s live entry. Under the shard's lock no state is frozen (only a
+    /// rebuild, which holds the lock, freezes, and it freezes the array it replaces).
     #[inline]
     pub(crate) fn find(&self, key: [u64; 2]) -> Option<usize> {
-        if self.slots.is_empty() {
-            return None;
-        }
-        let mut i = self.home(key);
-        loop {
-            let slot = &self.slots[i];
-            if slot.key == key {
-                return Some(i);
-            }
-            if slot.key == FREE {
-                return None;
-            }
-            i = self.next(i);
+        match probe(&self.slots, key) {
+            Probe::Live(i) => Some(i),
+            Probe::Absent | Probe::Frozen => None,
         }
     }
 
@@ -110,56 +184,27 @@ impl<S: Cell> Slots<S> {
         &self.slots[i]
     }
 
-    /// Inserts absent `key` with the fresh state, growing towards `max_slots` if needed.
-    pub(crate) fn insert(&mut self, key: [u64; 2], max_slots: usize) -> usize {
-        let needed = slots_for(self.len + 1);
-        if needed > self.slots.len() {
-            let grown = grown(self.slots.len());
-            // Past the clamp only when the entries found were pinned (requests in flight),
-            // and then by a quarter too, not a slot per insert (a rebuild each).
+    /// Inserts absent `key` with the fresh state, growing towards `max_slots` if needed (or
+    /// rebuilding at the same size to clear out dead entries). The slot's index, and whether
+    /// the array was replaced (the caller publishes the new one).
+    pub(crate) fn insert(&mut self, key: [u64; 2], max_slots: usize) -> (usize, bool) {
+        let mut rebuilt = false;
+        if slots_for(self.len + self.dead + 1) > self.slots.len() {
+            // Towards `max_slots`: a shard that evicts is at its cap, and its room for the
+            // dead is what lies between the cap at 7/8 load and `max_slots`. At `max_slots`
+            // this clears the dead out at the same size.
+            let needed = slots_for(self.len + 1);
             let target = if needed > max_slots {
-                grown.max(needed)
+                // Past the clamp only when the entries found were pinned (requests in
+                // flight), and then by a quarter too, not a slot per insert (a rebuild each).
+                grown(self.slots.len()).max(needed)
             } else {
-                grown.min(max_slots).max(needed)
+                grown(self.slots.len()).min(max_slots).max(needed)
             };
             self.rebuild(target, |_| true);
+            rebuilt = true;
         }
-        let mut i = self.home(key);
-        while self.slots[i].key != FREE {
-            i = self.next(i);
-        }
-        self.slots[i].key = key;
-        self.slots[i].state.set(0);
-        self.len += 1;
-        i
-    }
-
-    /// Removes the entry at `i`, shifting later entries of its probe run back (no tombstones).
-    pub(crate) fn remove_at(&mut self, mut i: usize) {
-        let mut j = i;
-        loop {
-            j = self.next(j);
-            let key = self.slots[j].key;
-            if key == FREE {
-                break;
-            }
-            let home = self.home(key);
-            // Move j into the hole at i unless its home lies cyclically in (i, j].
-            let stays = if i <= j {
-                i < home && home <= j
-            } else {
-                i < home || home <= j
-            };
-            if !stays {
-                let state = self.slots[j].state.get();
-                self.slots[i].key = key;
-                self.slots[i].state.set(state);
-                i = j;
-            }
-        }
-        self.slots[i].key = FREE;
-        self.slots[i].state.set(0);
-        self.len -= 1;
+        (self.insert_unchecked(key), rebuilt)
     }
 
     fn random(&mut self) -> u64 {
@@ -170,82 +215,128 @@ impl<S: Cell> Slots<S> {
         self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
 
+    /// The live state at `i`, if the slot holds a live entry.
+    fn live(&self, i: usize) -> Option<u128> {
+        let slot = &self.slots[i];
+        if slot.key() == FREE {
+            return None;
+        }
+        slot.state.live()
+    }
+
     /// Of a few sampled entries, the one whose forgetting costs least by `rank`: the state
     /// that becomes fresh soonest, and of those the one that used least (`rank`'s order).
     /// Pinned entries (ranked `u64::MAX` first) are skipped; if the sample holds only those, a
-    /// run of [`PINNED_SCAN`] slots is looked at. The victim's index and rank, or `None` if
-    /// every entry looked at is pinned.
-    pub(crate) fn pick_victim(
-        &mut self,
-        rank: impl Fn(u128) -> (u64, u32),
-    ) -> Option<(usize, (u64, u32))> {
+    /// run of [`PINNED_SCAN`] slots is looked at. The victim's index, rank and the state it
+    /// was ranked by, or `None` if every entry looked at is pinned.
+    fn pick_victim(&mut self, rank: &impl Fn(u128) -> (u64, u32)) -> Option<Victim> {
         let n = self.slots.len();
-        let mut best: Option<((u64, u32), usize)> = None;
-        let consider = |best: &mut Option<((u64, u32), usize)>, i: usize, state: u128| {
+        let mut best: Option<Victim> = None;
+        let consider = |best: &mut Option<Victim>, index: usize, state: u128| {
             let r = rank(state);
-            if r.0 != u64::MAX && !matches!(best, Some((b, _)) if *b <= r) {
-                *best = Some((r, i));
+            if r.0 != u64::MAX && !matches!(best, Some(b) if b.rank <= r) {
+                *best = Some(Victim {
+                    index,
+                    rank: r,
+                    state,
+                });
             }
         };
         for _ in 0..SAMPLES.min(self.len) {
             let mut i = ((u128::from(self.random()) * n as u128) >> 64) as usize;
-            while self.slots[i].key == FREE {
-                i = self.next(i);
-            }
-            consider(&mut best, i, self.slots[i].state.get());
+            let state = loop {
+                match self.live(i) {
+                    Some(state) => break state,
+                    None => i = next(n, i),
+                }
+            };
+            consider(&mut best, i, state);
         }
         if best.is_none() && n > 0 {
             let mut i = ((u128::from(self.random()) * n as u128) >> 64) as usize;
             for _ in 0..PINNED_SCAN.min(n) {
-                if self.slots[i].key != FREE {
-                    consider(&mut best, i, self.slots[i].state.get());
+                if let Some(state) = self.live(i) {
+                    consider(&mut best, i, state);
                 }
-                i = self.next(i);
+                i = next(n, i);
             }
         }
-        best.map(|(r, i)| (i, r))
+        best
+    }
+
+    /// Evicts the entry whose forgetting costs least (see `pick_victim`): marks it dead, unless
+    /// a request charged it after it was chosen (then another is chosen). The victim's rank,
+    /// or `None` if no entry could be evicted (every one looked at was pinned).
+    pub(crate) fn evict(&mut self, rank: impl Fn(u128) -> (u64, u32)) -> Option<(u64, u32)> {
+        for _ in 0..EVICTION_TRIES {
+            let victim = self.pick_victim(&rank)?;
+            if self.slots[victim.index].state.kill(victim.state) {
+                self.len -= 1;
+                self.dead += 1;
+                return Some(victim.rank);
+            }
+        }
+        None
     }
 
     /// Drops entries for which `keep` is false, returning how many; shrinks the allocation to
-    /// what the survivors need.
-    pub(crate) fn retain(&mut self, keep: impl Fn(u128) -> bool) -> usize {
-        let survivors = self
-            .slots
-            .iter()
-            .filter(|s| s.key != FREE && keep(s.state.load()))
+    /// what the survivors need. Entries are judged on their frozen states, so a request that
+    /// charges one meanwhile either lands before the freeze (and is judged with it) or fails
+    /// and asks the lock.
+    pub(crate) fn retain(&mut self, keep: impl Fn(u128) -> bool) -> (usize, bool) {
+        let survivors = (0..self.slots.len())
+            .filter(|&i| self.live(i).is_some_and(&keep))
             .count();
-        let removed = self.len - survivors;
-        if removed > 0 {
-            let target = if survivors == 0 {
-                0
-            } else {
-                slots_for(survivors).max(MIN_SLOTS)
-            };
-            self.rebuild(target, keep);
+        let before = self.len;
+        if survivors == self.len && self.dead == 0 {
+            return (0, false);
         }
-        removed
+        let target = if survivors == 0 {
+            0
+        } else {
+            slots_for(survivors).max(MIN_SLOTS)
+        };
+        self.rebuild(target, keep);
+        (before - self.len, true)
     }
 
-    /// Moves the kept entries into a fresh array of `size` slots.
+    /// Moves the kept live entries into a fresh array of `size` slots (at least enough for
+    /// them), freezing every state of the old one.
     fn rebuild(&mut self, size: usize, keep: impl Fn(u128) -> bool) {
-        let fresh: Box<[Slot<S>]> = (0..size).map(|_| Slot::default()).collect();
+        let fresh: Arc<[Slot<S>]> = (0..size).map(|_| Slot::default()).collect();
         let old = std::mem::replace(&mut self.slots, fresh);
-        self.len = 0;
-        for mut slot in old.into_vec() {
-            let state = slot.state.get();
-            if slot.key != FREE && keep(state) {
-                let i = self.insert_unchecked(slot.key);
-                self.slots[i].state.set(state);
+        let mut kept = Vec::new();
+        for slot in old.iter() {
+            let key = slot.key();
+            if key == FREE {
+                continue;
             }
+            if let Some(state) = slot.state.freeze() {
+                if keep(state) {
+                    kept.push((key, state));
+                }
+            }
+        }
+        if slots_for(kept.len()) > self.slots.len() {
+            // More survived the freeze than were counted live before it: never too small.
+            let size = slots_for(kept.len()).max(MIN_SLOTS);
+            self.slots = (0..size).map(|_| Slot::default()).collect();
+        }
+        self.len = 0;
+        self.dead = 0;
+        for (key, state) in kept {
+            let i = self.insert_unchecked(key);
+            self.slots[i].state.store(state);
         }
     }
 
     fn insert_unchecked(&mut self, key: [u64; 2]) -> usize {
-        let mut i = self.home(key);
-        while self.slots[i].key != FREE {
-            i = self.next(i);
+        let n = self.slots.len();
+        let mut i = home(n, key);
+        while self.slots[i].key() != FREE {
+            i = next(n, i);
         }
-        self.slots[i].key = key;
+        self.slots[i].claim(key);
         self.len += 1;
         i
     }
@@ -256,33 +347,111 @@ impl<S: Cell> Slots<S> {
     }
 }
 
+/// An entry chosen for eviction.
+#[derive(Debug, Clone, Copy)]
+struct Victim {
+    index: usize,
+    rank: (u64, u32),
+    /// The state it was ranked by: it is marked dead only if still that.
+    state: u128,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use portable_atomic::AtomicU128;
-    use std::sync::atomic::Ordering;
 
     type Wide = Slots<AtomicU128>;
 
     fn key(i: u64) -> [u64; 2] {
-        // Spread like a hash, but crowd homes to exercise wrap-around and shifting.
+        // Spread like a hash, but crowd homes to exercise wrap-around.
         [i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1, i + 1]
     }
 
+    fn put<S: Cell>(s: &mut Slots<S>, i: u64, state: u128) {
+        let (at, _) = s.insert(key(i), usize::MAX);
+        s.slot(at).state.store(state);
+    }
+
+    /// An evicted entry stays in place, dead, and every other key stays findable; the key can
+    /// come back (in another slot), and the next rebuild clears the dead out.
     #[test]
-    fn removal_keeps_every_other_key_findable() {
+    fn evicted_entries_stay_dead_in_place_until_a_rebuild() {
         let mut s = Wide::new(7);
         for i in 0..1000 {
-            s.insert(key(i), usize::MAX);
+            put(&mut s, i, 5);
         }
-        for i in (0..1000).step_by(3) {
-            let at = s.find(key(i)).unwrap();
-            s.remove_at(at);
+        let capacity = s.capacity();
+        let mut evicted = Vec::new();
+        for _ in 0..100 {
+            assert_eq!(s.evict(|_| (1, 0)), Some((1, 0)));
         }
         for i in 0..1000 {
-            assert_eq!(s.find(key(i)).is_some(), i % 3 != 0, "key {i}");
+            match s.find(key(i)) {
+                Some(at) => assert_eq!(s.state(at), 5),
+                None => evicted.push(i),
+            }
         }
-        assert_eq!(s.len(), 1000 - 334);
+        assert_eq!((evicted.len(), s.len(), s.dead), (100, 900, 100));
+        assert_eq!(s.capacity(), capacity, "no rebuild for an eviction");
+        // An evicted key inserted again is found live past its dead entry.
+        let (again, rebuilt) = s.insert(key(evicted[0]), usize::MAX);
+        assert!(!rebuilt);
+        assert_eq!(s.find(key(evicted[0])), Some(again));
+        assert_eq!(probe(&s.slots, key(evicted[1])), Probe::Absent);
+        // A rebuild drops the dead.
+        assert_eq!(s.retain(|_| true), (0, true));
+        assert_eq!((s.len(), s.dead), (901, 0));
+    }
+
+    /// A victim charged after it was chosen is not killed: its charge would be lost.
+    #[test]
+    fn a_victim_charged_meanwhile_is_not_killed() {
+        let mut s = Wide::new(7);
+        put(&mut s, 1, 5);
+        let victim = s.pick_victim(&|_| (1, 0)).unwrap();
+        Cell::store(&s.slot(victim.index).state, 6);
+        assert!(!s.slot(victim.index).state.kill(victim.state));
+        assert_eq!(s.state(victim.index), 6);
+    }
+
+    /// A rebuild freezes the array it replaces: a reader still holding it finds its key
+    /// frozen, and a compare-and-swap on the old state fails.
+    #[test]
+    fn a_rebuild_freezes_the_old_array() {
+        let mut s = Wide::new(7);
+        put(&mut s, 1, 5);
+        let old = Arc::clone(s.array());
+        let Probe::Live(at) = probe(&old, key(1)) else {
+            panic!("key 1 not found");
+        };
+        for i in 2..100 {
+            put(&mut s, i, 5);
+        }
+        assert!(!Arc::ptr_eq(&old, s.array()), "grown");
+        assert_eq!(probe(&old, key(1)), Probe::Frozen);
+        assert!(Cell::compare_exchange_weak(&old[at].state, 5, 6).is_err());
+        assert_eq!(s.state(s.find(key(1)).unwrap()), 5);
+    }
+
+    /// A full shard (live entries at its cap) is rebuilt once per an eighth of its cap
+    /// evicted, not at every eviction.
+    #[test]
+    fn a_full_shard_clears_its_dead_once_per_an_eighth_of_its_cap() {
+        let cap = 800;
+        let mut s = Slots::<std::sync::atomic::AtomicU64>::new(7);
+        let mut rebuilds = 0;
+        for i in 0..10_000 {
+            if s.len() >= cap {
+                assert!(s.evict(|_| (1, 0)).is_some());
+            }
+            let (at, rebuilt) = s.insert(key(i), max_slots(cap));
+            Cell::store(&s.slot(at).state, 1);
+            rebuilds += usize::from(rebuilt && i >= cap as u64);
+            assert!(s.len() <= cap && s.capacity() <= max_slots(cap));
+        }
+        // 9,200 evictions, a rebuild per about 100 of them.
+        assert!((80..=100).contains(&rebuilds), "{rebuilds} rebuilds");
     }
 
     #[test]
@@ -297,8 +466,7 @@ mod tests {
     }
 
     /// Past the doubling range a table is never more than a quarter (and a slot) larger than
-    /// its entries need at 7/8 load, at any count: 45.7 bytes per key for 32-byte slots at
-    /// worst, not a doubled map's 73.
+    /// its entries need at 7/8 load, at any count.
     #[test]
     fn grown_tables_stay_within_a_quarter_of_full() {
         let mut s = Slots::<std::sync::atomic::AtomicU64>::new(7);
@@ -332,27 +500,30 @@ mod tests {
     fn retain_shrinks_and_keeps_survivors() {
         let mut s = Wide::new(7);
         for i in 0..500 {
-            let at = s.insert(key(i), usize::MAX);
-            s.slot(at).state.store(u128::from(i), Ordering::Relaxed);
+            put(&mut s, i, u128::from(i));
         }
-        assert_eq!(s.retain(|state| state >= 490), 490);
+        assert_eq!(s.retain(|state| state >= 490), (490, true));
         assert_eq!(s.len(), 10);
         assert_eq!(s.capacity(), MIN_SLOTS);
         assert_eq!(s.state(s.find(key(495)).unwrap()), 495);
         assert!(s.find(key(3)).is_none());
+        assert_eq!(
+            s.retain(|_| true),
+            (0, false),
+            "nothing to remove: no rebuild"
+        );
     }
 
     #[test]
     fn victim_is_never_a_pinned_entry() {
         let mut s = Wide::new(7);
+        let pinned = AtomicU128::LIVE_MAX;
         for i in 0..50 {
-            let at = s.insert(key(i), usize::MAX);
-            let pinned = if i == 42 { 0 } else { u128::MAX };
-            s.slot(at).state.store(pinned, Ordering::Relaxed);
+            put(&mut s, i, if i == 42 { 0 } else { pinned });
         }
-        let rank = |state: u128| (if state == u128::MAX { u64::MAX } else { 1 }, 0);
-        let (victim, _) = s.pick_victim(rank).unwrap();
-        assert_eq!(s.find(key(42)), Some(victim));
+        let rank = |state: u128| (if state == pinned { u64::MAX } else { 1 }, 0);
+        let victim = s.pick_victim(&rank).unwrap();
+        assert_eq!(s.find(key(42)), Some(victim.index));
     }
 
     /// More callers pinned than the cap (requests in flight): each new one costs a bounded
@@ -360,14 +531,14 @@ mod tests {
     #[test]
     fn pinned_entries_past_the_cap_grow_the_table_a_quarter_at_a_time() {
         let mut s = Slots::<std::sync::atomic::AtomicU64>::new(7);
-        let max = slots_for(16);
+        let max = max_slots(16);
         let (mut rebuilds, mut last) = (0, 0);
         for i in 0..20_000 {
             if s.len() >= 16 {
-                assert_eq!(s.pick_victim(|_| (u64::MAX, 0)), None);
+                assert_eq!(s.evict(|_| (u64::MAX, 0)), None);
             }
-            let at = s.insert(key(i), max);
-            s.slot(at).state.store(u64::MAX, Ordering::Relaxed);
+            let (at, _) = s.insert(key(i), max);
+            Cell::store(&s.slot(at).state, 7);
             if s.capacity() != last {
                 rebuilds += 1;
                 last = s.capacity();
@@ -387,15 +558,13 @@ mod tests {
     fn victim_among_equal_expiries_is_the_one_that_used_least() {
         let mut s = Wide::new(7);
         for i in 0..1_000 {
-            let at = s.insert(key(i), usize::MAX);
-            let used = if i % 2 == 0 { 1 } else { 100 };
-            s.slot(at).state.store(used, Ordering::Relaxed);
+            put(&mut s, i, if i % 2 == 0 { 1 } else { 100 });
         }
         let mut spent = 0;
         for _ in 0..400 {
-            let (victim, rank) = s.pick_victim(|used| (1_000, used as u32)).unwrap();
-            assert_eq!(rank, (1_000, s.state(victim) as u32));
-            spent += usize::from(s.state(victim) == 100);
+            let victim = s.pick_victim(&|used| (1_000, used as u32)).unwrap();
+            assert_eq!(victim.rank, (1_000, s.state(victim.index) as u32));
+            spent += usize::from(s.state(victim.index) == 100);
         }
         assert!(spent < 40, "{spent} of 400 victims had spent their quota");
     }
