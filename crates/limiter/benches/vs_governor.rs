@@ -46,6 +46,9 @@ fn governor() -> Governor {
     RateLimiter::dashmap(Quota::per_second(NonZeroU32::new(RATE).unwrap()))
 }
 
+// Inlined: out of line, the key came back through the stack as two 8-byte stores that the
+// decision's 16-byte read of it waited on (perf: about a tenth of a hot-key decision).
+#[inline(always)]
 fn key(hasher: &KeyHasher, id: u64) -> Key {
     hasher.key(&[&id.to_le_bytes()])
 }
