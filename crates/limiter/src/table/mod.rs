@@ -117,15 +117,18 @@ impl Cell for AtomicU64 {
     #[inline]
     fn compare_exchange_weak(&self, current: u128, new: u128) -> Result<(), u128> {
         let (acq_rel, acquire) = (Ordering::AcqRel, Ordering::Acquire);
-        // A current above 64 bits is never stored: it cannot match (mapped to a mark, which a
-        // caller never passes as current).
-        let current = u64::try_from(current).unwrap_or(u64::MAX);
+        // A current above 64 bits is never stored: it cannot match (not even a mark).
+        let Ok(current) = u64::try_from(current) else {
+            return Err(Cell::load(self));
+        };
         AtomicU64::compare_exchange_weak(self, current, narrow(new), acq_rel, acquire)
             .map(drop)
             .map_err(u128::from)
     }
     fn compare_exchange(&self, current: u128, new: u128) -> Result<(), u128> {
-        let current = u64::try_from(current).unwrap_or(u64::MAX);
+        let Ok(current) = u64::try_from(current) else {
+            return Err(Cell::load(self));
+        };
         let new = u64::try_from(new).unwrap_or(u64::MAX);
         AtomicU64::compare_exchange(self, current, new, Ordering::AcqRel, Ordering::Acquire)
             .map(drop)
@@ -866,48 +869,47 @@ mod tests {
 
     /// Threads charging one key while another floods the table with new keys (growing it,
     /// evicting, clearing out the dead) and sweeps it (rebuilding it smaller): every rebuild
-    /// freezes the arrays the threads read, and no charge is lost or made twice.
+    /// freezes the arrays the threads read, and no charge is lost or made twice. The flood
+    /// makes a fixed number of rounds; the threads charge until it is done.
     #[test]
     fn charges_racing_rebuilds_evictions_and_sweeps_are_all_kept() {
-        const THREADS: u128 = 4;
-        const EACH: u128 = 20_000;
+        const THREADS: usize = 4;
+        const ROUNDS: u64 = 6;
         for t in tables(4_096, 1) {
             let hot = KeyHasher::with_secret(b"hot").key(&[b"hot"]);
             // Far from expiring: never the cheapest to evict nor fresh at a sweep.
             t.update(hot, 0, |s| put(s, 1_000_000));
             let stop = std::sync::atomic::AtomicBool::new(false);
-            std::thread::scope(|scope| {
-                let flood = scope.spawn(|| {
-                    let mut rounds = 0u64;
-                    let mut flood = keys(u64::MAX);
-                    while !stop.load(Ordering::Relaxed) {
-                        for k in flood.by_ref().take(3_000) {
-                            t.update(k, 0, |s| put(s, 1));
-                        }
-                        rounds += 1;
-                        // Deadline 1 is fresh at 2: the sweep removes the flood and rebuilds.
-                        assert!(t.sweep(2 * rounds));
-                    }
-                    rounds
-                });
+            let started = std::sync::Barrier::new(THREADS + 1);
+            let charged: u128 = std::thread::scope(|scope| {
                 let workers: Vec<_> = (0..THREADS)
                     .map(|_| {
                         scope.spawn(|| {
-                            for _ in 0..EACH {
+                            started.wait();
+                            let mut n = 0u128;
+                            while !stop.load(Ordering::Relaxed) {
                                 t.update(hot, 0, |s| s.update(|n| Some(n + 1)));
+                                n += 1;
                             }
+                            n
                         })
                     })
                     .collect();
-                for w in workers {
-                    w.join().unwrap();
+                started.wait();
+                let mut flood = keys(u64::MAX);
+                for round in 1..=ROUNDS {
+                    for k in flood.by_ref().take(6_000) {
+                        t.update(k, 0, |s| put(s, 1));
+                    }
+                    // Deadline 1 is fresh at 2: the sweep removes the flood and rebuilds.
+                    assert!(t.sweep(2 * round));
                 }
                 stop.store(true, Ordering::Relaxed);
-                let rounds = flood.join().unwrap();
-                assert!(rounds >= 2, "the flood rebuilt the table {rounds} times");
+                workers.into_iter().map(|w| w.join().unwrap()).sum()
             });
-            assert_eq!(t.load(hot), 1_000_000 + THREADS * EACH);
-            assert!(t.stats().evictions > 0 || t.stats().swept > 0);
+            assert!(charged > 0);
+            assert_eq!(t.load(hot), 1_000_000 + charged);
+            assert!(t.stats().evictions > 0 && t.stats().swept > 0);
         }
     }
 
