@@ -11,6 +11,10 @@
 //! decision as the bench's `hot_single_key` group, built as the bench is (one codegen unit, fat
 //! LTO: with the release profile's split, what gets inlined into governor's side moves with
 //! unrelated edits).
+//!
+//! `prehashed` makes sluice's decisions with the key hashed once, before the loop: timed
+//! against `sluice` (`time hot_key_loop prehashed 100000000`), it shows what the hash adds to a
+//! decision's critical path.
 
 use governor::{Quota, RateLimiter};
 use sluice_limiter::{Algorithm, Clock, KeyHasher, Limit, LimitId, Limiter, SystemClock};
@@ -29,6 +33,15 @@ fn run_sluice(n: u64, limiter: &Limiter, id: LimitId, hasher: &KeyHasher, clock:
 }
 
 #[inline(never)]
+fn run_prehashed(n: u64, limiter: &Limiter, id: LimitId, hasher: &KeyHasher, clock: &SystemClock) {
+    let key = hasher.key(&[&42u64.to_le_bytes()]);
+    for _ in 0..n {
+        let layers = [(id, black_box(key))];
+        black_box(limiter.decide_with(&layers, 1, clock.now(), |d| d.is_admitted()));
+    }
+}
+
+#[inline(never)]
 fn run_governor(n: u64, governor: &Governor) {
     for _ in 0..n {
         black_box(governor.check_key(&black_box(42)).is_ok());
@@ -38,21 +51,29 @@ fn run_governor(n: u64, governor: &Governor) {
 fn main() {
     let mut args = std::env::args().skip(1);
     let (side, n) = match (args.next(), args.next().map(|n| n.parse::<u64>())) {
-        (Some(side), Some(Ok(n))) if side == "sluice" || side == "governor" => (side, n),
+        (Some(side), Some(Ok(n)))
+            if ["sluice", "prehashed", "governor"].contains(&side.as_str()) =>
+        {
+            (side, n)
+        }
         _ => {
-            eprintln!("usage: hot_key_loop sluice|governor DECISIONS");
+            eprintln!("usage: hot_key_loop sluice|prehashed|governor DECISIONS");
             std::process::exit(2);
         }
     };
     let rate = NonZeroU32::new(1_000_000_000).expect("nonzero");
-    if side == "sluice" {
+    if side != "governor" {
         let algorithm = Algorithm::TokenBucket { burst: rate };
         let limit = Limit::new("l", algorithm, rate, Duration::from_secs(1)).expect("limit");
         let limiter = Limiter::new([limit]).expect("limiter");
         let id = limiter.id("l").expect("limit l");
         let (hasher, clock) = (KeyHasher::new_random(), SystemClock::new());
         run_sluice(1, &limiter, id, &hasher, &clock);
-        run_sluice(n, &limiter, id, &hasher, &clock);
+        if side == "prehashed" {
+            run_prehashed(n, &limiter, id, &hasher, &clock);
+        } else {
+            run_sluice(n, &limiter, id, &hasher, &clock);
+        }
     } else {
         let governor: Governor = RateLimiter::dashmap(Quota::per_second(rate));
         run_governor(1, &governor);
