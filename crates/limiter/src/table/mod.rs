@@ -320,6 +320,9 @@ thread_local! {
 static PLACES: Mutex<(usize, Vec<usize>)> = Mutex::new((0, Vec::new()));
 /// Distinguishes tables, so that a place reused by a new table never reads the old one's copy.
 static NEXT_TABLE: AtomicU64 = AtomicU64::new(1);
+/// Generations are drawn from one counter for all tables, so that a copy whose generation is
+/// a table's current one is that table's: the look compares one word.
+static GENERATIONS: AtomicU64 = AtomicU64::new(1);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -409,7 +412,8 @@ pub(crate) struct Words<S: Cell> {
     /// Its place in the threads' caches (see [`PLACES`]).
     place: usize,
     shards: Box<[Shard<S>]>,
-    /// What lock-free readers read, and its generation (raised on every change).
+    /// What lock-free readers read, and its generation (a new one, from [`GENERATIONS`], on
+    /// every change).
     published: RwLock<Snapshot<S>>,
     generation: AtomicU64,
     expiry: Expiry,
@@ -470,7 +474,7 @@ impl<S: Cell> Words<S> {
             place,
             shards,
             published: RwLock::new(arrays),
-            generation: AtomicU64::new(0),
+            generation: AtomicU64::new(GENERATIONS.fetch_add(1, Ordering::Relaxed)),
             expiry,
             sweep_interval: sweep_interval.max(1),
             next_walk: AtomicU64::new(0),
@@ -495,8 +499,7 @@ impl<S: Cell> Words<S> {
         let hit = S::cache().try_with(|cache| {
             let cache = cache.try_borrow().ok()?;
             let copy = cache.get(self.place)?.as_ref()?;
-            let current =
-                copy.table == self.id && copy.generation == self.generation.load(Ordering::Acquire);
+            let current = copy.generation == self.generation.load(Ordering::Acquire);
             current.then(|| f.take().map(|f| f(&copy.arrays[..])))?
         });
         match (hit, f) {
@@ -553,7 +556,8 @@ impl<S: Cell> Words<S> {
         let mut arrays: Vec<Arc<[Slot<S>]>> = published.iter().cloned().collect();
         arrays[shard] = Arc::clone(array);
         *published = arrays.into();
-        let generation = self.generation.fetch_add(1, Ordering::Release) + 1;
+        let generation = GENERATIONS.fetch_add(1, Ordering::Relaxed);
+        self.generation.store(generation, Ordering::Release);
         self.keep_copy(generation, &published);
     }
 
@@ -563,8 +567,8 @@ impl<S: Cell> Words<S> {
         let done = self.with_arrays(|arrays| {
             let slots = &arrays[shard];
             match probe(slots, key.0) {
-                Probe::Live(i) => f(&slots[i].state).ok(),
-                Probe::Absent | Probe::Frozen => None,
+                Probe::Found(i) => f(&slots[i].state).ok(),
+                Probe::Absent => None,
             }
         });
         match done {
@@ -619,12 +623,11 @@ impl<S: Cell> Words<S> {
         let done = self.with_arrays(|arrays| {
             let slots = &arrays[shard];
             match probe(slots, key.0) {
-                Probe::Live(i) => f(&slots[i].state).ok().map(Some),
+                Probe::Found(i) => f(&slots[i].state).ok().map(Some),
                 // Absent from the array this thread read: the key may since have been
                 // inserted, but was absent when the look began (an array's keys only grow
                 // until it is replaced, and its replacement starts with the same ones).
                 Probe::Absent => Some(None),
-                Probe::Frozen => None,
             }
         });
         match done {
@@ -649,10 +652,9 @@ impl<S: Cell> Words<S> {
         let read = self.with_arrays(|arrays| {
             let slots = &arrays[shard];
             match probe(slots, key.0) {
-                // `None` if it was frozen or evicted since the probe.
-                Probe::Live(i) => slots[i].state.live(),
+                // `None` if it is frozen or evicted: the lock knows.
+                Probe::Found(i) => slots[i].state.live(),
                 Probe::Absent => Some(0),
-                Probe::Frozen => None,
             }
         });
         read.unwrap_or_else(|| self.load_locked(shard, key))

@@ -66,14 +66,14 @@ impl<S> Slot<S> {
     }
 }
 
-/// What a lock-free look for a key found in an array.
+/// What a look for a key found in an array.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Probe {
-    /// The key's live entry, at this index.
-    Live(usize),
-    /// The key's entry is being copied into a new array: ask the shard's lock.
-    Frozen,
-    /// No live entry (there may be dead ones).
+    /// The key's entry, at this index. For a reader without the lock it may be frozen or dead
+    /// (its state is a mark): the reader finds that when it reads the state, and asks the
+    /// lock. Under the lock it is the live entry.
+    Found(usize),
+    /// No entry (under the lock: no live one; there may be dead ones).
     Absent,
 }
 
@@ -91,9 +91,17 @@ fn next(len: usize, i: usize) -> usize {
     }
 }
 
-/// Looks for `key` in `slots` without a lock. Terminates: an array always keeps a free slot.
+/// Looks for `key` in `slots` without a lock: the first entry with its key, whatever its state.
+/// Terminates: an array always keeps a free slot.
 #[inline]
 pub(crate) fn probe<S: Cell>(slots: &[Slot<S>], key: [u64; 2]) -> Probe {
+    look(slots, key, false)
+}
+
+/// The look itself; `skip_dead` (under the lock) passes over dead entries of the key, since
+/// an evicted key may have been inserted again further on.
+#[inline(always)]
+fn look<S: Cell>(slots: &[Slot<S>], key: [u64; 2], skip_dead: bool) -> Probe {
     if slots.is_empty() {
         return Probe::Absent;
     }
@@ -101,13 +109,8 @@ pub(crate) fn probe<S: Cell>(slots: &[Slot<S>], key: [u64; 2]) -> Probe {
     loop {
         let slot = &slots[i];
         let found = slot.key();
-        if found == key {
-            match slot.state.mark() {
-                None => return Probe::Live(i),
-                Some(super::Mark::Frozen) => return Probe::Frozen,
-                // Evicted: the key may have been inserted again further on.
-                Some(super::Mark::Dead) => {}
-            }
+        if found == key && !(skip_dead && slot.state.mark() == Some(super::Mark::Dead)) {
+            return Probe::Found(i);
         } else if found == FREE {
             return Probe::Absent;
         }
@@ -174,9 +177,9 @@ impl<S: Cell> Slots<S> {
     /// rebuild, which holds the lock, freezes, and it freezes the array it replaces).
     #[inline]
     pub(crate) fn find(&self, key: [u64; 2]) -> Option<usize> {
-        match probe(&self.slots, key) {
-            Probe::Live(i) => Some(i),
-            Probe::Absent | Probe::Frozen => None,
+        match look(&self.slots, key, true) {
+            Probe::Found(i) => Some(i),
+            Probe::Absent => None,
         }
     }
 
@@ -398,7 +401,11 @@ mod tests {
         let (again, rebuilt) = s.insert(key(evicted[0]), usize::MAX);
         assert!(!rebuilt);
         assert_eq!(s.find(key(evicted[0])), Some(again));
-        assert_eq!(probe(&s.slots, key(evicted[1])), Probe::Absent);
+        assert_eq!(s.find(key(evicted[1])), None);
+        let Probe::Found(dead) = probe(&s.slots, key(evicted[1])) else {
+            panic!("a dead entry is found without the lock");
+        };
+        assert_eq!(s.slots[dead].state.mark(), Some(super::super::Mark::Dead));
         // A rebuild drops the dead.
         assert_eq!(s.retain(|_| true), (0, true));
         assert_eq!((s.len(), s.dead), (901, 0));
@@ -422,14 +429,15 @@ mod tests {
         let mut s = Wide::new(7);
         put(&mut s, 1, 5);
         let old = Arc::clone(s.array());
-        let Probe::Live(at) = probe(&old, key(1)) else {
+        let Probe::Found(at) = probe(&old, key(1)) else {
             panic!("key 1 not found");
         };
         for i in 2..100 {
             put(&mut s, i, 5);
         }
         assert!(!Arc::ptr_eq(&old, s.array()), "grown");
-        assert_eq!(probe(&old, key(1)), Probe::Frozen);
+        assert_eq!(probe(&old, key(1)), Probe::Found(at));
+        assert_eq!(old[at].state.mark(), Some(super::super::Mark::Frozen));
         assert!(Cell::compare_exchange_weak(&old[at].state, 5, 6).is_err());
         assert_eq!(s.state(s.find(key(1)).unwrap()), 5);
     }
