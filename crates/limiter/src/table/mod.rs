@@ -13,8 +13,10 @@
 //! a copy of, checked against the table's generation by a plain load; the copy is refreshed,
 //! under a read lock, only when some shard's array was replaced. A new key, an eviction, a
 //! sweep or a rebuild takes its shard's lock; how arrays stay safe to read meanwhile is in
-//! `slots`. Whatever a lock-free look cannot settle (a key absent, or an entry frozen or
-//! evicted under it) is settled again under the shard's lock.
+//! `slots`. A charge to a key absent from the array a request read, or to an entry it finds
+//! frozen or evicted (its state a mark), is made again under the shard's lock; a read of such
+//! an entry is too, while a read of an absent key answers fresh without the lock (see
+//! [`Words::existing`]).
 //!
 //! A thread's copy keeps the arrays it last saw alive until its next decision on the table (or
 //! another table's reuse of the same place in its cache): a rebuilt or dropped table's old
