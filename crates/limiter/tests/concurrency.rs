@@ -184,3 +184,61 @@ fn held_window_charges_taken_back_by_threads_never_over_admit() {
         restore_run(seed, 2 + (seed as usize % 7), seed % 2 == 0, seed % 3 == 0);
     }
 }
+
+/// Concurrency slots taken and given back by threads on one key while another thread floods
+/// the limit's table with other callers (evicting those whose slots are back, as fresh) and
+/// sweeps it (rebuilding it): the key never has more than its quota in flight, and every slot
+/// comes back. A slot taken or given back on an array being rebuilt is redone on the new one.
+#[test]
+fn slots_racing_rebuilds_and_evictions_stay_within_the_quota() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    const QUOTA: usize = 4;
+    const THREADS: usize = 4;
+    let limit = concurrency("c", QUOTA as u32).with_max_keys(4_096).unwrap();
+    let limiter = Limiter::new([limit]).unwrap();
+    let id = limiter.id("c").unwrap();
+    let hot = [(id, key("hot"))];
+    let (in_flight, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let started = Barrier::new(THREADS + 1);
+    let admitted: usize = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..THREADS)
+            .map(|_| {
+                s.spawn(|| {
+                    started.wait();
+                    let mut admitted = 0;
+                    while !stop.load(SeqCst) {
+                        let d = limiter.decide(&hot, 1, T0);
+                        if d.is_admitted() {
+                            // Counted after the slot is taken and before it is given back:
+                            // never more than the slots held.
+                            let now = in_flight.fetch_add(1, SeqCst) + 1;
+                            assert!(now <= QUOTA, "{now} in flight");
+                            admitted += 1;
+                            in_flight.fetch_sub(1, SeqCst);
+                        }
+                        drop(d);
+                    }
+                    admitted
+                })
+            })
+            .collect();
+        started.wait();
+        for round in 1..=6u64 {
+            for i in 0..6_000 {
+                let caller = [(id, key(&format!("flood {round} {i}")))];
+                assert!(limiter.decide(&caller, 1, T0).is_admitted());
+            }
+            // A sweep walks at most once per window (a second for a concurrency limit).
+            assert_eq!(limiter.sweep(at(round * SEC)), 1);
+        }
+        stop.store(true, SeqCst);
+        workers.into_iter().map(|w| w.join().unwrap()).sum()
+    });
+    assert!(admitted > 0);
+    let stats = limiter.stats(id);
+    assert!(stats.swept > 0, "{stats:?}");
+    // Every slot came back: the quota is whole again, and no more.
+    let held: Vec<Decision> = (0..QUOTA).map(|_| limiter.decide(&hot, 1, T0)).collect();
+    assert!(held.iter().all(Decision::is_admitted));
+    assert!(!limiter.decide(&hot, 1, T0).is_admitted());
+}
