@@ -38,7 +38,7 @@ use std::thread::LocalKey;
 
 use crate::algo::{Algo, Rule};
 use crate::Key;
-use slots::{max_slots, probe, Probe, Slot, Slots};
+use slots::{max_slots, probe, Slot, Slots};
 
 /// A state word's marks: what a lock-free reader must not take for a state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,7 +104,7 @@ pub(crate) trait Cell: Default + std::fmt::Debug + Send + Sync + Sized + 'static
 }
 
 impl Cell for AtomicU64 {
-    const LIVE_MAX: u128 = u64::MAX as u128 - 2;
+    const LIVE_MAX: u128 = State::NARROW_LIVE_MAX as u128;
     #[inline]
     fn load(&self) -> u128 {
         u128::from(AtomicU64::load(self, Ordering::Acquire))
@@ -172,7 +172,7 @@ impl Cell for AtomicU128 {
 /// never make larger ones (see `Rule::fits_narrow`), and a larger value saturates instead of
 /// wrapping (or reading as a mark).
 fn narrow(state: u128) -> u64 {
-    u64::try_from(state.min(<AtomicU64 as Cell>::LIVE_MAX)).unwrap_or(u64::MAX - 2)
+    u64::try_from(state).map_or(State::NARROW_LIVE_MAX, |s| s.min(State::NARROW_LIVE_MAX))
 }
 
 /// One key's state word in a table of either width, as a request sees it: a mark met on the
@@ -568,10 +568,7 @@ impl<S: Cell> Words<S> {
         let shard = self.shard(key);
         let done = self.with_arrays(|arrays| {
             let slots = &arrays[shard];
-            match probe(slots, key.0) {
-                Probe::Found(i) => f(&slots[i].state).ok(),
-                Probe::Absent => None,
-            }
+            probe(slots, key.0).and_then(|i| f(&slots[i].state).ok())
         });
         match done {
             Some(r) => r,
@@ -625,23 +622,29 @@ impl<S: Cell> Words<S> {
         let done = self.with_arrays(|arrays| {
             let slots = &arrays[shard];
             match probe(slots, key.0) {
-                Probe::Found(i) => f(&slots[i].state).ok().map(Some),
+                Some(i) => f(&slots[i].state).ok().map(Some),
                 // Absent from the array this thread read: the key may since have been
                 // inserted, but was absent when the look began (an array's keys only grow
                 // until it is replaced, and its replacement starts with the same ones).
-                Probe::Absent => Some(None),
+                None => Some(None),
             }
         });
-        match done {
-            Some(r) => r,
-            None => {
-                let slots = lock(&self.shards[shard].slots);
-                let i = slots.find(key.0)?;
-                match f(&slots.slot(i).state) {
-                    Ok(r) => Some(r),
-                    Err(Moved) => unreachable!("an entry moved under its shard's lock"),
-                }
-            }
+        done.unwrap_or_else(|| self.existing_locked(shard, key, f))
+    }
+
+    /// [`Words::existing`] under the shard's lock: for an entry moved under the reader.
+    #[inline(never)]
+    fn existing_locked<R>(
+        &self,
+        shard: usize,
+        key: Key,
+        mut f: impl FnMut(&S) -> Result<R, Moved>,
+    ) -> Option<R> {
+        let slots = lock(&self.shards[shard].slots);
+        let i = slots.find(key.0)?;
+        match f(&slots.slot(i).state) {
+            Ok(r) => Some(r),
+            Err(Moved) => unreachable!("an entry moved under its shard's lock"),
         }
     }
 
@@ -655,20 +658,14 @@ impl<S: Cell> Words<S> {
             let slots = &arrays[shard];
             match probe(slots, key.0) {
                 // `None` if it is frozen or evicted: the lock knows.
-                Probe::Found(i) => slots[i].state.live(),
-                Probe::Absent => Some(0),
+                Some(i) => slots[i].state.live(),
+                None => Some(0),
             }
         });
-        read.unwrap_or_else(|| self.load_locked(shard, key))
-    }
-
-    #[inline(never)]
-    fn load_locked(&self, shard: usize, key: Key) -> u128 {
-        let slots = lock(&self.shards[shard].slots);
-        slots
-            .find(key.0)
-            .and_then(|i| slots.slot(i).state.live())
-            .unwrap_or(0)
+        read.unwrap_or_else(|| {
+            let live = |s: &S| s.live().ok_or(Moved);
+            self.existing_locked(shard, key, live).unwrap_or(0)
+        })
     }
 
     fn sweep(&self, now: u64) -> bool {

@@ -66,17 +66,6 @@ impl<S> Slot<S> {
     }
 }
 
-/// What a look for a key found in an array.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Probe {
-    /// The key's entry, at this index. For a reader without the lock it may be frozen or dead
-    /// (its state is a mark): the reader finds that when it reads the state, and asks the
-    /// lock. Under the lock it is the live entry.
-    Found(usize),
-    /// No entry (under the lock: no live one; there may be dead ones).
-    Absent,
-}
-
 #[inline]
 fn home(len: usize, key: [u64; 2]) -> usize {
     ((u128::from(key[0]) * len as u128) >> 64) as usize
@@ -91,28 +80,29 @@ fn next(len: usize, i: usize) -> usize {
     }
 }
 
-/// Looks for `key` in `slots` without a lock: the first entry with its key, whatever its state.
-/// Terminates: an array always keeps a free slot.
+/// Looks for `key` in `slots` without a lock: the index of the first entry with its key,
+/// whatever its state. The entry may be frozen or dead (its state a mark): the reader finds that
+/// when it reads the state, and asks the lock. Terminates: an array always keeps a free slot.
 #[inline]
-pub(crate) fn probe<S: Cell>(slots: &[Slot<S>], key: [u64; 2]) -> Probe {
+pub(crate) fn probe<S: Cell>(slots: &[Slot<S>], key: [u64; 2]) -> Option<usize> {
     look(slots, key, false)
 }
 
 /// The look itself; `skip_dead` (under the lock) passes over dead entries of the key, since
 /// an evicted key may have been inserted again further on.
 #[inline(always)]
-fn look<S: Cell>(slots: &[Slot<S>], key: [u64; 2], skip_dead: bool) -> Probe {
+fn look<S: Cell>(slots: &[Slot<S>], key: [u64; 2], skip_dead: bool) -> Option<usize> {
     if slots.is_empty() {
-        return Probe::Absent;
+        return None;
     }
     let mut i = home(slots.len(), key);
     loop {
         let slot = &slots[i];
         let found = slot.key();
         if found == key && !(skip_dead && slot.state.mark() == Some(super::Mark::Dead)) {
-            return Probe::Found(i);
+            return Some(i);
         } else if found == FREE {
-            return Probe::Absent;
+            return None;
         }
         i = next(slots.len(), i);
     }
@@ -177,10 +167,7 @@ impl<S: Cell> Slots<S> {
     /// rebuild, which holds the lock, freezes, and it freezes the array it replaces).
     #[inline]
     pub(crate) fn find(&self, key: [u64; 2]) -> Option<usize> {
-        match look(&self.slots, key, true) {
-            Probe::Found(i) => Some(i),
-            Probe::Absent => None,
-        }
+        look(&self.slots, key, true)
     }
 
     pub(crate) fn slot(&self, i: usize) -> &Slot<S> {
@@ -402,7 +389,7 @@ mod tests {
         assert!(!rebuilt);
         assert_eq!(s.find(key(evicted[0])), Some(again));
         assert_eq!(s.find(key(evicted[1])), None);
-        let Probe::Found(dead) = probe(&s.slots, key(evicted[1])) else {
+        let Some(dead) = probe(&s.slots, key(evicted[1])) else {
             panic!("a dead entry is found without the lock");
         };
         assert_eq!(s.slots[dead].state.mark(), Some(super::super::Mark::Dead));
@@ -429,14 +416,14 @@ mod tests {
         let mut s = Wide::new(7);
         put(&mut s, 1, 5);
         let old = Arc::clone(s.array());
-        let Probe::Found(at) = probe(&old, key(1)) else {
+        let Some(at) = probe(&old, key(1)) else {
             panic!("key 1 not found");
         };
         for i in 2..100 {
             put(&mut s, i, 5);
         }
         assert!(!Arc::ptr_eq(&old, s.array()), "grown");
-        assert_eq!(probe(&old, key(1)), Probe::Found(at));
+        assert_eq!(probe(&old, key(1)), Some(at));
         assert_eq!(old[at].state.mark(), Some(super::super::Mark::Frozen));
         assert!(Cell::compare_exchange_weak(&old[at].state, 5, 6).is_err());
         assert_eq!(s.state(s.find(key(1)).unwrap()), 5);
