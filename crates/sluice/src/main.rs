@@ -62,7 +62,32 @@ enum Command {
     },
 }
 
+/// The CPU features this build was compiled to assume (`.cargo/config.toml`) that this CPU
+/// lacks: without the check, the first request would die of an illegal instruction.
+fn missing_cpu_features() -> Vec<&'static str> {
+    #[allow(unused_mut)]
+    let mut missing = Vec::new();
+    #[cfg(all(target_arch = "x86_64", target_feature = "aes"))]
+    if !std::arch::is_x86_feature_detected!("aes") {
+        missing.push("AES-NI");
+    }
+    #[cfg(all(target_arch = "x86_64", target_feature = "cmpxchg16b"))]
+    if !std::arch::is_x86_feature_detected!("cmpxchg16b") {
+        missing.push("cmpxchg16b");
+    }
+    missing
+}
+
 fn main() -> ExitCode {
+    let missing = missing_cpu_features();
+    if !missing.is_empty() {
+        say_err(&format!(
+            "sluice: this build uses CPU instructions this CPU does not have ({}); build it \
+             for this CPU with RUSTFLAGS=\"-C target-cpu=native\" cargo build --release",
+            missing.join(", ")
+        ));
+        return ExitCode::from(1);
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Demo => {

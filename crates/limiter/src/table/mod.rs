@@ -488,9 +488,7 @@ impl<S: Cell> Words<S> {
 
     #[inline]
     fn shard(&self, key: Key) -> usize {
-        // The first word's low bits (its high bits pick the slot within the shard): the
-        // first word is ready three SipHash rounds before the second, so the look need not
-        // wait for the whole key.
+        // The first word's low bits (its high bits pick the slot within the shard).
         key.0[0] as usize & (self.shards.len() - 1)
     }
 
