@@ -432,6 +432,31 @@ mod tests {
     }
 
     #[test]
+    fn keys_from_a_secret_are_the_same_on_every_build() {
+        // Instances sharing a secret name callers alike in Redis whatever their CPU (AES-NI,
+        // ARMv8 or the software AES: `scripts/test` runs this with the software one too), and
+        // a change here renames every caller's key there. The values were computed apart,
+        // with OpenSSL's CMAC through Python's `cryptography`: extract = CMAC(b"sluice key
+        // v3 sa", secret); key i = CMAC(extract, [i]_32 || label || 0 || [128]_32); a key is
+        // CMAC(key 1, part), or CMAC(key 2, count || (length || part)* || last) in u64 LE.
+        let h = KeyHasher::with_secret(b"s");
+        let hex = |k: Key| {
+            k.to_bytes()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        };
+        assert_eq!(
+            hex(h.key(&[b"10.0.0.1"])),
+            "cad69ba6138f0355c95023c5ac19025d"
+        );
+        assert_eq!(
+            hex(h.key(&[b"route", b"key-1"])),
+            "404f1b199c8de53b138ab889f33593f7"
+        );
+    }
+
+    #[test]
     fn key_round_trips_through_bytes() {
         let k = KeyHasher::with_secret(b"s").key(&[b"caller"]);
         assert_eq!(Key::from_bytes(k.to_bytes()), Some(k));
