@@ -33,8 +33,9 @@ impl Key {
 ///
 /// One identity part (an address, an API key: the common case) is MACed as its bytes alone,
 /// under one key; a list of parts is framed (its count, then each part but the last behind its
-/// length, then the last) and MACed under another. Two keys, so that no single part can pose as
-/// a framed list. A 16-byte address is one AES block.
+/// length, then the last) and MACed under another. With two independent keys a single part and
+/// a framed list share a key only by chance, about 2^-128 for a pair, as any two messages do
+/// under one key. A 16-byte address is one AES block.
 ///
 /// On x86_64 the build assumes AES-NI (`.cargo/config.toml`; `sluice` checks for it at start),
 /// so the rounds are inlined into the caller. Elsewhere the `aes` crate detects ARMv8's AES
@@ -66,27 +67,30 @@ impl KeyHasher {
     /// gateways sharing a store) derives the same key for the same identity.
     ///
     /// The derivation is NIST SP 800-56C's two steps with AES-CMAC: extract a key from the
-    /// secret under a fixed salt, then expand it in SP 800-108's counter mode into the two keys.
+    /// secret under a fixed salt, then expand it in SP 800-108's counter mode into the 256 bits
+    /// of the two keys.
     pub fn with_secret(secret: &[u8]) -> Self {
         let extracted = Cmac::new(*b"sluice key v3 sa").mac(secret);
         let expand = Cmac::new(extracted);
-        let derive = |i: u8, label: &[u8]| {
-            // [i]_32 || label || 0x00 || [L = 128]_32, as SP 800-108 lays it out.
-            let mut input = [0u8; 48];
-            input[3] = i;
-            input[4..4 + label.len()].copy_from_slice(label);
-            let end = 4 + label.len() + 1;
-            input[end..end + 4].copy_from_slice(&128u32.to_be_bytes());
-            expand.mac(&input[..end + 4])
+        let block = |i: u32| {
+            // [i]_32 || label || 0x00 || [L]_32, as SP 800-108 lays it out.
+            let input = [
+                &i.to_be_bytes()[..],
+                b"sluice identity keys",
+                &[0],
+                &256u32.to_be_bytes(),
+            ]
+            .concat();
+            expand.mac(&input)
         };
         KeyHasher {
-            one: Cmac::new(derive(1, b"sluice identity: one part")),
-            framed: Cmac::new(derive(2, b"sluice identity: framed parts")),
+            one: Cmac::new(block(1)),
+            framed: Cmac::new(block(2)),
         }
     }
 
-    /// The key of an identity made of `parts`. Each part is framed by its length, so
-    /// `["ab", "c"]` and `["a", "bc"]` give different keys.
+    /// The key of an identity made of `parts`. A list of parts is framed by their count and
+    /// lengths, so `["ab", "c"]`, `["a", "bc"]` and `["abc"]` give different keys.
     #[inline]
     pub fn key(&self, parts: &[&[u8]]) -> Key {
         let tag = match parts {
@@ -124,7 +128,7 @@ impl Cmac {
         let mut l = aes::Block::default();
         cipher.encrypt_block(&mut l);
         // Subkeys are doublings in GF(2^128), the block read as a big-endian number.
-        let double = |x: u128| (x << 1) ^ if x >> 127 == 1 { 0x87 } else { 0 };
+        let double = |x: u128| (x << 1) ^ (0x87 * (x >> 127));
         let k1 = double(u128::from_be_bytes(l.into()));
         let k2 = double(k1);
         Cmac {
@@ -298,13 +302,14 @@ fn up_to_16(bytes: &[u8]) -> u128 {
         9..=16 => (word(0), word(n - 8) >> (8 * (16 - n))),
         8 => (word(0), 0),
         4..=7 => (half(0) | half(n - 4) << (8 * (n - 4)), 0),
-        _ => {
+        0..=3 => {
             let lo = bytes
                 .iter()
                 .enumerate()
                 .fold(0, |v, (i, &b)| v | u64::from(b) << (8 * i));
             (lo, 0)
         }
+        _ => unreachable!("a block is at most 16 bytes"),
     };
     u128::from(hi) << 64 | u128::from(lo)
 }
@@ -332,17 +337,17 @@ mod tests {
     #[test]
     fn parts_are_framed_unambiguously() {
         let h = KeyHasher::with_secret(b"s");
+        // Lists against lists, under the same key: what the framing keeps apart. Without the
+        // lengths the first two pairs would be the same bytes; without the count, the third.
         assert_ne!(h.key(&[b"ab", b"c"]), h.key(&[b"a", b"bc"]));
+        assert_ne!(h.key(&[b"abcdefgh", b""]), h.key(&[b"", b"abcdefgh"]));
+        assert_ne!(h.key(&[b"", b"", b""]), h.key(&[b"", &[0; 8]]));
+        assert_ne!(h.key(&[]), h.key(&[b"", b""]));
+        // One part against a list: under another key, whatever the bytes.
         assert_ne!(h.key(&[b"abc"]), h.key(&[b"abc", b""]));
         assert_ne!(h.key(&[]), h.key(&[b""]));
         assert_ne!(h.key(&[b""]), h.key(&[b"", b""]));
         assert_ne!(h.key(&[b"a\0"]), h.key(&[b"a"]));
-        assert_ne!(h.key(&[b"abcdefgh", b""]), h.key(&[b"", b"abcdefgh"]));
-        // A framed part's length word cannot pose as a last part's bytes.
-        assert_ne!(
-            h.key(&[b"x", b"12345678"]),
-            h.key(&[&[1, 0, 0, 0, 0, 0, 0, 0, b'x', 0, 0, 0, 0, 0, 0, 0, b'1']])
-        );
     }
 
     fn hex(s: &str) -> Vec<u8> {
@@ -436,24 +441,26 @@ mod tests {
         // Instances sharing a secret name callers alike in Redis whatever their CPU (AES-NI,
         // ARMv8 or the software AES: `scripts/test` runs this with the software one too), and
         // a change here renames every caller's key there. The values were computed apart,
-        // with OpenSSL's CMAC through Python's `cryptography`: extract = CMAC(b"sluice key
-        // v3 sa", secret); key i = CMAC(extract, [i]_32 || label || 0 || [128]_32); a key is
-        // CMAC(key 1, part), or CMAC(key 2, count || (length || part)* || last) in u64 LE.
+        // with OpenSSL's CMAC through Python's `cryptography`:
+        //   extract = CMAC(b"sluice key v3 sa", secret)
+        //   key i = CMAC(extract, [i]_32 || b"sluice identity keys" || 0 || [256]_32), i = 1, 2
+        //   one part: CMAC(key 1, part); a list: CMAC(key 2, count || (len || part)* || last),
+        //   count and lengths u64 little-endian
+        //   lengths: CMAC(key 1, CMAC(key 1, m[..0]) || ... || CMAC(key 1, m[..48])),
+        //   m = bytes 1 to 48: every way a last block can be whole, padded, or empty
         let h = KeyHasher::with_secret(b"s");
-        let hex = |k: Key| {
-            k.to_bytes()
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()
-        };
+        let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
         assert_eq!(
-            hex(h.key(&[b"10.0.0.1"])),
-            "cad69ba6138f0355c95023c5ac19025d"
+            hex(&h.key(&[b"10.0.0.1"]).to_bytes()),
+            "a0e26df01f332a20c3ebcf173d2d93e4"
         );
         assert_eq!(
-            hex(h.key(&[b"route", b"key-1"])),
-            "404f1b199c8de53b138ab889f33593f7"
+            hex(&h.key(&[b"route", b"key-1"]).to_bytes()),
+            "a12472cf6b9e5d7b4f2cf5b2395006bf"
         );
+        let m: Vec<u8> = (1..=48).collect();
+        let tags: Vec<u8> = (0..=48).flat_map(|n| h.one.mac(&m[..n])).collect();
+        assert_eq!(hex(&h.one.mac(&tags)), "404ff687409ab39958998917f3af6ab8");
     }
 
     #[test]
