@@ -141,13 +141,7 @@ impl Cmac {
     /// The tag of `message`.
     #[inline]
     fn mac(&self, message: &[u8]) -> [u8; 16] {
-        let mut tag = 0;
-        self.cipher.encrypt_with_backend(Chain {
-            cmac: self,
-            message: Bytes(message),
-            tag: &mut tag,
-        });
-        tag.to_le_bytes()
+        self.tag(Bytes(message))
     }
 
     /// The tag of `parts` framed: their count, each part but the last behind its length
@@ -155,10 +149,18 @@ impl Cmac {
     /// lengths to read, and the last part runs to the end.
     #[inline]
     fn mac_framed(&self, parts: &[&[u8]]) -> [u8; 16] {
+        self.tag(Framed(parts))
+    }
+
+    #[inline(always)]
+    fn tag<'c, M>(&'c self, message: M) -> [u8; 16]
+    where
+        for<'t> Chain<'c, 't, M>: BlockClosure<BlockSize = U16>,
+    {
         let mut tag = 0;
         self.cipher.encrypt_with_backend(Chain {
             cmac: self,
-            message: Framed(parts),
+            message,
             tag: &mut tag,
         });
         tag.to_le_bytes()
@@ -172,10 +174,10 @@ impl Cmac {
 /// Blocks are `u128`s read little-endian (byte `i` in bits `8i..8i+8`) and assembled in
 /// registers: copying pieces into a byte buffer made the block's 16-byte load wait on the
 /// copy's narrower stores (perf: a third of a hot-key hash).
-struct Chain<'a, M> {
-    cmac: &'a Cmac,
+struct Chain<'c, 't, M> {
+    cmac: &'c Cmac,
     message: M,
-    tag: &'a mut u128,
+    tag: &'t mut u128,
 }
 
 /// One part's bytes, MACed as they are.
@@ -184,11 +186,11 @@ struct Bytes<'a>(&'a [u8]);
 /// Parts, MACed framed.
 struct Framed<'a>(&'a [&'a [u8]]);
 
-impl<M> BlockSizeUser for Chain<'_, M> {
+impl<M> BlockSizeUser for Chain<'_, '_, M> {
     type BlockSize = U16;
 }
 
-impl BlockClosure for Chain<'_, Bytes<'_>> {
+impl BlockClosure for Chain<'_, '_, Bytes<'_>> {
     #[inline(always)]
     fn call<B: BlockBackend<BlockSize = U16>>(self, backend: &mut B) {
         let mut state = 0;
@@ -202,7 +204,7 @@ impl BlockClosure for Chain<'_, Bytes<'_>> {
     }
 }
 
-impl BlockClosure for Chain<'_, Framed<'_>> {
+impl BlockClosure for Chain<'_, '_, Framed<'_>> {
     #[inline(always)]
     fn call<B: BlockBackend<BlockSize = U16>>(self, backend: &mut B) {
         let mut chain = Cbc {
