@@ -64,18 +64,31 @@ enum Command {
 
 /// The CPU features this build was compiled to assume (`.cargo/config.toml`) that this CPU
 /// lacks: without the check, the first request would die of an illegal instruction.
+#[cfg(target_arch = "x86_64")]
 fn missing_cpu_features() -> Vec<&'static str> {
-    #[allow(unused_mut)]
-    let mut missing = Vec::new();
-    #[cfg(all(target_arch = "x86_64", target_feature = "aes"))]
-    if !std::arch::is_x86_feature_detected!("aes") {
-        missing.push("AES-NI");
-    }
-    #[cfg(all(target_arch = "x86_64", target_feature = "cmpxchg16b"))]
-    if !std::arch::is_x86_feature_detected!("cmpxchg16b") {
-        missing.push("cmpxchg16b");
-    }
-    missing
+    // CPUID itself: `is_x86_feature_detected!` answers `true` without asking the CPU for a
+    // feature the build enables.
+    missing_from_cpuid(std::arch::x86_64::__cpuid(1).ecx)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn missing_cpu_features() -> Vec<&'static str> {
+    Vec::new()
+}
+
+/// What [`missing_cpu_features`] reads from CPUID leaf 1's ECX: AES-NI is bit 25,
+/// `cmpxchg16b` bit 13.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn missing_from_cpuid(ecx: u32) -> Vec<&'static str> {
+    let assumed = [
+        ("AES-NI", cfg!(target_feature = "aes"), 25),
+        ("cmpxchg16b", cfg!(target_feature = "cmpxchg16b"), 13),
+    ];
+    assumed
+        .into_iter()
+        .filter(|&(_, assumed, bit)| assumed && ecx >> bit & 1 == 0)
+        .map(|(name, _, _)| name)
+        .collect()
 }
 
 fn main() -> ExitCode {
@@ -304,5 +317,27 @@ impl Signals {
                 ),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_check_names_each_assumed_feature_the_cpu_lacks() {
+        let assumed = |name| match name {
+            "AES-NI" => cfg!(target_feature = "aes"),
+            _ => cfg!(target_feature = "cmpxchg16b"),
+        };
+        let expect = |names: &[&'static str]| -> Vec<&'static str> {
+            names.iter().copied().filter(|&n| assumed(n)).collect()
+        };
+        assert_eq!(missing_from_cpuid(0), expect(&["AES-NI", "cmpxchg16b"]));
+        assert_eq!(missing_from_cpuid(1 << 25), expect(&["cmpxchg16b"]));
+        assert_eq!(missing_from_cpuid(1 << 13), expect(&["AES-NI"]));
+        assert_eq!(missing_from_cpuid(1 << 25 | 1 << 13), expect(&[]));
+        // This build, on this machine (the shipped flags, and a CPU that has both).
+        assert!(cfg!(not(target_arch = "x86_64")) || missing_cpu_features().is_empty());
     }
 }
