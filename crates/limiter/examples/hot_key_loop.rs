@@ -14,7 +14,8 @@
 //!
 //! `prehashed` makes sluice's decisions with the key hashed once, before the loop: timed
 //! against `sluice` (`time hot_key_loop prehashed 100000000`), it shows what the hash adds to a
-//! decision's critical path.
+//! decision's critical path. `floor` does only what any decision must: read the clock and
+//! compare-and-swap one word with a value computed from it.
 
 use governor::{Quota, RateLimiter};
 use sluice_limiter::{Algorithm, Clock, KeyHasher, Limit, LimitId, Limiter, SystemClock};
@@ -42,6 +43,23 @@ fn run_prehashed(n: u64, limiter: &Limiter, id: LimitId, hasher: &KeyHasher, clo
 }
 
 #[inline(never)]
+fn run_floor(n: u64, clock: &SystemClock) {
+    let word = std::sync::atomic::AtomicU64::new(0);
+    for _ in 0..n {
+        let now = clock.now().0;
+        let seen = word.load(std::sync::atomic::Ordering::Acquire);
+        let next = seen.max(now) + 1;
+        let swapped = word.compare_exchange_weak(
+            seen,
+            black_box(next),
+            std::sync::atomic::Ordering::AcqRel,
+            std::sync::atomic::Ordering::Acquire,
+        );
+        black_box(swapped.is_ok());
+    }
+}
+
+#[inline(never)]
 fn run_governor(n: u64, governor: &Governor) {
     for _ in 0..n {
         black_box(governor.check_key(&black_box(42)).is_ok());
@@ -52,17 +70,19 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let (side, n) = match (args.next(), args.next().map(|n| n.parse::<u64>())) {
         (Some(side), Some(Ok(n)))
-            if ["sluice", "prehashed", "governor"].contains(&side.as_str()) =>
+            if ["sluice", "prehashed", "governor", "floor"].contains(&side.as_str()) =>
         {
             (side, n)
         }
         _ => {
-            eprintln!("usage: hot_key_loop sluice|prehashed|governor DECISIONS");
+            eprintln!("usage: hot_key_loop sluice|prehashed|governor|floor DECISIONS");
             std::process::exit(2);
         }
     };
     let rate = NonZeroU32::new(1_000_000_000).expect("nonzero");
-    if side != "governor" {
+    if side == "floor" {
+        run_floor(n, &SystemClock::new());
+    } else if side != "governor" {
         let algorithm = Algorithm::TokenBucket { burst: rate };
         let limit = Limit::new("l", algorithm, rate, Duration::from_secs(1)).expect("limit");
         let limiter = Limiter::new([limit]).expect("limiter");
