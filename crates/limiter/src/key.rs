@@ -27,15 +27,20 @@ impl Key {
     }
 }
 
-/// Turns identity parts into [`Key`]s with AES-128-CMAC (NIST SP 800-38B, RFC 4493) under a
-/// secret key: a standard PRF, so a caller who does not know the key can neither predict a key
-/// nor aim two identities at one.
+/// Turns identity parts into [`Key`]s under secret keys, so that a caller who does not know
+/// them can neither predict a key nor aim two identities at one. Two keyed PRFs, each where it
+/// is fastest:
 ///
-/// One identity part (an address, an API key: the common case) is MACed as its bytes alone,
-/// under one key; a list of parts is framed (its count, then each part but the last behind its
-/// length, then the last) and MACed under another. With two independent keys a single part and
-/// a framed list share a key only by chance, about 2^-128 for a pair, as any two messages do
-/// under one key. A 16-byte address is one AES block.
+/// - **One part of up to 16 bytes** (an address, a short id, the common case): AES-128-CMAC
+///   (NIST SP 800-38B, RFC 4493), which for one block is one AES encryption: about 20
+///   instructions with AES-NI.
+/// - **Anything else** (a longer part, such as an API key or a bearer token, or a list of
+///   parts): SipHash-1-3-128 of the framed parts. CMAC chains its blocks one after the other,
+///   ten AES rounds each, so it is slower from about 64 bytes on: 850 ns against 150 for a
+///   1 KiB token (docs/benchmarks.md, stop 36).
+///
+/// The two never take the same input, and their keys are independent: two identities share a
+/// key only by chance, about 2^-128 for a pair.
 ///
 /// On x86_64 the build assumes AES-NI (`.cargo/config.toml`; `sluice` checks for it at start),
 /// so the rounds are inlined into the caller. Elsewhere the `aes` crate detects ARMv8's AES
@@ -43,8 +48,9 @@ impl Key {
 /// sharing a secret derives the same key on any CPU.
 #[derive(Clone)]
 pub struct KeyHasher {
-    one: Cmac,
-    framed: Cmac,
+    k0: u64,
+    k1: u64,
+    short: Cmac,
 }
 
 impl std::fmt::Debug for KeyHasher {
@@ -54,53 +60,86 @@ impl std::fmt::Debug for KeyHasher {
     }
 }
 
+/// The longest single part keyed with AES: one block.
+const SHORT: usize = 16;
+
 impl KeyHasher {
     /// A hasher with keys drawn from the operating system's generator, fresh per process.
     pub fn new_random() -> Self {
+        let (k0, k1): (u64, u64) = rand::random();
         KeyHasher {
-            one: Cmac::new(rand::random()),
-            framed: Cmac::new(rand::random()),
+            k0,
+            k1,
+            short: Cmac::new(rand::random()),
         }
     }
 
     /// A hasher whose keys are derived from `secret`, so every instance sharing the secret (e.g.
     /// gateways sharing a store) derives the same key for the same identity.
     ///
-    /// The derivation is NIST SP 800-56C's two steps with AES-CMAC: extract a key from the
-    /// secret under a fixed salt, then expand it in SP 800-108's counter mode into the 256 bits
-    /// of the two keys.
+    /// SipHash's key is derived as before stop 36 (SipHash under a fixed key of a label and
+    /// the secret), so longer identities keep their names in a shared store. AES's follows
+    /// NIST SP 800-56C's two steps with AES-CMAC: extract a key from the secret under a fixed
+    /// salt, then expand it in SP 800-108's counter mode.
     pub fn with_secret(secret: &[u8]) -> Self {
-        let extracted = Cmac::new(*b"sluice key v3 sa").mac(secret);
-        let expand = Cmac::new(extracted);
-        let block = |i: u32| {
-            // [i]_32 || label || 0x00 || [L]_32, as SP 800-108 lays it out.
-            let input = [
-                &i.to_be_bytes()[..],
-                b"sluice identity keys",
-                &[0],
-                &256u32.to_be_bytes(),
-            ]
-            .concat();
-            expand.mac(&input)
+        let derive = KeyHasher {
+            k0: 0x736c_7569_6365_2d6b,
+            k1: 0x6579_2d73_6565_6431,
+            short: Cmac::new([0; 16]),
         };
-        KeyHasher {
-            one: Cmac::new(block(1)),
-            framed: Cmac::new(block(2)),
-        }
+        let [k0, k1] = derive.sip_hash(&[b"sluice key seed v2", secret]);
+        let extracted = Cmac::new(*b"sluice key v3 sa").mac(secret);
+        // [i]_32 || label || 0x00 || [L]_32, as SP 800-108 lays it out.
+        let input = [
+            &1u32.to_be_bytes()[..],
+            b"sluice short identity key",
+            &[0],
+            &128u32.to_be_bytes(),
+        ]
+        .concat();
+        let short = Cmac::new(Cmac::new(extracted).mac(&input));
+        KeyHasher { k0, k1, short }
     }
 
     /// The key of an identity made of `parts`. A list of parts is framed by their count and
     /// lengths, so `["ab", "c"]`, `["a", "bc"]` and `["abc"]` give different keys.
     #[inline]
     pub fn key(&self, parts: &[&[u8]]) -> Key {
-        let tag = match parts {
-            [one] => self.one.mac(one),
-            _ => self.framed.mac_framed(parts),
+        let [h1, h2] = match parts {
+            [one] if one.len() <= SHORT => {
+                let tag = self.short.mac(one);
+                [
+                    u64::from_le_bytes(first_half(&tag)),
+                    u64::from_le_bytes(first_half(&tag[8..])),
+                ]
+            }
+            _ => self.sip_hash(parts),
         };
-        let h1 = u64::from_le_bytes(first_half(&tag));
-        let h2 = u64::from_le_bytes(first_half(&tag[8..]));
         // Zero marks a free slot; a 2^-128 event, mapped away rather than ignored.
         Key([h1, h2 | u64::from(h1 == 0 && h2 == 0)])
+    }
+
+    /// SipHash-1-3 with 128-bit output over the parts as whole 64-bit words: each part but the
+    /// last is its length, then its bytes zero-padded to a multiple of 8; the last is its
+    /// padded bytes alone, and the final block's seven free bytes say its length and how many
+    /// parts there are. Uniquely decodable (the count and the last length tell where the last
+    /// part starts and ends), so distinct part lists are distinct messages; and the most
+    /// common identity, one part, costs no length word (one SipHash round fewer). Written out
+    /// instead of `siphasher`'s byte-buffering `Hasher` because a key is hashed per limit per
+    /// request and whole words need no tail handling: ~2x faster on short identities. A test
+    /// checks it against `siphasher`.
+    #[inline]
+    fn sip_hash(&self, parts: &[&[u8]]) -> [u64; 2] {
+        let mut s = Sip::new(self.k0, self.k1);
+        let Some((last, framed)) = parts.split_last() else {
+            return s.finish128(0);
+        };
+        for part in framed {
+            s.compress(part.len() as u64);
+            s.compress_padded(part);
+        }
+        s.compress_padded(last);
+        s.finish128(trailer(last.len(), parts.len()))
     }
 }
 
@@ -110,6 +149,98 @@ fn first_half(bytes: &[u8]) -> [u8; 8] {
     let mut half = [0; 8];
     half.copy_from_slice(&bytes[..8]);
     half
+}
+
+/// The final block's seven free bytes: the last part's length (32 bits) and the number of
+/// parts (24 bits). Identity parts are request header values and configuration lists, far
+/// below either bound; beyond them the figures saturate.
+#[inline]
+fn trailer(last_len: usize, parts: usize) -> u64 {
+    let len = u64::try_from(last_len).unwrap_or(u64::MAX).min(0xffff_ffff);
+    let count = u64::try_from(parts).unwrap_or(u64::MAX).min(0xff_ffff);
+    len | count << 32
+}
+
+/// SipHash-1-3-128 state over a stream of 64-bit words.
+struct Sip {
+    v: [u64; 4],
+    /// Words compressed so far.
+    words: u64,
+}
+
+impl Sip {
+    #[inline]
+    fn new(k0: u64, k1: u64) -> Self {
+        Sip {
+            v: [
+                k0 ^ 0x736f_6d65_7073_6575,
+                k1 ^ 0x646f_7261_6e64_6f6d ^ 0xee,
+                k0 ^ 0x6c79_6765_6e65_7261,
+                k1 ^ 0x7465_6462_7974_6573,
+            ],
+            words: 0,
+        }
+    }
+
+    #[inline(always)]
+    fn round(&mut self) {
+        let [v0, v1, v2, v3] = &mut self.v;
+        *v0 = v0.wrapping_add(*v1);
+        *v1 = v1.rotate_left(13) ^ *v0;
+        *v0 = v0.rotate_left(32);
+        *v2 = v2.wrapping_add(*v3);
+        *v3 = v3.rotate_left(16) ^ *v2;
+        *v0 = v0.wrapping_add(*v3);
+        *v3 = v3.rotate_left(21) ^ *v0;
+        *v2 = v2.wrapping_add(*v1);
+        *v1 = v1.rotate_left(17) ^ *v2;
+        *v2 = v2.rotate_left(32);
+    }
+
+    #[inline(always)]
+    fn compress(&mut self, m: u64) {
+        self.words += 1;
+        self.v[3] ^= m;
+        self.round();
+        self.v[0] ^= m;
+    }
+
+    /// `bytes`, zero-padded to whole words.
+    #[inline(always)]
+    fn compress_padded(&mut self, bytes: &[u8]) {
+        let mut words = bytes.chunks_exact(8);
+        for w in &mut words {
+            self.compress(u64::from_le_bytes(w.try_into().expect("8 bytes")));
+        }
+        let rest = words.remainder();
+        if !rest.is_empty() {
+            let mut word = [0u8; 8];
+            word[..rest.len()].copy_from_slice(rest);
+            self.compress(u64::from_le_bytes(word));
+        }
+    }
+
+    /// Ends the message with seven more bytes, `trailer`'s low 56 bits: the last block is
+    /// they and the message's length in bytes (mod 256).
+    #[inline]
+    fn finish128(mut self, trailer: u64) -> [u64; 2] {
+        let b =
+            (self.words.wrapping_mul(8).wrapping_add(7) << 56) | (trailer & 0x00ff_ffff_ffff_ffff);
+        self.v[3] ^= b;
+        self.round();
+        self.v[0] ^= b;
+        self.v[2] ^= 0xee;
+        for _ in 0..3 {
+            self.round();
+        }
+        let h1 = self.v[0] ^ self.v[1] ^ self.v[2] ^ self.v[3];
+        self.v[1] ^= 0xdd;
+        for _ in 0..3 {
+            self.round();
+        }
+        let h2 = self.v[0] ^ self.v[1] ^ self.v[2] ^ self.v[3];
+        [h1, h2]
+    }
 }
 
 /// AES-128-CMAC under one key: the cipher and the two subkeys for the last block.
@@ -141,22 +272,6 @@ impl Cmac {
     /// The tag of `message`.
     #[inline]
     fn mac(&self, message: &[u8]) -> [u8; 16] {
-        self.tag(Bytes(message))
-    }
-
-    /// The tag of `parts` framed: their count, each part but the last behind its length
-    /// (both 64-bit little-endian), then the last. Uniquely decodable: the count says how many
-    /// lengths to read, and the last part runs to the end.
-    #[inline]
-    fn mac_framed(&self, parts: &[&[u8]]) -> [u8; 16] {
-        self.tag(Framed(parts))
-    }
-
-    #[inline(always)]
-    fn tag<'c, M>(&'c self, message: M) -> [u8; 16]
-    where
-        for<'t> Chain<'c, 't, M>: BlockClosure<BlockSize = U16>,
-    {
         let mut tag = 0;
         self.cipher.encrypt_with_backend(Chain {
             cmac: self,
@@ -167,68 +282,34 @@ impl Cmac {
     }
 }
 
-/// CMAC's CBC chain over a message `M`, run inside the cipher's backend: with AES-NI the whole
-/// chain is compiled into the `aes` crate's `#[target_feature(enable = "aes")]` function, so
-/// its rounds are inlined and the run-time check is made once per key, not per block.
+/// CMAC's CBC chain over a message, run inside the cipher's backend: compiled into the `aes`
+/// crate's `#[target_feature(enable = "aes")]` function, so that without AES-NI assumed at
+/// build time its rounds are still inlined and the run-time check made once per key.
 ///
 /// Blocks are `u128`s read little-endian (byte `i` in bits `8i..8i+8`) and assembled in
 /// registers: copying pieces into a byte buffer made the block's 16-byte load wait on the
 /// copy's narrower stores (perf: a third of a hot-key hash).
-struct Chain<'c, 't, M> {
-    cmac: &'c Cmac,
-    message: M,
-    tag: &'t mut u128,
+struct Chain<'a> {
+    cmac: &'a Cmac,
+    message: &'a [u8],
+    tag: &'a mut u128,
 }
 
-/// One part's bytes, MACed as they are.
-struct Bytes<'a>(&'a [u8]);
-
-/// Parts, MACed framed.
-struct Framed<'a>(&'a [&'a [u8]]);
-
-impl<M> BlockSizeUser for Chain<'_, '_, M> {
+impl BlockSizeUser for Chain<'_> {
     type BlockSize = U16;
 }
 
-impl BlockClosure for Chain<'_, '_, Bytes<'_>> {
+impl BlockClosure for Chain<'_> {
     #[inline(always)]
     fn call<B: BlockBackend<BlockSize = U16>>(self, backend: &mut B) {
         let mut state = 0;
-        let mut rest = self.message.0;
+        let mut rest = self.message;
         while rest.len() > 16 {
             let (block, more) = rest.split_at(16);
             state = encrypt(backend, state ^ up_to_16(block));
             rest = more;
         }
         *self.tag = encrypt(backend, state ^ self.cmac.last(rest));
-    }
-}
-
-impl BlockClosure for Chain<'_, '_, Framed<'_>> {
-    #[inline(always)]
-    fn call<B: BlockBackend<BlockSize = U16>>(self, backend: &mut B) {
-        let mut chain = Cbc {
-            backend,
-            state: 0,
-            pending: [0; 16],
-            filled: 0,
-        };
-        let parts = self.message.0;
-        chain.write(&(parts.len() as u64).to_le_bytes());
-        if let Some((last, framed)) = parts.split_last() {
-            for part in framed {
-                chain.write(&(part.len() as u64).to_le_bytes());
-                chain.write(part);
-            }
-            chain.write(last);
-        }
-        let Cbc {
-            backend,
-            state,
-            pending,
-            filled,
-        } = chain;
-        *self.tag = encrypt(backend, state ^ self.cmac.last(&pending[..filled]));
     }
 }
 
@@ -257,32 +338,6 @@ fn encrypt<B: BlockBackend<BlockSize = U16>>(backend: &mut B, block: u128) -> u1
     let mut b = aes::Block::from(block.to_le_bytes());
     backend.proc_block((&mut b).into());
     u128::from_le_bytes(b.into())
-}
-
-/// A CBC-MAC over bytes written in pieces, holding back the last block (whole or not) for
-/// CMAC's subkey. Framed identities are the less common kind and short, so a byte buffer.
-struct Cbc<'b, B> {
-    backend: &'b mut B,
-    state: u128,
-    pending: [u8; 16],
-    filled: usize,
-}
-
-impl<B: BlockBackend<BlockSize = U16>> Cbc<'_, B> {
-    #[inline(always)]
-    fn write(&mut self, mut bytes: &[u8]) {
-        while !bytes.is_empty() {
-            if self.filled == 16 {
-                // More follows, so the full block is not the last.
-                self.state = encrypt(self.backend, self.state ^ u128::from_le_bytes(self.pending));
-                (self.pending, self.filled) = ([0; 16], 0);
-            }
-            let (now, rest) = bytes.split_at(bytes.len().min(16 - self.filled));
-            self.pending[self.filled..self.filled + now.len()].copy_from_slice(now);
-            self.filled += now.len();
-            bytes = rest;
-        }
-    }
 }
 
 /// Up to 16 bytes as a little-endian number, zero-extended, read as two overlapping words
@@ -324,35 +379,114 @@ mod tests {
     fn same_secret_gives_the_same_key_on_every_instance() {
         let a = KeyHasher::with_secret(b"shared");
         let b = KeyHasher::with_secret(b"shared");
-        assert_eq!(a.key(&[b"10.0.0.1"]), b.key(&[b"10.0.0.1"]));
         let other = KeyHasher::with_secret(b"other");
-        assert_ne!(a.key(&[b"10.0.0.1"]), other.key(&[b"10.0.0.1"]));
+        for parts in [
+            &[&b"10.0.0.1"[..]][..],
+            &[b"key-0123456789abcdef"],
+            &[b"a", b"b"],
+        ] {
+            assert_eq!(a.key(parts), b.key(parts));
+            assert_ne!(a.key(parts), other.key(parts));
+        }
     }
 
     #[test]
-    fn random_seeds_differ_between_hashers() {
+    fn random_keys_differ_between_hashers() {
         let a = KeyHasher::new_random();
         let b = KeyHasher::new_random();
         assert_ne!(a.key(&[b"x"]), b.key(&[b"x"]));
+        assert_ne!(
+            a.key(&[b"key-0123456789abcdef"]),
+            b.key(&[b"key-0123456789abcdef"])
+        );
     }
 
     #[test]
     fn parts_are_framed_unambiguously() {
         let h = KeyHasher::with_secret(b"s");
-        // Lists against lists, under the same key: what the framing keeps apart. Without the
-        // lengths the first two pairs would be the same bytes; without the count, the third.
+        // Lists against lists: what the framing keeps apart. Without the lengths the first
+        // two pairs would be the same bytes; without the count, the third.
         assert_ne!(h.key(&[b"ab", b"c"]), h.key(&[b"a", b"bc"]));
         assert_ne!(h.key(&[b"abcdefgh", b""]), h.key(&[b"", b"abcdefgh"]));
         assert_ne!(h.key(&[b"", b"", b""]), h.key(&[b"", &[0; 8]]));
         assert_ne!(h.key(&[]), h.key(&[b"", b""]));
-        // One part against a list: under another key, whatever the bytes.
+        // One long part against a list: the trailer's count and length.
+        assert_ne!(
+            h.key(&[b"x", b"12345678"]),
+            h.key(&[&[1, 0, 0, 0, 0, 0, 0, 0, b'x', 0, 0, 0, 0, 0, 0, 0, b'1', b'2']])
+        );
+        assert_ne!(
+            h.key(&[b"abcdefghijklmnopq"]),
+            h.key(&[b"abcdefghijklmnopq", b""])
+        );
+        // One short part against a list: another function and key altogether.
         assert_ne!(h.key(&[b"abc"]), h.key(&[b"abc", b""]));
         assert_ne!(h.key(&[]), h.key(&[b""]));
         assert_ne!(h.key(&[b""]), h.key(&[b"", b""]));
         assert_ne!(h.key(&[b"a\0"]), h.key(&[b"a"]));
     }
 
-    fn hex(s: &str) -> Vec<u8> {
+    #[test]
+    fn a_key_is_cmac_for_one_short_part_and_siphash_otherwise() {
+        let h = KeyHasher::with_secret(b"s");
+        let words = |tag: [u8; 16]| -> [u64; 2] {
+            [
+                u64::from_le_bytes(first_half(&tag)),
+                u64::from_le_bytes(first_half(&tag[8..])),
+            ]
+        };
+        let sixteen = b"0123456789abcdef";
+        assert_eq!(h.key(&[sixteen]).0, words(h.short.mac(sixteen)));
+        assert_eq!(h.key(&[b""]).0, words(h.short.mac(b"")));
+        let seventeen = b"0123456789abcdefg";
+        assert_eq!(h.key(&[seventeen]).0, h.sip_hash(&[seventeen]));
+        assert_eq!(h.key(&[b"a", b"b"]).0, h.sip_hash(&[b"a", b"b"]));
+        assert_eq!(h.key(&[]).0, h.sip_hash(&[]));
+    }
+
+    #[test]
+    fn sip_hash_is_siphash13_128_of_the_framed_padded_parts_and_their_trailer() {
+        use siphasher::sip128::{Hasher128 as _, SipHasher13};
+        use std::hash::Hasher as _;
+        let h = KeyHasher {
+            k0: 0x0706_0504_0302_0100,
+            k1: 0x0f0e_0d0c_0b0a_0908,
+            short: Cmac::new([0; 16]),
+        };
+        let long: Vec<u8> = (0..=255).collect();
+        let parts: [&[&[u8]]; 6] = [
+            &[],
+            &[b""],
+            &[b"1234567"],
+            &[b"12345678", b"9"],
+            &[b"abc", &long, b"", b"0123456789abcdef"],
+            &[&long[..13], &long[..3], &long[..8]],
+        ];
+        for p in parts {
+            let mut reference = SipHasher13::new_with_keys(h.k0, h.k1);
+            let pad = |part: &[u8]| (8 - part.len() % 8) % 8;
+            if let Some((last, framed)) = p.split_last() {
+                for part in framed {
+                    reference.write(&(part.len() as u64).to_le_bytes());
+                    reference.write(part);
+                    reference.write(&[0; 7][..pad(part)]);
+                }
+                reference.write(last);
+                reference.write(&[0; 7][..pad(last)]);
+            }
+            let (len, count) = (p.last().map_or(0, |l| l.len()), p.len());
+            reference.write(&(len as u32).to_le_bytes());
+            reference.write(&(count as u32).to_le_bytes()[..3]);
+            let r = reference.finish128();
+            assert_eq!(h.sip_hash(p), [r.h1, r.h2], "parts {p:?}");
+        }
+    }
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn unhex(s: &str) -> Vec<u8> {
         (0..s.len())
             .step_by(2)
             .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
@@ -361,17 +495,19 @@ mod tests {
 
     #[test]
     fn cmac_matches_rfc_4493s_examples() {
-        let key: [u8; 16] = hex("2b7e151628aed2a6abf7158809cf4f3c").try_into().unwrap();
+        let key: [u8; 16] = unhex("2b7e151628aed2a6abf7158809cf4f3c")
+            .try_into()
+            .unwrap();
         let cmac = Cmac::new(key);
         assert_eq!(
-            cmac.whole.to_le_bytes().to_vec(),
-            hex("fbeed618357133667c85e08f7236a8de")
+            hex(&cmac.whole.to_le_bytes()),
+            "fbeed618357133667c85e08f7236a8de"
         );
         assert_eq!(
-            cmac.padded.to_le_bytes().to_vec(),
-            hex("f7ddac306ae266ccf90bc11ee46d513b")
+            hex(&cmac.padded.to_le_bytes()),
+            "f7ddac306ae266ccf90bc11ee46d513b"
         );
-        let message = hex(concat!(
+        let message = unhex(concat!(
             "6bc1bee22e409f96e93d7e117393172a",
             "ae2d8a571e03ac9c9eb76fac45af8e51",
             "30c81c46a35ce411e5fbc1191a0a52ef",
@@ -384,14 +520,14 @@ mod tests {
             (64, "51f0bebf7e3b9d92fc49741779363cfe"),
         ];
         for (len, tag) in examples {
-            assert_eq!(cmac.mac(&message[..len]).to_vec(), hex(tag), "{len} bytes");
+            assert_eq!(hex(&cmac.mac(&message[..len])), tag, "{len} bytes");
         }
     }
 
     #[test]
     fn every_length_reads_each_byte_in_its_place() {
         // Lengths 0 to 40 cross every case of the word reads and the block boundaries: each
-        // byte changed alone changes the tag, and equals a byte-at-a-time reading's tag.
+        // byte changed alone changes the tag, and a block reads as its bytes one at a time.
         let cmac = Cmac::new(*b"0123456789abcdef");
         let message: Vec<u8> = (1..=40).collect();
         for len in 0..=40 {
@@ -402,67 +538,42 @@ mod tests {
                 changed[i] ^= 0x5a;
                 assert_ne!(cmac.mac(&changed), tag, "byte {i} of {len}");
             }
-            let pieces: Vec<&[u8]> = m.chunks(1).collect();
-            let mut framed = Vec::new();
-            framed.extend_from_slice(&(pieces.len() as u64).to_le_bytes());
-            for piece in &pieces[..pieces.len().saturating_sub(1)] {
-                framed.extend_from_slice(&(piece.len() as u64).to_le_bytes());
-                framed.extend_from_slice(piece);
-            }
-            framed.extend_from_slice(pieces.last().copied().unwrap_or_default());
-            assert_eq!(cmac.mac_framed(&pieces), cmac.mac(&framed), "{len} pieces");
-            let word = up_to_16(&m[..len.min(16)]);
-            let bytes = m[..len.min(16)]
+            let block = &m[..len.min(16)];
+            let bytes = block
                 .iter()
                 .rev()
                 .fold(0u128, |v, &b| v << 8 | u128::from(b));
-            assert_eq!(word, bytes, "{len} bytes read");
+            assert_eq!(up_to_16(block), bytes, "{len} bytes read");
         }
-    }
-
-    #[test]
-    fn a_key_is_the_cmac_of_one_part_or_of_the_framed_parts_under_another_key() {
-        let h = KeyHasher::with_secret(b"s");
-        let as_key = |tag: [u8; 16]| Key::from_bytes(tag).expect("nonzero");
-        assert_eq!(h.key(&[b"10.0.0.1"]), as_key(h.one.mac(b"10.0.0.1")));
-        assert_eq!(
-            h.key(&[b"route", b"10.0.0.1"]),
-            as_key(h.framed.mac_framed(&[b"route", b"10.0.0.1"]))
-        );
-        // The same message under the two keys: a one-part identity never poses as a list.
-        let framed_bytes = [&2u64.to_le_bytes()[..], &0u64.to_le_bytes(), b"x"].concat();
-        assert_eq!(
-            h.framed.mac(&framed_bytes),
-            h.framed.mac_framed(&[b"", b"x"])
-        );
-        assert_ne!(h.key(&[&framed_bytes]), h.key(&[b"", b"x"]));
     }
 
     #[test]
     fn keys_from_a_secret_are_the_same_on_every_build() {
         // Instances sharing a secret name callers alike in Redis whatever their CPU (AES-NI,
         // ARMv8 or the software AES: `scripts/test` runs this with the software one too), and
-        // a change here renames every caller's key there. The values were computed apart,
-        // with OpenSSL's CMAC through Python's `cryptography`:
-        //   extract = CMAC(b"sluice key v3 sa", secret)
-        //   key i = CMAC(extract, [i]_32 || b"sluice identity keys" || 0 || [256]_32), i = 1, 2
-        //   one part: CMAC(key 1, part); a list: CMAC(key 2, count || (len || part)* || last),
-        //   count and lengths u64 little-endian
-        //   lengths: CMAC(key 1, CMAC(key 1, m[..0]) || ... || CMAC(key 1, m[..48])),
+        // a change here renames callers' keys there. The values were computed apart, in
+        // Python: CMAC with OpenSSL's through `cryptography`, SipHash with a script checked
+        // against the reference's published vectors:
+        //   AES key = CMAC(CMAC(b"sluice key v3 sa", secret),
+        //                  [1]_32 || b"sluice short identity key" || 0 || [128]_32)
+        //   SipHash key = sip_hash under (0x736c_7569_6365_2d6b, 0x6579_2d73_6565_6431) of
+        //                 [b"sluice key seed v2", secret], as before stop 36
+        //   lengths: CMAC(AES key, CMAC(AES key, m[..0]) || ... || CMAC(AES key, m[..48])),
         //   m = bytes 1 to 48: every way a last block can be whole, padded, or empty
         let h = KeyHasher::with_secret(b"s");
-        let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+        let key = |parts: &[&[u8]]| hex(&h.key(parts).to_bytes());
+        assert_eq!(key(&[b"10.0.0.1"]), "a1814afa984a924d762993b4328398eb");
         assert_eq!(
-            hex(&h.key(&[b"10.0.0.1"]).to_bytes()),
-            "a0e26df01f332a20c3ebcf173d2d93e4"
+            key(&[b"route", b"key-1"]),
+            "a96a38143b9ca8a3e69c8e904f69ac8f"
         );
         assert_eq!(
-            hex(&h.key(&[b"route", b"key-1"]).to_bytes()),
-            "a12472cf6b9e5d7b4f2cf5b2395006bf"
+            key(&[b"key-0123456789abcdef"]),
+            "3689602adf606f90c6de78d8f562c7a3"
         );
         let m: Vec<u8> = (1..=48).collect();
-        let tags: Vec<u8> = (0..=48).flat_map(|n| h.one.mac(&m[..n])).collect();
-        assert_eq!(hex(&h.one.mac(&tags)), "404ff687409ab39958998917f3af6ab8");
+        let tags: Vec<u8> = (0..=48).flat_map(|n| h.short.mac(&m[..n])).collect();
+        assert_eq!(hex(&h.short.mac(&tags)), "4dde78d909311423947b375defe2bceb");
     }
 
     #[test]
@@ -473,7 +584,7 @@ mod tests {
     }
 
     #[test]
-    fn debug_output_hides_the_seed() {
+    fn debug_output_hides_the_keys() {
         assert_eq!(
             format!("{:?}", KeyHasher::with_secret(b"s")),
             "KeyHasher { .. }"
