@@ -38,37 +38,16 @@ fn main() {
     };
     let big = NonZeroU32::new(1_000_000_000).unwrap();
     let one = NonZeroU32::new(1).unwrap();
-    let limiter = Limiter::new([
-        Limit::new(
-            "per-ip",
-            Algorithm::TokenBucket { burst: big },
-            big,
-            Duration::from_secs(1),
-        )
-        .unwrap(),
-        Limit::new(
-            "per-key",
-            Algorithm::FixedWindow,
-            big,
-            Duration::from_secs(3600),
-        )
-        .unwrap(),
-        Limit::new(
-            "per-route",
-            Algorithm::TokenBucket { burst: big },
-            big,
-            Duration::from_secs(1),
-        )
-        .unwrap(),
-        Limit::new(
-            "refuse",
-            Algorithm::TokenBucket { burst: one },
-            one,
-            Duration::from_secs(86400),
-        )
-        .unwrap(),
-    ])
-    .unwrap();
+    let limits = [
+        ("per-ip", Algorithm::TokenBucket { burst: big }, big, 1),
+        ("per-key", Algorithm::FixedWindow, big, 3600),
+        ("per-route", Algorithm::TokenBucket { burst: big }, big, 1),
+        ("refuse", Algorithm::TokenBucket { burst: one }, one, 86400),
+    ]
+    .map(|(name, algorithm, quota, secs)| {
+        Limit::new(name, algorithm, quota, Duration::from_secs(secs)).unwrap()
+    });
+    let limiter = Limiter::new(limits).unwrap();
     let (hasher, clock) = (KeyHasher::new_random(), SystemClock::new());
     run(1, &limiter, &hasher, &clock);
     run(n, &limiter, &hasher, &clock);
