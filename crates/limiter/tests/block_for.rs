@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use sluice_limiter::{Decision, Limiter, Nanos, RefusalReason};
+use sluice_limiter::{Decision, Limit, Limiter, Nanos, RefusalReason};
 use std::time::Duration;
 
 fn blocked_limiter(block_for: Duration) -> Limiter {
@@ -13,9 +13,18 @@ fn blocked_limiter(block_for: Duration) -> Limiter {
     Limiter::new([limit]).unwrap()
 }
 
+/// For a window and for a token bucket (which, alone, takes a path of its own).
 #[test]
 fn refused_key_stays_refused_until_the_block_ends_whatever_the_counters_say() {
-    let limiter = blocked_limiter(Duration::from_secs(10));
+    let bucket = bucket("login", 2, Duration::from_secs(1), 2);
+    for limit in [fixed("login", 2, Duration::from_secs(1)), bucket] {
+        refused_key_stays_refused_until_the_block_ends(limit);
+    }
+}
+
+fn refused_key_stays_refused_until_the_block_ends(limit: Limit) {
+    let limit = limit.with_block_for(Duration::from_secs(10)).unwrap();
+    let limiter = Limiter::new([limit]).unwrap();
     let layers = all_layers(&limiter, &["login"]);
     assert!(limiter.decide(&layers, 2, at(0)).is_admitted());
     let Decision::Refused(first) = limiter.decide(&layers, 1, at(0)) else {

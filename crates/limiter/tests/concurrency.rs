@@ -242,3 +242,60 @@ fn slots_racing_rebuilds_and_evictions_stay_within_the_quota() {
     assert!(held.iter().all(Decision::is_admitted));
     assert!(!limiter.decide(&hot, 1, T0).is_admitted());
 }
+
+/// Threads spend one key's token bucket (alone, so on its own lock-free path) while another
+/// thread floods the table with other callers, growing it through rebuilds that freeze the
+/// key's entry under the threads: on a frozen clock, what the threads were admitted and what
+/// is left add up to the quota, none lost and none twice.
+#[test]
+fn a_bucket_spent_across_rebuilds_loses_and_repeats_no_charge() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    // More than the threads can spend while the flood lasts (checked below).
+    const QUOTA: u32 = 50_000_000;
+    const THREADS: usize = 4;
+    // 100 s for the quota: the flood's keys are fresh after a second, the hot key is not.
+    let limit = bucket("b", QUOTA, Duration::from_secs(100), QUOTA)
+        .with_max_keys(100_000)
+        .unwrap();
+    let limiter = Limiter::new([limit]).unwrap();
+    let id = limiter.id("b").unwrap();
+    let hot = [(id, key("hot"))];
+    assert!(limiter.decide(&hot, 1, T0).is_admitted());
+    let bytes_before = limiter.stats(id).bytes;
+    let stop = AtomicBool::new(false);
+    let started = Barrier::new(THREADS + 1);
+    let admitted: u32 = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..THREADS)
+            .map(|_| {
+                s.spawn(|| {
+                    started.wait();
+                    let mut admitted = 0;
+                    while !stop.load(SeqCst) {
+                        admitted += u32::from(limiter.decide(&hot, 1, T0).is_admitted());
+                    }
+                    admitted
+                })
+            })
+            .collect();
+        started.wait();
+        for i in 0..30_000 {
+            let caller = [(id, key(&format!("flood {i}")))];
+            assert!(limiter.decide(&caller, 1, T0).is_admitted());
+        }
+        stop.store(true, SeqCst);
+        workers.into_iter().map(|w| w.join().unwrap()).sum()
+    });
+    let stats = limiter.stats(id);
+    assert!(stats.bytes > bytes_before, "the table grew: {stats:?}");
+    assert_eq!(stats.evictions, 0);
+    let left = limiter.figures(&hot, T0).next().unwrap().remaining;
+    assert!(
+        admitted > 0 && left > 0,
+        "the threads spent throughout the flood"
+    );
+    assert_eq!(
+        1 + admitted + left,
+        QUOTA,
+        "{admitted} admitted, {left} left"
+    );
+}

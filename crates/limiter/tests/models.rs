@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
-use sluice_limiter::{Decision, Limit, Limiter, Nanos};
+use sluice_limiter::{Decision, Limit, Limiter, Nanos, Report};
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -166,5 +166,59 @@ proptest! {
             quota: u128::from(quota), window, sliding: true, counts: HashMap::new(),
         };
         agree(sliding("s", quota, Duration::from_nanos(window)), model, start, &arrivals);
+    }
+}
+
+/// What a decision tells its caller about its first limit: the outcome, the wait, and the
+/// figures reported for that limit.
+fn first_limit(limiter: &Limiter, d: &Decision) -> (&'static str, Option<Duration>, Report) {
+    let (outcome, wait) = match d {
+        Decision::Admitted(a) => ("admitted", Some(a.wait())),
+        Decision::Refused(r) => ("refused", r.wait()),
+        Decision::CostTooLarge(_) => ("too large", None),
+    };
+    (outcome, wait, d.reports(limiter).next().unwrap())
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// One token bucket decided alone takes a path of its own (`Limiter::decide_with`); beside
+    /// a second limit that never refuses it goes through the general one. Both give the same
+    /// outcomes, waits (of requests held, with a `max_delay`) and figures, and the same state
+    /// after refunds.
+    #[test]
+    fn one_bucket_alone_decides_as_it_does_among_layers(
+        (quota, per_token, burst) in (1u32..40, 25u64..75_000, 1u32..20),
+        start in 0u64..u64::MAX / 2,
+        steps in prop::collection::vec((0..=400_000u64, 0..=22u32, any::<bool>()), 1..150),
+        max_delay in prop::option::of(1..1_000_000u64),
+    ) {
+        let window = Duration::from_nanos(u64::from(quota) * per_token);
+        let b = || {
+            let b = bucket("b", quota, window, burst);
+            match max_delay {
+                Some(d) => b.with_max_delay(Duration::from_nanos(d)).unwrap(),
+                None => b,
+            }
+        };
+        let alone = Limiter::new([b()]).unwrap();
+        let wide = fixed("wide", u32::MAX, Duration::from_secs(1));
+        let among = Limiter::new([b(), wide]).unwrap();
+        let one = all_layers(&alone, &["b"]);
+        let two = all_layers(&among, &["b", "wide"]);
+        let mut t = start;
+        for (step, &(gap, cost, refund)) in steps.iter().enumerate() {
+            t += gap;
+            let mut d1 = alone.decide(&one, cost, Nanos(t));
+            let mut d2 = among.decide(&two, cost, Nanos(t));
+            prop_assert_eq!(first_limit(&alone, &d1), first_limit(&among, &d2), "step {}", step);
+            if let (true, Decision::Admitted(a1), Decision::Admitted(a2)) = (refund, &mut d1, &mut d2) {
+                alone.refund(a1, Nanos(t));
+                among.refund(a2, Nanos(t));
+            }
+            let figures = alone.figures(&one, Nanos(t)).next();
+            prop_assert_eq!(figures, among.figures(&two[..1], Nanos(t)).next(), "step {}", step);
+        }
     }
 }

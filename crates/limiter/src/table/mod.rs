@@ -388,6 +388,25 @@ impl Table {
         }
     }
 
+    /// Runs `f` on `key`'s word if the table is narrow and the key is present in this
+    /// thread's copy of the arrays: the lock-free part of [`Table::update`] alone, for a
+    /// caller that has a complete path to fall back on.
+    #[inline(always)]
+    pub(crate) fn narrow_present<R>(
+        &self,
+        key: Key,
+        f: impl FnOnce(&AtomicU64) -> Option<R>,
+    ) -> Option<R> {
+        let Table::Narrow(t) = self else {
+            return None;
+        };
+        let shard = t.shard(key);
+        t.with_arrays(|arrays| {
+            let slots = &arrays[shard];
+            probe(slots, key.0).and_then(|i| f(&slots[i].state))
+        })
+    }
+
     /// `key`'s state, fresh (zero) if absent.
     #[inline]
     pub(crate) fn load(&self, key: Key) -> u128 {
