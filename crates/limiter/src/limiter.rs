@@ -301,9 +301,9 @@ impl Limiter {
         let mut decision = Decision::Admitted(admission);
         if let Decision::Admitted(admission) = &mut decision {
             // A token bucket alone (one per-IP limit, say) has a path of its own: through
-            // `charge_all` (out of line, with the bookkeeping of every kind of limit) a
-            // hot-key decision took about 60 instructions more, and one on a key out of cache
-            // 1.3 to 2 times as long (docs/benchmarks.md, "Stop 37").
+            // `charge_all` (a call, in the bench build, with the bookkeeping of every kind of
+            // limit) a hot-key decision took about 60 instructions more, and the bench's
+            // random keys up to twice the time (docs/benchmarks.md, "Stop 37").
             let alone = match layers {
                 &[(limit, key)] => (self.limits[limit.index()].charge_alone(key, cost, now.0))
                     .map(|state| admission.layers.push(Layer::admitted(limit, key, state, 0))),

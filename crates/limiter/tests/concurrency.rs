@@ -244,25 +244,36 @@ fn slots_racing_rebuilds_and_evictions_stay_within_the_quota() {
 }
 
 /// Threads spend one key's token bucket (alone, so on its own lock-free path) while another
-/// thread floods the table with other callers, growing it through rebuilds that freeze the
-/// key's entry under the threads: on a frozen clock, what the threads were admitted and what
-/// is left add up to the quota, none lost and none twice.
+/// thread floods the table with other callers: the table grows through rebuilds that freeze
+/// the key's entry under the threads, and with a small `max_keys` it also evicts (other keys:
+/// the hot one, spent furthest ahead, costs most to forget) and rebuilds to clear out the
+/// dead. On a frozen clock, what the threads were admitted and what is left add up to the
+/// quota, none lost and none twice.
 #[test]
 fn a_bucket_spent_across_rebuilds_loses_and_repeats_no_charge() {
-    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let grown = spend_one_key_while_flooding(100_000);
+    assert_eq!(grown.evictions, 0, "{grown:?}");
+    let evicting = spend_one_key_while_flooding(4_096);
+    assert!(evicting.evictions > 20_000, "{evicting:?}");
+}
+
+/// The race above on a table of `max_keys`; its counters after.
+fn spend_one_key_while_flooding(max_keys: usize) -> sluice_limiter::TableStats {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
     // More than the threads can spend while the flood lasts (checked below).
     const QUOTA: u32 = 50_000_000;
     const THREADS: usize = 4;
-    // 100 s for the quota: the flood's keys are fresh after a second, the hot key is not.
+    const FLOOD: usize = 30_000;
+    const BATCH: usize = 500;
     let limit = bucket("b", QUOTA, Duration::from_secs(100), QUOTA)
-        .with_max_keys(100_000)
+        .with_max_keys(max_keys)
         .unwrap();
     let limiter = Limiter::new([limit]).unwrap();
     let id = limiter.id("b").unwrap();
     let hot = [(id, key("hot"))];
     assert!(limiter.decide(&hot, 1, T0).is_admitted());
     let bytes_before = limiter.stats(id).bytes;
-    let stop = AtomicBool::new(false);
+    let (stop, decided) = (AtomicBool::new(false), AtomicU64::new(0));
     let started = Barrier::new(THREADS + 1);
     let admitted: u32 = std::thread::scope(|s| {
         let workers: Vec<_> = (0..THREADS)
@@ -272,30 +283,38 @@ fn a_bucket_spent_across_rebuilds_loses_and_repeats_no_charge() {
                     let mut admitted = 0;
                     while !stop.load(SeqCst) {
                         admitted += u32::from(limiter.decide(&hot, 1, T0).is_admitted());
+                        decided.fetch_add(1, SeqCst);
                     }
                     admitted
                 })
             })
             .collect();
         started.wait();
-        for i in 0..30_000 {
-            let caller = [(id, key(&format!("flood {i}")))];
-            assert!(limiter.decide(&caller, 1, T0).is_admitted());
+        for batch in 0..FLOOD / BATCH {
+            let before = decided.load(SeqCst);
+            for i in batch * BATCH..(batch + 1) * BATCH {
+                let caller = [(id, key(&format!("flood {i}")))];
+                assert!(limiter.decide(&caller, 1, T0).is_admitted());
+            }
+            // The threads decide between every two batches: they race the whole flood.
+            let mut yields = 0u32;
+            while decided.load(SeqCst) == before {
+                yields += 1;
+                assert!(yields < 10_000_000, "the threads made no progress");
+                std::thread::yield_now();
+            }
         }
         stop.store(true, SeqCst);
         workers.into_iter().map(|w| w.join().unwrap()).sum()
     });
     let stats = limiter.stats(id);
     assert!(stats.bytes > bytes_before, "the table grew: {stats:?}");
-    assert_eq!(stats.evictions, 0);
     let left = limiter.figures(&hot, T0).next().unwrap().remaining;
-    assert!(
-        admitted > 0 && left > 0,
-        "the threads spent throughout the flood"
-    );
+    assert!(left > 0, "the quota outlasted the flood");
     assert_eq!(
         1 + admitted + left,
         QUOTA,
         "{admitted} admitted, {left} left"
     );
+    stats
 }

@@ -186,12 +186,13 @@ proptest! {
     /// One token bucket decided alone takes a path of its own (`Limiter::decide_with`); beside
     /// a second limit that never refuses it goes through the general one. Both give the same
     /// outcomes, waits (of requests held, with a `max_delay`) and figures, and the same state
-    /// after refunds.
+    /// after refunds and withdrawals.
     #[test]
     fn one_bucket_alone_decides_as_it_does_among_layers(
         (quota, per_token, burst) in (1u32..40, 25u64..75_000, 1u32..20),
         start in 0u64..u64::MAX / 2,
-        steps in prop::collection::vec((0..=400_000u64, 0..=22u32, any::<bool>()), 1..150),
+        // After each admission: keep it, refund it, or withdraw it.
+        steps in prop::collection::vec((0..=400_000u64, 0..=22u32, 0..3u8), 1..150),
         max_delay in prop::option::of(1..1_000_000u64),
     ) {
         let window = Duration::from_nanos(u64::from(quota) * per_token);
@@ -208,14 +209,19 @@ proptest! {
         let one = all_layers(&alone, &["b"]);
         let two = all_layers(&among, &["b", "wide"]);
         let mut t = start;
-        for (step, &(gap, cost, refund)) in steps.iter().enumerate() {
+        for (step, &(gap, cost, after)) in steps.iter().enumerate() {
             t += gap;
             let mut d1 = alone.decide(&one, cost, Nanos(t));
             let mut d2 = among.decide(&two, cost, Nanos(t));
             prop_assert_eq!(first_limit(&alone, &d1), first_limit(&among, &d2), "step {}", step);
-            if let (true, Decision::Admitted(a1), Decision::Admitted(a2)) = (refund, &mut d1, &mut d2) {
-                alone.refund(a1, Nanos(t));
-                among.refund(a2, Nanos(t));
+            if let (Decision::Admitted(a1), Decision::Admitted(a2)) = (&mut d1, &mut d2) {
+                if after == 1 {
+                    alone.refund(a1, Nanos(t));
+                    among.refund(a2, Nanos(t));
+                } else if after == 2 {
+                    alone.withdraw(a1, Nanos(t));
+                    among.withdraw(a2, Nanos(t));
+                }
             }
             let figures = alone.figures(&one, Nanos(t)).next();
             prop_assert_eq!(figures, among.figures(&two[..1], Nanos(t)).next(), "step {}", step);
