@@ -41,8 +41,6 @@ const PINNED_SCAN: usize = 256;
 /// under a fifth. Rebuilding costs about four moves per entry over the table's growth instead
 /// of doubling's one; a rebuild happens on the insert that needs room, as in any growing map.
 const DOUBLING_UNTIL: usize = 256;
-/// Victims tried in turn when the one chosen was charged before it could be marked dead.
-const EVICTION_TRIES: usize = 16;
 
 /// One entry: the key and its algorithm state.
 #[derive(Debug, Default)]
@@ -255,10 +253,12 @@ impl<S: Cell> Slots<S> {
     }
 
     /// Evicts the entry whose forgetting costs least (see `pick_victim`): marks it dead, unless
-    /// a request charged it after it was chosen (then another is chosen). The victim's rank,
-    /// or `None` if no entry could be evicted (every one looked at was pinned).
+    /// a request charged it after it was chosen (then another is chosen, for as long as that
+    /// happens: each miss is another request's charge made, and giving up would put the
+    /// shard past its cap). The victim's rank, or `None` if no entry could be evicted (every
+    /// one looked at was pinned).
     pub(crate) fn evict(&mut self, rank: impl Fn(u128) -> (u64, u32)) -> Option<(u64, u32)> {
-        for _ in 0..EVICTION_TRIES {
+        loop {
             let victim = self.pick_victim(&rank)?;
             if self.slots[victim.index].state.kill(victim.state) {
                 self.len -= 1;
@@ -266,7 +266,6 @@ impl<S: Cell> Slots<S> {
                 return Some(victim.rank);
             }
         }
-        None
     }
 
     /// Drops entries for which `keep` is false, returning how many; shrinks the allocation to
@@ -361,6 +360,31 @@ mod tests {
     fn put<S: Cell>(s: &mut Slots<S>, i: u64, state: u128) {
         let (at, _) = s.insert(key(i), usize::MAX);
         s.slot(at).state.store(state);
+    }
+
+    /// Victims charged between being chosen and being marked dead (here: every entry, each
+    /// time one is ranked, for the first 400 rankings, 80 victims' worth) are passed over
+    /// until one is not: the eviction happens, and the shard stays at its cap.
+    #[test]
+    fn an_eviction_outlasts_victims_charged_under_it() {
+        let mut s = Wide::new(7);
+        for i in 0..100 {
+            put(&mut s, i, 5);
+        }
+        let slots = Arc::clone(s.array());
+        let rankings = std::cell::Cell::new(0);
+        let charged_under = |state: u128| {
+            rankings.set(rankings.get() + 1);
+            if rankings.get() <= 400 {
+                for slot in slots.iter().filter(|slot| slot.key() != FREE) {
+                    Cell::store(&slot.state, Cell::load(&slot.state) + 1);
+                }
+            }
+            (u64::try_from(state).unwrap(), 0)
+        };
+        assert!(s.evict(charged_under).is_some());
+        assert!(rankings.get() > 400, "{} rankings", rankings.get());
+        assert_eq!((s.len(), s.dead), (99, 1));
     }
 
     /// An evicted entry stays in place, dead, and every other key stays findable; the key can
