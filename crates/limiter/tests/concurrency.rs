@@ -191,38 +191,27 @@ fn held_window_charges_taken_back_by_threads_never_over_admit() {
 /// comes back. A slot taken or given back on an array being rebuilt is redone on the new one.
 #[test]
 fn slots_racing_rebuilds_and_evictions_stay_within_the_quota() {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
     const QUOTA: usize = 4;
     const THREADS: usize = 4;
     let limit = concurrency("c", QUOTA as u32).with_max_keys(4_096).unwrap();
     let limiter = Limiter::new([limit]).unwrap();
     let id = limiter.id("c").unwrap();
     let hot = [(id, key("hot"))];
-    let (in_flight, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
-    let started = Barrier::new(THREADS + 1);
-    let admitted: usize = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..THREADS)
-            .map(|_| {
-                s.spawn(|| {
-                    started.wait();
-                    let mut admitted = 0;
-                    while !stop.load(SeqCst) {
-                        let d = limiter.decide(&hot, 1, T0);
-                        if d.is_admitted() {
-                            // Counted after the slot is taken and before it is given back:
-                            // never more than the slots held.
-                            let now = in_flight.fetch_add(1, SeqCst) + 1;
-                            assert!(now <= QUOTA, "{now} in flight");
-                            admitted += 1;
-                            in_flight.fetch_sub(1, SeqCst);
-                        }
-                        drop(d);
-                    }
-                    admitted
-                })
-            })
-            .collect();
-        started.wait();
+    let in_flight = AtomicUsize::new(0);
+    let take_and_give_back = || {
+        let d = limiter.decide(&hot, 1, T0);
+        if !d.is_admitted() {
+            return 0;
+        }
+        // Counted after the slot is taken and before it is given back (by `d`'s drop): never
+        // more than the slots held.
+        let now = in_flight.fetch_add(1, SeqCst) + 1;
+        assert!(now <= QUOTA, "{now} in flight");
+        in_flight.fetch_sub(1, SeqCst);
+        1
+    };
+    let admitted = while_threads_run(THREADS, take_and_give_back, || {
         for round in 1..=6u64 {
             for i in 0..6_000 {
                 let caller = [(id, key(&format!("flood {round} {i}")))];
@@ -231,8 +220,6 @@ fn slots_racing_rebuilds_and_evictions_stay_within_the_quota() {
             // A sweep walks at most once per window (a second for a concurrency limit).
             assert_eq!(limiter.sweep(at(round * SEC)), 1);
         }
-        stop.store(true, SeqCst);
-        workers.into_iter().map(|w| w.join().unwrap()).sum()
     });
     assert!(admitted > 0);
     let stats = limiter.stats(id);
@@ -259,7 +246,7 @@ fn a_bucket_spent_across_rebuilds_loses_and_repeats_no_charge() {
 
 /// The race above on a table of `max_keys`; its counters after.
 fn spend_one_key_while_flooding(max_keys: usize) -> sluice_limiter::TableStats {
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+    use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
     // More than the threads can spend while the flood lasts (checked below).
     const QUOTA: u32 = 50_000_000;
     const THREADS: usize = 4;
@@ -273,23 +260,13 @@ fn spend_one_key_while_flooding(max_keys: usize) -> sluice_limiter::TableStats {
     let hot = [(id, key("hot"))];
     assert!(limiter.decide(&hot, 1, T0).is_admitted());
     let bytes_before = limiter.stats(id).bytes;
-    let (stop, decided) = (AtomicBool::new(false), AtomicU64::new(0));
-    let started = Barrier::new(THREADS + 1);
-    let admitted: u32 = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..THREADS)
-            .map(|_| {
-                s.spawn(|| {
-                    started.wait();
-                    let mut admitted = 0;
-                    while !stop.load(SeqCst) {
-                        admitted += u32::from(limiter.decide(&hot, 1, T0).is_admitted());
-                        decided.fetch_add(1, SeqCst);
-                    }
-                    admitted
-                })
-            })
-            .collect();
-        started.wait();
+    let decided = AtomicU64::new(0);
+    let spend = || {
+        let admitted = u32::from(limiter.decide(&hot, 1, T0).is_admitted());
+        decided.fetch_add(1, SeqCst);
+        admitted
+    };
+    let admitted = while_threads_run(THREADS, spend, || {
         for batch in 0..FLOOD / BATCH {
             let before = decided.load(SeqCst);
             for i in batch * BATCH..(batch + 1) * BATCH {
@@ -304,8 +281,6 @@ fn spend_one_key_while_flooding(max_keys: usize) -> sluice_limiter::TableStats {
                 std::thread::yield_now();
             }
         }
-        stop.store(true, SeqCst);
-        workers.into_iter().map(|w| w.join().unwrap()).sum()
     });
     let stats = limiter.stats(id);
     assert!(stats.bytes > bytes_before, "the table grew: {stats:?}");
@@ -317,4 +292,34 @@ fn spend_one_key_while_flooding(max_keys: usize) -> sluice_limiter::TableStats {
         "{admitted} admitted, {left} left"
     );
     stats
+}
+
+/// Runs `work` over and over on `threads` threads while `main` runs on this one (all start
+/// together), until `main` returns: the sum of what `work` returned.
+fn while_threads_run<T: std::iter::Sum<T> + std::ops::AddAssign + Default + Send>(
+    threads: usize,
+    work: impl Fn() -> T + Sync,
+    main: impl FnOnce(),
+) -> T {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let stop = AtomicBool::new(false);
+    let started = Barrier::new(threads + 1);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    started.wait();
+                    let mut total = T::default();
+                    while !stop.load(SeqCst) {
+                        total += work();
+                    }
+                    total
+                })
+            })
+            .collect();
+        started.wait();
+        main();
+        stop.store(true, SeqCst);
+        workers.into_iter().map(|w| w.join().unwrap()).sum()
+    })
 }
