@@ -364,7 +364,8 @@ mod tests {
 
     /// Victims charged between being chosen and being marked dead (here: every entry, each
     /// time one is ranked, for the first 400 rankings, 80 victims' worth) are passed over
-    /// until one is not: the eviction happens, and the shard stays at its cap.
+    /// until one is not: the eviction happens, so the insert that needed room does not put
+    /// the shard past its cap.
     #[test]
     fn an_eviction_outlasts_victims_charged_under_it() {
         let mut s = Wide::new(7);
